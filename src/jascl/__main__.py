@@ -1,0 +1,3 @@
+from jascl.cli import main
+
+raise SystemExit(main())

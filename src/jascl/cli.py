@@ -1,0 +1,150 @@
+"""The ``jascl`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from jascl import __version__
+from jascl.errors import JasclError
+
+DEFAULT_PROTOCOL = "synthetic-2d"
+DEFAULT_METHODS = "vanilla,jascl"
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from jascl.protocols import get_protocol
+    from jascl.results.report import print_tables
+    from jascl.training.config import resolve_config
+    from jascl.training.runner import run_benchmark
+
+    protocol = get_protocol(args.protocol)
+    if args.seed is not None:
+        protocol = dataclasses.replace(protocol, seed=args.seed)
+    overrides = list(args.set or [])
+    for flag, key in (("backbone", "backbone"), ("device", "device"), ("eval_mode", "eval_mode")):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    config = resolve_config(protocol.training, protocol.path, args.config, overrides)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    out = Path(args.out) if args.out else Path("runs") / f"{protocol.name}-seed{protocol.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    console = _console()
+    console.print(f"jascl {__version__}: protocol [bold]{protocol.name}[/] (seed {protocol.seed}), "
+                  f"methods {', '.join(methods)}, backbone {config.backbone}, output {out}")
+    started = time.time()
+    try:
+        results = run_benchmark(protocol, config, methods, out, cache_dir=args.cache_dir,
+                                progress=not args.no_progress, echo=console.print)
+    except KeyboardInterrupt:
+        console.print(f"interrupted; finished sessions are saved in {out} and are reused if you rerun with --out {out}")
+        return 130
+    print_tables(results, console)
+    console.print(f"results written to {out}/results.{{json,csv,md}} in {time.time() - started:.0f} s")
+    return 0
+
+
+def cmd_protocols(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from jascl.protocols import builtin_protocols, get_protocol
+
+    console = _console()
+    if args.name:
+        p = get_protocol(args.name)
+        table = Table(title=f"{p.name}: {p.description}".strip(": "))
+        for col in ("session", "domains", "new classes", "recurring", "shots K", "labelled", "unlabelled", "test"):
+            table.add_column(col)
+        for s in p.sessions:
+            names = lambda ids: ", ".join(f"{c}:{p.class_name(c)}" for c in ids) or "-"  # noqa: E731
+            table.add_row(f"{s.index} {s.name}", ", ".join(s.domains), names(s.new_classes), names(s.recurring_classes),
+                          "all" if s.shots is None else str(s.shots), str(s.num_labelled), str(s.unlabelled), str(s.test))
+        console.print(table)
+        console.print(f"spatial_dims={p.spatial_dims} metric={p.metric} seed={p.seed} file={p.path}")
+        return 0
+    table = Table(title="built-in protocols")
+    for col in ("name", "dims", "sessions", "classes", "description"):
+        table.add_column(col)
+    for name, path in builtin_protocols().items():
+        p = get_protocol(path)
+        table.add_row(name, f"{p.spatial_dims}D", str(len(p.sessions)), str(len(p.classes) - 1), p.description)
+    console.print(table)
+    return 0
+
+
+def _list_registry(registry, title: str) -> int:
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("name")
+    table.add_column("description")
+    for name in registry.list():
+        table.add_row(name, registry.describe(name))
+    _console().print(table)
+    return 0
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    from jascl.methods import METHODS
+
+    return _list_registry(METHODS, "methods")
+
+
+def cmd_backbones(args: argparse.Namespace) -> int:
+    from jascl.networks import BACKBONES
+
+    return _list_registry(BACKBONES, "backbones")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jascl", description="Continual semantic segmentation under joint nonstationarity.")
+    parser.add_argument("--version", action="version", version=f"jascl {__version__}")
+    sub = parser.add_subparsers(dest="command")
+
+    run = sub.add_parser("run", help="run a protocol for one or more methods and print the comparison table")
+    run.add_argument("--protocol", default=DEFAULT_PROTOCOL, help=f"built-in name or YAML path (default {DEFAULT_PROTOCOL})")
+    run.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated methods (default {DEFAULT_METHODS})")
+    run.add_argument("--seed", type=int, default=None, help="override the protocol's seed (data and training)")
+    run.add_argument("--out", default=None, help="run folder (default runs/<protocol>-seed<seed>-<time>); reused to resume")
+    run.add_argument("--config", default=None, help="YAML file of run-configuration keys")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a configuration key, e.g. --set epochs_base=5")
+    run.add_argument("--backbone", default=None, help="backbone name (see 'jascl backbones')")
+    run.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:1, ...")
+    run.add_argument("--eval-mode", dest="eval_mode", default=None, choices=["sliding-window", "authors"])
+    run.add_argument("--cache-dir", default=None, help="where generated data is cached (default $JASCL_CACHE or ~/.cache/jascl)")
+    run.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    run.set_defaults(func=cmd_run)
+
+    protocols = sub.add_parser("protocols", help="list built-in protocols, or show one protocol's sessions")
+    protocols.add_argument("name", nargs="?", help="protocol name or YAML path")
+    protocols.set_defaults(func=cmd_protocols)
+    sub.add_parser("methods", help="list registered methods").set_defaults(func=cmd_methods)
+    sub.add_parser("backbones", help="list registered backbones").set_defaults(func=cmd_backbones)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except JasclError as exc:
+        print(f"jascl: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Evaluation utilities: segmentation metrics and continual-learning summaries."""

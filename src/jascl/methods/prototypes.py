@@ -1,0 +1,130 @@
+"""Class prototypes (paper eq. 2) and the cumulative prototype store.
+
+Eq. 2: for each labelled sample i containing class c, the per-sample prototype
+is the mean of the features where the label is c; it is L2-normalised, and the
+class prototype P_c is the average of those over the samples containing c.
+Background (class 0) gets a prototype like any other class.
+
+Prototypes are kept per (session, class) so that a class taught in several
+domains keeps one anchor per domain, and a session's background has its own.
+They are looked up by class id, never by position, and stored as safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from jascl.errors import CheckpointError
+
+IGNORE_INDEX = 255
+
+
+def align_labels(labels: torch.Tensor, spatial: torch.Size) -> torch.Tensor:
+    """Nearest-neighbour resize of (B, *spatial) labels to a feature map's spatial size."""
+    if labels.shape[1:] == spatial:
+        return labels
+    return F.interpolate(labels[:, None].float(), size=spatial, mode="nearest")[:, 0].long()
+
+
+def per_sample_prototypes(features: torch.Tensor, labels: torch.Tensor, classes: list[int]) -> dict[int, list[torch.Tensor]]:
+    """Per-sample normalised prototypes p_c^(i)/|p_c^(i)| (the summands of eq. 2).
+
+    Args:
+        features: (B, D, *spatial) features before the classifier.
+        labels: (B, *spatial) global class ids (resized to the features if needed).
+        classes: class ids to collect (0 = background may be included).
+
+    Returns:
+        class id -> list of (D,) unit vectors, one per sample containing the class.
+    """
+    labels = align_labels(labels, features.shape[2:])
+    out: dict[int, list[torch.Tensor]] = {c: [] for c in classes}
+    flat = features.flatten(2)  # (B, D, N)
+    lab = labels.flatten(1)  # (B, N)
+    for b in range(features.shape[0]):
+        for c in classes:
+            mask = lab[b] == c
+            if mask.any():
+                out[c].append(F.normalize(flat[b][:, mask].mean(dim=1), dim=0))
+    return out
+
+
+def class_prototypes(features: torch.Tensor, labels: torch.Tensor, classes: list[int]) -> dict[int, torch.Tensor]:
+    """Eq. 2 on one batch: P_c = mean over samples containing c of the normalised per-sample means."""
+    return {c: torch.stack(v).mean(0) for c, v in per_sample_prototypes(features, labels, classes).items() if v}
+
+
+class PrototypeAccumulator:
+    """Streams eq. 2 over many batches (sums of normalised per-sample prototypes and counts)."""
+
+    def __init__(self, classes: list[int]) -> None:
+        self.classes = classes
+        self.sums: dict[int, torch.Tensor] = {}
+        self.counts: dict[int, int] = {c: 0 for c in classes}
+
+    @torch.no_grad()
+    def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        for c, vectors in per_sample_prototypes(features.float(), labels, self.classes).items():
+            if vectors:
+                s = torch.stack(vectors).sum(0).cpu()
+                self.sums[c] = self.sums[c] + s if c in self.sums else s
+                self.counts[c] += len(vectors)
+
+    def compute(self) -> dict[int, torch.Tensor]:
+        return {c: self.sums[c] / self.counts[c] for c in self.classes if self.counts[c]}
+
+
+@dataclass
+class PrototypeStore:
+    """All prototypes collected so far, keyed by (session, class id)."""
+
+    entries: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def add(self, session: int, prototypes: dict[int, torch.Tensor]) -> None:
+        for c, p in prototypes.items():
+            self.entries[(session, int(c))] = p.detach().float().cpu()
+
+    def before(self, session: int) -> "PrototypeStore":
+        """Entries from sessions strictly earlier than ``session``."""
+        return PrototypeStore({k: v for k, v in self.entries.items() if k[0] < session})
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, D) prototypes and (N,) their class ids, in (session, class) order."""
+        keys = sorted(self.entries)
+        if not keys:
+            return torch.zeros(0, 0), torch.zeros(0, dtype=torch.long)
+        return torch.stack([self.entries[k] for k in keys]), torch.tensor([k[1] for k in keys])
+
+    def latest(self, class_id: int) -> torch.Tensor | None:
+        """The most recent prototype of ``class_id`` (looked up by class id)."""
+        keys = sorted(k for k in self.entries if k[1] == class_id)
+        return self.entries[keys[-1]] if keys else None
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def save(self, path: str | Path) -> None:
+        """Atomic safetensors write; keys are ``s<session>.c<class>``."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({f"s{s}.c{c}": v.contiguous() for (s, c), v in self.entries.items()}, str(tmp),
+                  metadata={"format": "jascl-prototypes-v1"})
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "PrototypeStore":
+        try:
+            raw = load_file(str(path))
+        except Exception as exc:  # safetensors raises several error types for bad files
+            raise CheckpointError(f"{path}: cannot read prototypes ({exc}); delete the file and rerun the session") from None
+        entries = {}
+        for key, value in raw.items():
+            s, c = key.split(".")
+            entries[(int(s[1:]), int(c[1:]))] = value
+        return cls(entries)

@@ -1,0 +1,57 @@
+"""Prototype replay (L_proto): stored prototypes of earlier sessions trained through the classifier."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from jascl.methods.base import Plugin
+
+if TYPE_CHECKING:
+    from jascl.training.state import LoopState
+
+
+def prototype_replay_loss(classifier: torch.nn.Module, prototypes: torch.Tensor, targets: torch.Tensor,
+                          reduction: str = "sum") -> torch.Tensor:
+    """Cross-entropy of the classifier applied to stored prototypes.
+
+    Args:
+        classifier: maps (N, D) vectors to (N, K) logits.
+        prototypes: (N, D) stored prototypes.
+        targets: (N,) classifier row index of each prototype's class (0 = background).
+        reduction: "sum" over prototypes (the authors' code) or "mean".
+    """
+    return F.cross_entropy(classifier(prototypes), targets, reduction=reduction)
+
+
+class PrototypeReplayPlugin(Plugin):
+    """Adds ``weight * L_proto`` in incremental sessions, replaying every earlier session's prototypes.
+
+    Args:
+        weight: loss weight (paper / authors, medical: 0.1).
+        reduction: "sum" (authors) or "mean" over prototypes.
+    """
+
+    name = "proto"
+
+    def __init__(self, weight: float = 0.1, reduction: str = "sum") -> None:
+        self.weight = weight
+        self.reduction = reduction
+        self._protos: torch.Tensor | None = None
+        self._targets: torch.Tensor | None = None
+
+    def before_session(self, state: "LoopState") -> None:
+        self._protos = None
+        if state.session.index == 0:
+            return
+        protos, class_ids = state.prototypes.before(state.session.index).tensors()
+        if len(class_ids):
+            self._protos = protos.to(state.device)
+            self._targets = state.class_index(class_ids).to(state.device)
+
+    def after_forward(self, state: "LoopState") -> None:
+        if self._protos is not None and self.weight > 0:
+            loss = prototype_replay_loss(state.model.classifier, self._protos, self._targets, self.reduction)
+            state.losses[self.name] = self.weight * loss

@@ -1,0 +1,7 @@
+"""Backbones behind one interface, the growable classifier and the segmenter."""
+
+from jascl.networks import unet  # noqa: F401  (registers the U-Net backbones)
+from jascl.networks.base import BACKBONES, Backbone, Segmenter, SegmenterOutput, create_segmenter
+from jascl.networks.classifier import PixelClassifier
+
+__all__ = ["BACKBONES", "Backbone", "PixelClassifier", "Segmenter", "SegmenterOutput", "create_segmenter"]

@@ -1,0 +1,87 @@
+"""The backbone interface and the segmenter (backbone features + growable classifier)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from jascl.errors import ConfigError
+from jascl.networks.classifier import PixelClassifier
+from jascl.registry import Registry
+
+
+class Backbone(nn.Module):
+    """A feature extractor for segmentation.
+
+    Subclasses set ``spatial_dims``, ``in_channels`` and ``feature_channels``
+    and map (B, in_channels, *spatial) to features (B, feature_channels,
+    *spatial') -- the features right before the classifier, which prototypes
+    and PAS use. ``layer_aliases`` names representative layers for the GAS
+    layer-choice ablation ("encoder", "decoder").
+    """
+
+    spatial_dims: int
+    in_channels: int
+    feature_channels: int
+    layer_aliases: dict[str, str] = {}
+
+
+BACKBONES: Registry[Backbone] = Registry("backbone")
+
+
+@dataclass
+class SegmenterOutput:
+    """logits: (B, K, *spatial); features: (B, C, *spatial') before the classifier."""
+
+    logits: torch.Tensor
+    features: torch.Tensor
+
+
+class Segmenter(nn.Module):
+    """Backbone + :class:`PixelClassifier`; logits are upsampled to the input size if needed."""
+
+    def __init__(self, backbone: Backbone, num_classes: int, cosine: bool = True, temperature: float = 10.0) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.classifier = PixelClassifier(backbone.feature_channels, num_classes, cosine, temperature)
+
+    @property
+    def spatial_dims(self) -> int:
+        return self.backbone.spatial_dims
+
+    @property
+    def num_classes(self) -> int:
+        return self.classifier.num_classes
+
+    def forward_features(self, x: torch.Tensor) -> SegmenterOutput:
+        features = self.backbone(x)
+        logits = self.classifier(features)
+        if logits.shape[2:] != x.shape[2:]:
+            mode = "bilinear" if self.spatial_dims == 2 else "trilinear"
+            logits = nn.functional.interpolate(logits, size=x.shape[2:], mode=mode, align_corners=False)
+        return SegmenterOutput(logits, features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits only (what sliding-window inference calls)."""
+        return self.forward_features(x).logits
+
+    def resolve_layer(self, name: str) -> nn.Module:
+        """A layer by alias ("classifier", "encoder", "decoder") or dotted module path."""
+        if name == "classifier":
+            return self.classifier
+        path = self.backbone.layer_aliases.get(name)
+        target = f"backbone.{path}" if path else name
+        try:
+            return self.get_submodule(target)
+        except AttributeError:
+            aliases = ", ".join(["classifier", *self.backbone.layer_aliases])
+            raise ConfigError(f"layer {name!r} not found; use one of {aliases} or a module path such as 'backbone.<...>'") from None
+
+
+def create_segmenter(name: str, spatial_dims: int, in_channels: int, num_classes: int, cosine: bool = True,
+                     temperature: float = 10.0, **backbone_args) -> Segmenter:
+    """Build a registered backbone and put a classifier with ``num_classes`` rows on it."""
+    backbone = BACKBONES.create(name, spatial_dims=spatial_dims, in_channels=in_channels, **backbone_args)
+    return Segmenter(backbone, num_classes, cosine=cosine, temperature=temperature)

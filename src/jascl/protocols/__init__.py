@@ -1,0 +1,29 @@
+"""Benchmark protocols: built-in YAML files and the loader that validates them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jascl.errors import ConfigError
+from jascl.protocols.schema import ClassSpec, DomainSpec, Protocol, SessionSpec, SyntheticSpec, load_protocol, parse_protocol
+
+BUILTIN_DIR = Path(__file__).parent / "builtin"
+
+__all__ = ["ClassSpec", "DomainSpec", "Protocol", "SessionSpec", "SyntheticSpec", "builtin_protocols",
+           "get_protocol", "load_protocol", "parse_protocol"]
+
+
+def builtin_protocols() -> dict[str, Path]:
+    """Names of the built-in protocols mapped to their YAML files."""
+    return {p.stem: p for p in sorted(BUILTIN_DIR.glob("*.yaml"))}
+
+
+def get_protocol(name_or_path: str | Path) -> Protocol:
+    """Load a built-in protocol by name, or any protocol YAML by path."""
+    builtins = builtin_protocols()
+    if str(name_or_path) in builtins:
+        return load_protocol(builtins[str(name_or_path)])
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return load_protocol(path)
+    raise ConfigError(f"protocol {name_or_path!r}: not a built-in ({', '.join(builtins)}) nor a YAML file path")

@@ -1,0 +1,1 @@
+"""Result writers: comparison tables, Markdown, CSV and JSON reports for runs."""

@@ -1,0 +1,218 @@
+"""The run configuration: typed defaults, overridden by the protocol's ``training``
+section, then a config file, then ``--set key=value`` on the command line.
+
+Unknown keys and bad values stop the run with one line naming the key and
+where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from jascl.errors import ConfigError
+
+FREEZE_POLICIES = ("all_but_classifier", "none")
+EVAL_MODES = ("sliding-window", "authors")
+
+
+@dataclass
+class GASConfig:
+    """GAS options (paper eq. 1; defaults from the paper's appendix on GAS robustness)."""
+
+    layer: str = "classifier"
+    eps: float = 1e-8
+    sigma2: float = 1.0
+    in_base: bool = False
+
+
+@dataclass
+class ReplayConfig:
+    """Prototype replay: weight 0.1 and sum over prototypes, as in the authors' medical code."""
+
+    weight: float = 0.1
+    reduction: str = "sum"
+
+
+@dataclass
+class JasclComponents:
+    """Switches of the ``jascl`` preset, for ablations."""
+
+    gas: bool = True
+    replay: bool = True
+
+
+@dataclass
+class RunConfig:
+    """Everything that determines a run besides the protocol.
+
+    Attributes:
+        backbone: registered backbone name (``jascl backbones``).
+        backbone_args: keyword arguments of the backbone factory.
+        classifier: "cosine" (authors: L2-normalised, temperature 10, no bias) or "linear".
+        temperature: cosine classifier logit scale.
+        epochs_base / epochs_incremental: epochs of session 0 / later sessions.
+        batch_size: training batch size.
+        lr_base / lr_incremental: SGD learning rates.
+        momentum, weight_decay, nesterov: SGD options (authors: 0.9, 1e-4, True).
+        lambda_ce / lambda_dice: weights of MONAI's DiceCE loss terms.
+        freeze_incremental: "all_but_classifier" (paper's medical setting) or "none" (natural).
+        patch_size: training crop (None = whole image/volume); also the sliding-window ROI.
+        augment: random flips during training (MONAI transforms).
+        eval_mode: "sliding-window" (whole images/volumes) or "authors" (one
+            ground-truth-centred crop per volume, soft Dice, background in the mean).
+        eval_mc_samples: 0 = deterministic evaluation; N > 0 averages softmax over N GAS noise draws.
+        sw_batch_size / sw_overlap: sliding-window inference options.
+        device: "auto", "cpu", "cuda", "cuda:1", ...
+        seed: training seed (None = the protocol's seed).
+        threads: torch CPU threads (0 = leave torch's default).
+    """
+
+    backbone: str = "unet"
+    backbone_args: dict = field(default_factory=dict)
+    classifier: str = "cosine"
+    temperature: float = 10.0
+    epochs_base: int = 20
+    epochs_incremental: int = 50
+    batch_size: int = 8
+    lr_base: float = 0.01
+    lr_incremental: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    nesterov: bool = True
+    lambda_ce: float = 1.0
+    lambda_dice: float = 1.0
+    freeze_incremental: str = "all_but_classifier"
+    patch_size: list | None = None
+    augment: bool = True
+    eval_mode: str = "sliding-window"
+    eval_mc_samples: int = 0
+    sw_batch_size: int = 4
+    sw_overlap: float = 0.25
+    device: str = "auto"
+    seed: int | None = None
+    threads: int = 0
+    gas: GASConfig = field(default_factory=GASConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    jascl: JasclComponents = field(default_factory=JasclComponents)
+
+    def validate(self, source: str = "config") -> None:
+        def bad(key: str, msg: str) -> ConfigError:
+            return ConfigError(f"{source}: {key}: {msg}")
+
+        for key in ("epochs_base", "epochs_incremental", "batch_size", "sw_batch_size"):
+            if getattr(self, key) < (0 if key.startswith("epochs") else 1):
+                raise bad(key, f"must be {'>= 0' if key.startswith('epochs') else '>= 1'} (got {getattr(self, key)})")
+        for key in ("lr_base", "lr_incremental", "temperature"):
+            if getattr(self, key) <= 0:
+                raise bad(key, f"must be > 0 (got {getattr(self, key)})")
+        if self.classifier not in ("cosine", "linear"):
+            raise bad("classifier", f"must be 'cosine' or 'linear' (got {self.classifier!r})")
+        if self.freeze_incremental not in FREEZE_POLICIES:
+            raise bad("freeze_incremental", f"must be one of {', '.join(FREEZE_POLICIES)} (got {self.freeze_incremental!r})")
+        if self.eval_mode not in EVAL_MODES:
+            raise bad("eval_mode", f"must be one of {', '.join(EVAL_MODES)} (got {self.eval_mode!r})")
+        if self.eval_mc_samples < 0:
+            raise bad("eval_mc_samples", f"must be >= 0 (got {self.eval_mc_samples})")
+        if not 0 <= self.sw_overlap < 1:
+            raise bad("sw_overlap", f"must be in [0, 1) (got {self.sw_overlap})")
+        if self.gas.eps <= 0:
+            raise bad("gas.eps", f"must be > 0 (got {self.gas.eps})")
+        if self.gas.sigma2 < 0:
+            raise bad("gas.sigma2", f"must be >= 0 (got {self.gas.sigma2})")
+        if self.replay.reduction not in ("sum", "mean"):
+            raise bad("replay.reduction", f"must be 'sum' or 'mean' (got {self.replay.reduction!r})")
+        if self.replay.weight < 0:
+            raise bad("replay.weight", f"must be >= 0 (got {self.replay.weight})")
+        if self.patch_size is not None and (not isinstance(self.patch_size, list) or
+                                            not all(isinstance(v, int) and v > 0 for v in self.patch_size)):
+            raise bad("patch_size", f"must be a list of positive integers or null (got {self.patch_size!r})")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, current: Any, key: str, source: str) -> Any:
+    """Check ``value`` against the type of the default ``current``."""
+    if current is None or value is None:
+        return value
+    if isinstance(current, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: {key}: must be true or false (got {value!r})")
+        return value
+    if isinstance(current, (int, float)) and not isinstance(current, bool):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{source}: {key}: must be a number (got {value!r})")
+        if isinstance(current, int) and not isinstance(current, bool) and isinstance(value, float):
+            if not value.is_integer():
+                raise ConfigError(f"{source}: {key}: must be an integer (got {value!r})")
+            value = int(value)
+        return type(current)(value) if isinstance(current, float) else value
+    if isinstance(current, str) and not isinstance(value, str):
+        raise ConfigError(f"{source}: {key}: must be a string (got {value!r})")
+    if isinstance(current, dict) and not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: {key}: must be a mapping (got {value!r})")
+    if isinstance(current, list) and not isinstance(value, list):
+        raise ConfigError(f"{source}: {key}: must be a list (got {value!r})")
+    return value
+
+
+def _apply(target: Any, updates: Mapping[str, Any], source: str, prefix: str = "") -> None:
+    names = {f.name for f in dataclasses.fields(target)}
+    for key, value in updates.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"{source}: {full}: unknown configuration key; valid keys: {', '.join(sorted(names))}")
+        current = getattr(target, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{source}: {full}: must be a mapping of {', '.join(f.name for f in dataclasses.fields(current))}")
+            _apply(current, value, source, prefix=f"{full}.")
+        else:
+            setattr(target, key, _coerce(value, current, full, source))
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML)."""
+    out: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. --set epochs_base=10")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def resolve_config(protocol_defaults: Mapping[str, Any] | None = None, protocol_source: str = "protocol",
+                   config_file: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Defaults < protocol ``training`` section < config file < ``--set`` overrides."""
+    cfg = RunConfig()
+    if protocol_defaults:
+        _apply(cfg, protocol_defaults, f"{protocol_source}: training")
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{path}: must contain a mapping of configuration keys")
+        _apply(cfg, data, path.name)
+    if overrides:
+        _apply(cfg, parse_overrides(overrides), "--set")
+    cfg.validate()
+    return cfg

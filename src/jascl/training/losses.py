@@ -1,0 +1,40 @@
+"""The supervised segmentation loss: MONAI's Dice + cross-entropy, with ignore-label support."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from monai.losses import DiceCELoss, MaskedDiceLoss
+from torch import nn
+
+IGNORE_INDEX = 255
+
+
+class SegmentationLoss(nn.Module):
+    """lambda_ce * CE + lambda_dice * soft Dice on softmax outputs (MONAI ``DiceCELoss``).
+
+    Where the target contains ``ignore`` pixels (255), those pixels are left out
+    of both terms (CE with ``ignore_index``, MONAI ``MaskedDiceLoss``), since
+    ``DiceCELoss`` has no ignore label.
+
+    Args:
+        lambda_ce, lambda_dice: term weights.
+    Shapes:
+        logits (B, K, *spatial); target (B, *spatial) classifier-row indices or 255.
+    """
+
+    def __init__(self, lambda_ce: float = 1.0, lambda_dice: float = 1.0) -> None:
+        super().__init__()
+        self.lambda_ce = lambda_ce
+        self.lambda_dice = lambda_dice
+        self.dice_ce = DiceCELoss(to_onehot_y=True, softmax=True, lambda_ce=lambda_ce, lambda_dice=lambda_dice)
+        self.masked_dice = MaskedDiceLoss(to_onehot_y=True, softmax=True)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        ignore = target == IGNORE_INDEX
+        if not ignore.any():
+            return self.dice_ce(logits, target.unsqueeze(1))
+        ce = F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX)
+        safe = target.masked_fill(ignore, 0).unsqueeze(1)
+        dice = self.masked_dice(logits, safe, mask=(~ignore).unsqueeze(1).float())
+        return self.lambda_ce * ce + self.lambda_dice * dice

@@ -1,0 +1,150 @@
+"""Runs a protocol for several methods into one run folder and collects the results.
+
+Run folder layout::
+
+    <out>/config.yaml          resolved run configuration
+    <out>/protocol.yaml        the protocol as run (seed included)
+    <out>/manifest.json        K-shot manifest: sample ids of every split, per session
+    <out>/environment.json     versions of jascl, torch, monai, python
+    <out>/log.txt              log
+    <out>/base/                session 0 shared by every method that does not change it
+    <out>/<method>/s<t>-<name>/  model.safetensors, prototypes.safetensors, metrics.json
+    <out>/results.{json,csv,md}
+
+A session whose ``metrics.json`` exists is complete: rerunning with the same
+``--out`` reuses it instead of training again, so an interrupted run resumes
+at the first unfinished session and nothing already computed is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import platform
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+import yaml
+
+from jascl import __version__
+from jascl.data.synthetic import SessionData, load_or_generate
+from jascl.errors import ConfigError
+from jascl.evaluation.metrics import per_class_forgetting, total_drop
+from jascl.methods import create_method
+from jascl.methods.base import Method
+from jascl.methods.prototypes import PrototypeStore
+from jascl.protocols.schema import Protocol
+from jascl.results.report import write_all
+from jascl.training.config import RunConfig
+from jascl.training.trainer import ContinualTrainer
+
+log = logging.getLogger("jascl")
+
+
+def write_manifest(protocol: Protocol, data: Sequence[SessionData], path: Path) -> None:
+    manifest = {"protocol": protocol.name, "seed": protocol.seed, "sessions": []}
+    for s, d in zip(protocol.sessions, data):
+        entry = {"session": s.index, "name": s.name, "shots": s.shots if s.shots is not None else "all",
+                 "train": d.train.ids, "test": d.test.ids}
+        if d.unlabelled is not None:
+            entry["unlabelled"] = d.unlabelled.ids
+        manifest["sessions"].append(entry)
+    path.write_text(json.dumps(manifest, indent=1))
+
+
+def _environment() -> dict:
+    import monai
+    import torch
+
+    return {"jascl": __version__, "torch": torch.__version__, "monai": monai.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def _method_summary(protocol: Protocol, records: list[dict]) -> dict:
+    scores = [r["all"] for r in records]
+    try:
+        drop = total_drop(scores) if scores and scores[0] and not math.isnan(scores[0]) else math.nan
+    except ValueError:
+        drop = math.nan
+    history: dict[int, list[float]] = {}
+    for r in records:
+        for key, value in r["per_class"].items():
+            if key != "0":
+                history.setdefault(int(key), []).append(value)
+    forgetting = per_class_forgetting(history)
+    return {"sessions": records, "total_drop": drop, "forgetting": {str(k): v for k, v in forgetting.items()}}
+
+
+def _setup_logging(out: Path) -> logging.Handler:
+    handler = logging.FileHandler(out / "log.txt")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    return handler
+
+
+def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str], out: str | Path,
+                  cache_dir: str | Path | None = None, progress: bool = True, echo=print) -> dict:
+    """Run ``methods`` on ``protocol`` and write the run folder; returns the results dict."""
+    if not methods:
+        raise ConfigError("--methods: give at least one method (see 'jascl methods')")
+    if len(set(methods)) != len(methods):
+        raise ConfigError(f"--methods: a method is listed twice ({','.join(methods)})")
+    built: list[Method] = [create_method(m, config) for m in methods]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    handler = _setup_logging(out)
+    try:
+        data = load_or_generate(protocol, cache_dir, progress=lambda msg: echo(f"[data] {msg}"))
+        (out / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        if Path(protocol.path).is_file():
+            shutil.copyfile(protocol.path, out / "protocol.yaml")
+        (out / "protocol-resolved.json").write_text(json.dumps(dataclasses.asdict(protocol), indent=1, default=list))
+        write_manifest(protocol, data, out / "manifest.json")
+        (out / "environment.json").write_text(json.dumps(_environment(), indent=1))
+        log.info("run %s: protocol %s seed %d methods %s", out, protocol.name, protocol.seed, ",".join(methods))
+
+        shared_base = None
+        results = {"protocol": protocol.name, "metric": protocol.metric, "eval_mode": config.eval_mode,
+                   "background": ("included in means (authors' convention)" if config.eval_mode == "authors"
+                                  else "excluded from means"),
+                   "seed": protocol.seed, "methods": {}}
+        for method in built:
+            trainer = ContinualTrainer(protocol, config, method, data, progress=progress)
+            records: list[dict] = []
+            start = 0
+            if not method.changes_base_session:
+                base_dir = out / "base"
+                if shared_base is None:
+                    if not (base_dir / "metrics.json").exists():
+                        echo(f"[{method.name}] session 0 ({protocol.sessions[0].name}): training the shared base model")
+                        base_trainer = ContinualTrainer(protocol, config, Method("base"), data, progress=progress)
+                        model = base_trainer.new_model(len(protocol.seen_classes(0)))
+                        base_trainer.run_session(0, model, PrototypeStore(), base_dir)
+                    shared_base = base_dir
+                model, store, record = trainer.load_session(shared_base, 0)
+                records.append(record)
+                start = 1
+            else:
+                model, store = trainer.new_model(len(protocol.seen_classes(0))), PrototypeStore()
+            for t in range(start, len(protocol.sessions)):
+                session = protocol.sessions[t]
+                folder = out / method.name / f"s{t}-{session.name}"
+                if (folder / "metrics.json").exists():
+                    model, store, record = trainer.load_session(folder, t)
+                    echo(f"[{method.name}] session {t} ({session.name}): reusing {folder}")
+                else:
+                    echo(f"[{method.name}] session {t} ({session.name}): training")
+                    record = trainer.run_session(t, model, store, folder)
+                log.info("%s session %d %s: all=%.4f old=%.4f new=%.4f base=%.4f", method.name, t, session.name,
+                         record["all"], record["old"], record["new"], record["base"])
+                records.append(record)
+            results["methods"][method.name] = _method_summary(protocol, records)
+        write_all(results, out)
+        return results
+    finally:
+        log.removeHandler(handler)
+        handler.close()

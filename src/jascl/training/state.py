@@ -1,0 +1,56 @@
+"""The mutable state the loop shares with plugins."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from jascl.data.synthetic import SessionData
+from jascl.methods.base import Method
+from jascl.methods.prototypes import PrototypeStore
+from jascl.networks.base import Segmenter, SegmenterOutput
+from jascl.protocols.schema import Protocol, SessionSpec
+from jascl.training.config import RunConfig
+
+
+@dataclass
+class LoopState:
+    """What plugins see.
+
+    Attributes:
+        seen: global class ids covered by the classifier, in row order (row 0 = background).
+        losses: named loss terms of the current iteration; the loop sums them.
+        output: the model output of the current training iteration.
+        batch: the current batch (``image`` (B, C, *spatial), ``label`` (B, *spatial) global ids).
+    """
+
+    protocol: Protocol
+    config: RunConfig
+    method: Method
+    session: SessionSpec
+    data: SessionData
+    model: Segmenter
+    device: torch.device
+    prototypes: PrototypeStore
+    seen: list[int]
+    optimizer: torch.optim.Optimizer | None = None
+    epoch: int = 0
+    iteration: int = 0
+    batch: dict[str, Any] | None = None
+    output: SegmenterOutput | None = None
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def class_index(self, global_ids: torch.Tensor) -> torch.Tensor:
+        """Map global class ids to classifier rows (255 stays 255)."""
+        lut = torch.full((256,), -1, dtype=torch.long)
+        lut[255] = 255
+        for row, cid in enumerate(self.seen):
+            lut[cid] = row
+        rows = lut.to(global_ids.device)[global_ids.long()]
+        if (rows < 0).any():
+            bad = sorted(set(global_ids[rows < 0].tolist()))
+            raise ValueError(f"class ids {bad} are not covered by the classifier (seen: {self.seen})")
+        return rows
