@@ -1,8 +1,53 @@
-"""Test configuration: make the src-layout package importable without installing it."""
+"""Shared fixtures: a tiny two-session toy protocol and a tiny run configuration."""
 
 import sys
 from pathlib import Path
 
+import pytest
+
 _SRC = str(Path(__file__).resolve().parents[1] / "src")
 if _SRC not in sys.path:
     sys.path.insert(0, _SRC)
+
+import torch  # noqa: E402
+
+from jascl.protocols import parse_protocol  # noqa: E402
+from jascl.training.config import resolve_config  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+def toy_protocol_dict(spatial_dims: int = 2) -> dict:
+    size = 32
+    return {
+        "name": f"toy-{spatial_dims}d",
+        "seed": 3,
+        "spatial_dims": spatial_dims,
+        "metric": "dice",
+        "synthetic": {"size": size, "objects_per_image": [1, 2], "object_radius": [0.2, 0.3], "distractors": 1},
+        "classes": [{"id": 0, "name": "background"}, {"id": 1, "name": "disc", "shape": "disc"},
+                    {"id": 2, "name": "square", "shape": "square"}, {"id": 3, "name": "cross", "shape": "cross"}],
+        "domains": {"a": {"appearance": {"class_intensity": [0.5, 0.9]}},
+                    "b": {"appearance": {"invert": True, "noise": 0.02}}},
+        "sessions": [
+            {"name": "base", "domains": ["a"], "new_classes": [1, 2], "shots": "all", "train": 8, "test": 4},
+            {"name": "inc", "domains": ["b"], "new_classes": [3], "recurring_classes": [1], "shots": 2, "test": 4},
+        ],
+        "training": {"backbone_args": {"features": [4, 4, 8, 8, 8, 8]}, "epochs_base": 1, "epochs_incremental": 2,
+                     "batch_size": 4, "augment": False},
+    }
+
+
+@pytest.fixture
+def toy_protocol():
+    return parse_protocol(toy_protocol_dict(2), source="toy-2d.yaml")
+
+
+@pytest.fixture
+def toy_protocol_3d():
+    return parse_protocol(toy_protocol_dict(3), source="toy-3d.yaml")
+
+
+@pytest.fixture
+def toy_config(toy_protocol):
+    return resolve_config(toy_protocol.training, "toy-2d.yaml")

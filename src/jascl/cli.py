@@ -24,9 +24,7 @@ def _console():
 
 def cmd_run(args: argparse.Namespace) -> int:
     from jascl.protocols import get_protocol
-    from jascl.results.report import print_tables
     from jascl.training.config import resolve_config
-    from jascl.training.runner import run_benchmark
 
     protocol = get_protocol(args.protocol)
     if args.seed is not None:
@@ -37,6 +35,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         if value is not None:
             overrides.append(f"{key}={value}")
     config = resolve_config(protocol.training, protocol.path, args.config, overrides)
+    # Heavy imports (torch, MONAI) only after the protocol and configuration are valid,
+    # so that input errors are reported at once.
+    from jascl.results.report import print_tables
+    from jascl.training.runner import run_benchmark
+
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     out = Path(args.out) if args.out else Path("runs") / f"{protocol.name}-seed{protocol.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     console = _console()

@@ -26,6 +26,15 @@ class Backbone(nn.Module):
     in_channels: int
     feature_channels: int
     layer_aliases: dict[str, str] = {}
+    #: input sizes must be multiples of this, and at least twice it (None = any size)
+    size_divisor: int | None = None
+
+    def check_input_size(self, size: tuple[int, ...], what: str) -> None:
+        """Raise a ConfigError if a training patch / image size does not fit this backbone."""
+        d = self.size_divisor
+        if d and any(s % d or s < 2 * d for s in size):
+            raise ConfigError(f"{what}={list(size)}: the {type(self).__name__} backbone needs every size to be a "
+                              f"multiple of {d} and at least {2 * d}; set patch_size accordingly")
 
 
 BACKBONES: Registry[Backbone] = Registry("backbone")

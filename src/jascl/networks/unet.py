@@ -28,6 +28,7 @@ class MonaiUNet(Backbone):
     """
 
     layer_aliases = {"encoder": "net.down_4.convs.conv_1.conv", "decoder": "net.upcat_1.convs.conv_0.conv"}
+    size_divisor = 16  # four 2x poolings; instance norm needs more than one voxel at the bottom
 
     def __init__(self, spatial_dims: int = 2, in_channels: int = 1, features: Sequence[int] = (16, 16, 32, 64, 128, 16),
                  norm: str | tuple = ("instance", {"affine": True}), dropout: float = 0.0) -> None:

@@ -158,7 +158,7 @@ class _Reader:
         self.source = source
 
     def fail(self, key: str, message: str) -> ConfigError:
-        return ConfigError(f"{self.source}: {key}: {message}")
+        return ConfigError(f"{self.source}: {key}: {message}" if key else f"{self.source}: {message}")
 
     def mapping(self, value: Any, key: str, allowed: set[str], required: set[str] = frozenset()) -> dict:
         if not isinstance(value, Mapping):
@@ -203,8 +203,8 @@ _TOP_KEYS = {"name", "description", "seed", "spatial_dims", "in_channels", "metr
 _SESSION_KEYS = {"name", "domains", "new_classes", "recurring_classes", "shots", "train", "test", "unlabelled",
                  "source", "other_classes"}
 _SYNTHETIC_KEYS = {"size", "objects_per_image", "object_radius", "distractors"}
-APPEARANCE_KEYS = {"background", "class_intensity", "noise", "speckle", "blur", "texture", "invert", "bias_field",
-                   "gamma"}
+APPEARANCE_KEYS = {"background", "class_intensity", "jitter", "noise", "speckle", "blur", "texture", "invert",
+                   "bias_field", "gamma"}
 
 
 def parse_protocol(data: Any, source: str = "<protocol>", name: str | None = None) -> Protocol:
@@ -401,6 +401,7 @@ def load_protocol(path: str | Path) -> Protocol:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{p.name}:{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        where = f" line {mark.line + 1}:" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{p.name}:{where} not valid YAML ({problem})") from None
     return parse_protocol(data, source=p.name, name=p.stem)

@@ -8,6 +8,7 @@ where it came from.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -128,12 +129,19 @@ class RunConfig:
             raise bad("replay.reduction", f"must be 'sum' or 'mean' (got {self.replay.reduction!r})")
         if self.replay.weight < 0:
             raise bad("replay.weight", f"must be >= 0 (got {self.replay.weight})")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise bad("seed", f"must be a non-negative integer or null (got {self.seed!r})")
+        if self.threads < 0:
+            raise bad("threads", f"must be >= 0 (got {self.threads})")
         if self.patch_size is not None and (not isinstance(self.patch_size, list) or
                                             not all(isinstance(v, int) and v > 0 for v in self.patch_size)):
             raise bad("patch_size", f"must be a list of positive integers or null (got {self.patch_size!r})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
 def _coerce(value: Any, current: Any, key: str, source: str) -> Any:
@@ -145,6 +153,8 @@ def _coerce(value: Any, current: Any, key: str, source: str) -> Any:
             raise ConfigError(f"{source}: {key}: must be true or false (got {value!r})")
         return value
     if isinstance(current, (int, float)) and not isinstance(current, bool):
+        if isinstance(value, str) and _NUMBER.match(value.strip()):
+            value = float(value)  # YAML 1.1 reads "1e-6" (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{source}: {key}: must be a number (got {value!r})")
         if isinstance(current, int) and not isinstance(current, bool) and isinstance(value, float):
@@ -191,6 +201,8 @@ def parse_overrides(items: list[str]) -> dict:
         parts = key.strip().split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item}: {part!r} was already set to a value by another --set")
         node[parts[-1]] = value
     return out
 
@@ -201,6 +213,7 @@ def resolve_config(protocol_defaults: Mapping[str, Any] | None = None, protocol_
     cfg = RunConfig()
     if protocol_defaults:
         _apply(cfg, protocol_defaults, f"{protocol_source}: training")
+        cfg.validate(f"{protocol_source}: training")
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
@@ -208,11 +221,15 @@ def resolve_config(protocol_defaults: Mapping[str, Any] | None = None, protocol_
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}:" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"{path}:{where} not valid YAML ({problem})") from None
         if not isinstance(data, Mapping):
             raise ConfigError(f"{path}: must contain a mapping of configuration keys")
         _apply(cfg, data, path.name)
+        cfg.validate(path.name)
     if overrides:
         _apply(cfg, parse_overrides(overrides), "--set")
-    cfg.validate()
+    cfg.validate("--set" if overrides else "config")
     return cfg

@@ -87,8 +87,14 @@ def _setup_logging(out: Path) -> logging.Handler:
 
 
 def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str], out: str | Path,
-                  cache_dir: str | Path | None = None, progress: bool = True, echo=print) -> dict:
-    """Run ``methods`` on ``protocol`` and write the run folder; returns the results dict."""
+                  cache_dir: str | Path | None = None, progress: bool = True, echo=print,
+                  data: Sequence[SessionData] | None = None) -> dict:
+    """Run ``methods`` on ``protocol`` and write the run folder; returns the results dict.
+
+    Args:
+        data: one :class:`SessionData` per session, for your own arrays; by default
+            the protocol's synthetic data is generated (and cached in ``cache_dir``).
+    """
     if not methods:
         raise ConfigError("--methods: give at least one method (see 'jascl methods')")
     if len(set(methods)) != len(methods):
@@ -98,7 +104,10 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
     out.mkdir(parents=True, exist_ok=True)
     handler = _setup_logging(out)
     try:
-        data = load_or_generate(protocol, cache_dir, progress=lambda msg: echo(f"[data] {msg}"))
+        if data is None:
+            data = load_or_generate(protocol, cache_dir, progress=lambda msg: echo(f"[data] {msg}"))
+        elif len(data) != len(protocol.sessions):
+            raise ConfigError(f"{protocol.path}: {len(protocol.sessions)} sessions but data for {len(data)} were given")
         (out / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
         if Path(protocol.path).is_file():
             shutil.copyfile(protocol.path, out / "protocol.yaml")

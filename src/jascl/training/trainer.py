@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from jascl.data.datasets import LabelledDataset
 from jascl.data.synthetic import SessionData
+from jascl.errors import ConfigError
 from jascl.evaluation.evaluator import evaluate
 from jascl.evaluation.metrics import summarise
 from jascl.methods.base import Method
@@ -78,6 +79,12 @@ class ContinualTrainer:
         cfg = self.config
         model = create_segmenter(cfg.backbone, self.protocol.spatial_dims, self.protocol.in_channels, num_classes,
                                  cosine=cfg.classifier == "cosine", temperature=cfg.temperature, **cfg.backbone_args)
+        if cfg.patch_size is not None:
+            if len(cfg.patch_size) != self.protocol.spatial_dims:
+                raise ConfigError(f"patch_size={cfg.patch_size}: needs {self.protocol.spatial_dims} entries for this protocol")
+            model.backbone.check_input_size(tuple(cfg.patch_size), "patch_size")
+        else:
+            model.backbone.check_input_size(tuple(self.data[0].train.images.shape[2:]), "image size (patch_size=null)")
         return model.to(self.device)
 
     def load_session(self, folder: Path, session: int) -> tuple[Segmenter, PrototypeStore, dict]:

@@ -1,0 +1,287 @@
+"""Run configuration: precedence of the sources, validation messages, and the listing commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jascl.cli import main
+from jascl.errors import ConfigError
+from jascl.training.config import RunConfig, parse_overrides, resolve_config
+
+
+def _write(tmp_path: Path, data, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def _error(**kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        resolve_config(**kwargs)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+# --------------------------------------------------------------------------- precedence
+
+
+def test_defaults():
+    cfg = resolve_config()
+    assert cfg == RunConfig()
+    assert cfg.epochs_base == 20 and cfg.epochs_incremental == 50
+    assert cfg.classifier == "cosine" and cfg.temperature == 10.0
+    assert cfg.freeze_incremental == "all_but_classifier"
+    assert cfg.eval_mode == "sliding-window"
+    assert cfg.gas.eps == 1e-8 and cfg.gas.sigma2 == 1.0 and cfg.gas.in_base is False
+    assert cfg.replay.weight == 0.1 and cfg.replay.reduction == "sum"
+    assert cfg.jascl.gas is True and cfg.jascl.replay is True
+    assert cfg.seed is None and cfg.patch_size is None
+
+
+def test_precedence_defaults_protocol_file_set(tmp_path):
+    protocol = {"epochs_base": 7, "epochs_incremental": 11, "lr_base": 0.05, "replay": {"reduction": "mean"},
+                "gas": {"sigma2": 2.0}}
+    config_file = _write(tmp_path, {"epochs_base": 9, "batch_size": 3, "gas": {"eps": 1e-5}})
+
+    only_protocol = resolve_config(protocol, "p.yaml")
+    assert only_protocol.epochs_base == 7
+    assert only_protocol.replay.reduction == "mean"
+    assert only_protocol.gas.sigma2 == 2.0
+    assert only_protocol.gas.eps == 1e-8  # untouched nested key keeps its default
+    assert only_protocol.batch_size == 8
+
+    with_file = resolve_config(protocol, "p.yaml", config_file)
+    assert with_file.epochs_base == 9  # file beats protocol
+    assert with_file.epochs_incremental == 11  # protocol beats default
+    assert with_file.batch_size == 3
+    assert with_file.gas.eps == 1e-5 and with_file.gas.sigma2 == 2.0  # nested keys merge, not replace
+    assert with_file.replay.reduction == "mean"
+
+    full = resolve_config(protocol, "p.yaml", config_file,
+                          ["epochs_base=3", "gas.eps=1e-6", "replay.reduction=sum", "augment=false"])
+    assert full.epochs_base == 3  # --set beats file
+    assert isinstance(full.gas.eps, float) and full.gas.eps == 1e-6
+    assert full.gas.sigma2 == 2.0
+    assert full.replay.reduction == "sum"
+    assert full.augment is False
+    assert full.batch_size == 3 and full.epochs_incremental == 11 and full.lr_base == 0.05
+    assert full.momentum == 0.9  # default survives every level
+
+
+def test_later_set_wins_and_numbers_are_coerced(tmp_path):
+    cfg = resolve_config(overrides=["epochs_base=3", "epochs_base=4", "lr_base=1", "epochs_incremental=5.0",
+                                    "temperature=2e1", "patch_size=[32, 48]", "seed=7", "device=cuda:1"])
+    assert cfg.epochs_base == 4
+    assert cfg.lr_base == 1.0 and isinstance(cfg.lr_base, float)
+    assert cfg.epochs_incremental == 5 and isinstance(cfg.epochs_incremental, int)
+    assert cfg.temperature == 20.0
+    assert cfg.patch_size == [32, 48]
+    assert cfg.seed == 7
+    assert cfg.device == "cuda:1"
+
+
+def test_scientific_notation_in_config_file(tmp_path):
+    # YAML 1.1 reads 1e-6 (no dot) as a string; numeric keys still accept it
+    path = _write(tmp_path, "gas:\n  eps: 1e-6\nweight_decay: 5e-4\n")
+    cfg = resolve_config(config_file=path)
+    assert cfg.gas.eps == 1e-6 and cfg.weight_decay == 5e-4
+
+
+def test_protocol_training_section_of_builtin():
+    from jascl.protocols import get_protocol
+
+    p = get_protocol("synthetic-3d")
+    cfg = resolve_config(p.training, p.path)
+    assert cfg.patch_size == [32, 32, 32]
+    assert cfg.backbone == "unet"
+    assert cfg.batch_size == p.training["batch_size"]
+    assert cfg.epochs_base == p.training["epochs_base"]
+
+
+def test_parse_overrides():
+    assert parse_overrides(["a.b=1", "c=x"]) == {"a": {"b": 1}, "c": "x"}
+    assert parse_overrides(["gas.eps=1e-6", "gas.in_base=true", "device=a=b", "patch_size=[8, 8]"]) == {
+        "gas": {"eps": "1e-6", "in_base": True}, "device": "a=b", "patch_size": [8, 8]}
+    assert parse_overrides([]) == {}
+
+
+def test_to_dict_is_nested():
+    d = resolve_config(overrides=["replay.weight=0.5"]).to_dict()
+    assert d["replay"] == {"weight": 0.5, "reduction": "sum"}
+    assert d["gas"]["eps"] == 1e-8
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unknown_top_level_key_names_source():
+    message = _error(protocol_defaults={"epochz": 1}, protocol_source="p.yaml")
+    assert message.startswith("p.yaml: training: epochz: unknown configuration key")
+    assert "epochs_base" in message  # lists the valid keys
+
+
+def test_unknown_nested_key_names_path_and_source(tmp_path):
+    message = _error(protocol_defaults={"gas": {"epz": 1}}, protocol_source="p.yaml")
+    assert message.startswith("p.yaml: training: gas.epz: unknown configuration key")
+    assert "eps" in message and "sigma2" in message
+
+    path = _write(tmp_path, {"gas": {"epz": 1}})
+    assert _error(config_file=path).startswith("run.yaml: gas.epz: unknown configuration key")
+
+    assert _error(overrides=["gas.epz=1"]).startswith("--set: gas.epz: unknown configuration key")
+    assert _error(overrides=["replay.mode=sum"]).startswith("--set: replay.mode:")
+
+
+@pytest.mark.parametrize("override, key, reason", [
+    ("epochs_base=ten", "epochs_base", "must be a number (got 'ten')"),
+    ("epochs_base=2.5", "epochs_base", "must be an integer"),
+    ("augment=3", "augment", "must be true or false (got 3)"),
+    ("gas.in_base=yes please", "gas.in_base", "must be true or false"),
+    ("lr_base=true", "lr_base", "must be a number"),
+    ("backbone=5", "backbone", "must be a string"),
+    ("backbone_args=[1]", "backbone_args", "must be a mapping"),
+    ("gas=3", "gas", "must be a mapping"),
+    ("patch_size=32", "patch_size", "list of positive integers"),
+    ("patch_size=[32, 0]", "patch_size", "list of positive integers"),
+    ("freeze_incremental=half", "freeze_incremental", "all_but_classifier, none"),
+    ("eval_mode=x", "eval_mode", "sliding-window, authors"),
+    ("classifier=x", "classifier", "'cosine' or 'linear'"),
+    ("replay.reduction=avg", "replay.reduction", "'sum' or 'mean'"),
+    ("gas.eps=0", "gas.eps", "must be > 0"),
+    ("gas.sigma2=-1", "gas.sigma2", "must be >= 0"),
+    ("epochs_base=-1", "epochs_base", "must be >= 0"),
+    ("batch_size=0", "batch_size", "must be >= 1"),
+    ("lr_incremental=0", "lr_incremental", "must be > 0"),
+    ("sw_overlap=1", "sw_overlap", "[0, 1)"),
+    ("eval_mc_samples=-2", "eval_mc_samples", "must be >= 0"),
+    ("seed=abc", "seed", "non-negative integer"),
+    ("seed=-1", "seed", "non-negative integer"),
+])
+def test_bad_values_from_set(override, key, reason):
+    message = _error(overrides=[override])
+    assert message.startswith(f"--set: {key}: "), message
+    assert reason in message, message
+
+
+@pytest.mark.parametrize("training, key", [
+    ({"epochs_base": "ten"}, "epochs_base"),
+    ({"augment": 3}, "augment"),
+    ({"freeze_incremental": "half"}, "freeze_incremental"),
+    ({"eval_mode": "x"}, "eval_mode"),
+    ({"classifier": "x"}, "classifier"),
+])
+def test_bad_values_name_the_level_they_came_from(tmp_path, training, key):
+    assert _error(protocol_defaults=training, protocol_source="p.yaml").startswith(f"p.yaml: training: {key}: ")
+    path = _write(tmp_path, training)
+    assert _error(config_file=path).startswith(f"run.yaml: {key}: ")
+
+
+def test_later_level_does_not_hide_earlier_valid_values(tmp_path):
+    # a valid value from the file is kept when --set changes something else
+    path = _write(tmp_path, {"classifier": "linear"})
+    cfg = resolve_config({"classifier": "cosine"}, "p.yaml", path, ["eval_mode=authors"])
+    assert cfg.classifier == "linear" and cfg.eval_mode == "authors"
+
+
+def test_set_without_equals():
+    with pytest.raises(ConfigError) as info:
+        parse_overrides(["epochs_base"])
+    assert str(info.value) == "--set epochs_base: expected KEY=VALUE, e.g. --set epochs_base=10"
+    assert _error(overrides=["epochs_base=3", "gas.eps"]).startswith("--set gas.eps: expected KEY=VALUE")
+
+
+def test_set_scalar_then_nested_conflict():
+    with pytest.raises(ConfigError, match="--set gas.eps=1: 'gas' was already set"):
+        parse_overrides(["gas=1", "gas.eps=1"])
+
+
+def test_config_file_problems(tmp_path):
+    assert _error(config_file=tmp_path / "missing.yaml").endswith("missing.yaml: config file not found")
+    bad = _write(tmp_path, "epochs_base: 3\ngas: {eps: 1e-6\n", name="broken.yaml")
+    message = _error(config_file=bad)
+    assert message.startswith(f"{bad}:") and "not valid YAML" in message
+    listed = _write(tmp_path, "- 1\n- 2\n", name="list.yaml")
+    assert _error(config_file=listed).endswith("list.yaml: must contain a mapping of configuration keys")
+    empty = _write(tmp_path, "", name="empty.yaml")
+    assert resolve_config(config_file=empty) == RunConfig()
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _one_error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err
+    assert lines[0].startswith("jascl: error: ")
+    return lines[0]
+
+
+def test_cli_run_unknown_set_key(tmp_path, capsys):
+    assert main(["run", "--set", "epochs_bse=3", "--out", str(tmp_path / "o")]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("jascl: error: --set: epochs_bse: unknown configuration key")
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_run_bad_set_and_config(tmp_path, capsys):
+    assert main(["run", "--set", "epochs_base", "--out", str(tmp_path / "o")]) == 2
+    assert "expected KEY=VALUE" in _one_error_line(capsys)
+    assert main(["run", "--set", "classifier=x", "--out", str(tmp_path / "o")]) == 2
+    assert _one_error_line(capsys).startswith("jascl: error: --set: classifier:")
+    cfg = _write(tmp_path, {"gas": {"epz": 1}})
+    assert main(["run", "--config", str(cfg), "--out", str(tmp_path / "o")]) == 2
+    assert _one_error_line(capsys).startswith("jascl: error: run.yaml: gas.epz:")
+    assert main(["run", "--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "o")]) == 2
+    assert "config file not found" in _one_error_line(capsys)
+    assert main(["run", "--backbone", "7", "--out", str(tmp_path / "o")]) == 2
+    assert _one_error_line(capsys).startswith("jascl: error: --set: backbone: must be a string")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    # rich tables would truncate cells on a narrow, non-terminal console
+    monkeypatch.setenv("COLUMNS", "240")
+
+
+def test_cli_protocols(wide, capsys):
+    assert main(["protocols"]) == 0
+    out = capsys.readouterr().out
+    assert "synthetic-2d" in out and "synthetic-3d" in out
+    assert "2D" in out and "3D" in out
+
+
+def test_cli_protocol_sessions(wide, capsys):
+    assert main(["protocols", "synthetic-2d"]) == 0
+    out = capsys.readouterr().out
+    for row in ("0 base", "1 mri", "2 us", "3 xray"):
+        assert row in out
+    assert "1:disc, 2:square" in out  # recurring classes of the xray session
+    assert "spatial_dims=2" in out and "seed=1024" in out
+
+
+def test_cli_methods(wide, capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert "vanilla" in out and "jascl" in out
+
+
+def test_cli_backbones(wide, capsys):
+    assert main(["backbones"]) == 0
+    assert "unet" in capsys.readouterr().out
+
+
+def test_cli_unknown_protocol(capsys):
+    assert main(["protocols", "no-such-protocol"]) == 2
+    assert "not a built-in" in _one_error_line(capsys)
+
+
+def test_cli_no_command_prints_help(capsys):
+    assert main([]) == 0
+    assert "usage: jascl" in capsys.readouterr().out

@@ -1,0 +1,185 @@
+"""The training loop, plugins on its events, the runner's run folder, base sharing and resume."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from jascl.data.synthetic import load_or_generate
+from jascl.methods import METHODS, Method, Plugin, create_method
+from jascl.methods.gas import GASNoise
+from jascl.methods.gas_plugin import GASPlugin
+from jascl.methods.prototypes import PrototypeStore
+from jascl.methods.replay import PrototypeReplayPlugin
+from jascl.training.checkpoint import load_model
+from jascl.training.runner import run_benchmark
+from jascl.training.trainer import ContinualTrainer
+
+
+class Recorder(Plugin):
+    """Records events, loss-term names and GAS scales seen during training."""
+
+    name = "recorder"
+
+    def __init__(self):
+        self.events = []
+        self.loss_terms = []
+        self.min_scale = []
+        self.trainable = []
+
+    def before_session(self, state):
+        self.events.append(("before_session", state.session.index))
+        self.trainable.append(sorted(n for n, p in state.model.named_parameters() if p.requires_grad))
+
+    def before_backward(self, state):  # after every plugin's after_forward
+        self.loss_terms.append(sorted(state.losses))
+
+    def after_update(self, state):
+        scales = [m.scale().min().item() for m in state.model.modules() if isinstance(m, GASNoise)]
+        self.min_scale.append(min(scales) if scales else None)
+
+    def after_eval(self, state):
+        self.events.append(("after_eval", state.session.index))
+
+    def after_session(self, state):
+        self.events.append(("after_session", state.session.index))
+
+
+def test_two_session_loop_with_gas_and_replay(toy_protocol, toy_config, tmp_path):
+    data = load_or_generate(toy_protocol, tmp_path / "cache")
+    rec = Recorder()
+    method = Method("t", [rec, GASPlugin(), PrototypeReplayPlugin(weight=0.1)])
+    trainer = ContinualTrainer(toy_protocol, toy_config, method, data, progress=False)
+    model, store = trainer.new_model(3), PrototypeStore()
+    r0 = trainer.run_session(0, model, store, tmp_path / "s0")
+    r1 = trainer.run_session(1, model, store, tmp_path / "s1")
+    assert rec.events == [("before_session", 0), ("after_eval", 0), ("after_session", 0),
+                          ("before_session", 1), ("after_eval", 1), ("after_session", 1)]
+    # session 0: no GAS, no replay (nothing stored yet); session 1: both
+    n0 = len([t for t in rec.loss_terms if t == ["seg"]])
+    assert n0 == 2  # 8 samples / batch 4 x 1 epoch
+    assert rec.loss_terms[n0:] == [["proto", "seg"]] * 2  # 4 samples / batch 4 x 2 epochs
+    assert rec.min_scale[:n0] == [None] * n0 and all(s < 1.0 for s in rec.min_scale[n0:])
+    # freezing policy: only the classifier trains in incremental sessions
+    assert rec.trainable[1] == ["classifier.weight"] and len(rec.trainable[0]) > 10
+    # classifier grew to background + 3 classes; GAS was removed again (plain parameter)
+    assert model.classifier.weight.shape[0] == 4 and not any(isinstance(m, GASNoise) for m in model.modules())
+    # prototypes of (session, class) incl. background; looked up by class id
+    assert set(store.entries) == {(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 3)}
+    # records: per-class scores over all seen classes, old/new split
+    assert set(r1["per_class"]) == {"0", "1", "2", "3"} and set(r0["per_class"]) == {"0", "1", "2"}
+    assert r1["new"] == pytest.approx(r1["per_class"]["3"])
+    assert r1["old"] == pytest.approx((r1["per_class"]["1"] + r1["per_class"]["2"]) / 2)
+    # the checkpoint is safetensors, reloadable into a fresh model, with prototypes alongside
+    fresh = trainer.new_model(4)
+    meta = load_model(fresh, tmp_path / "s1" / "model.safetensors")
+    assert meta["seen"] == [0, 1, 2, 3] and torch.equal(fresh.classifier.weight, model.classifier.weight)
+    assert set(load_file(tmp_path / "s1" / "prototypes.safetensors")) == {"s0.c0", "s0.c1", "s0.c2", "s1.c0", "s1.c1", "s1.c3"}
+
+
+def test_vanilla_changes_nothing_but_the_loss(toy_protocol, toy_config, tmp_path):
+    data = load_or_generate(toy_protocol, tmp_path / "cache")
+    rec = Recorder()
+    method = create_method("vanilla", toy_config)
+    method.plugins.append(rec)
+    trainer = ContinualTrainer(toy_protocol, toy_config, method, data, progress=False)
+    model, store = trainer.new_model(3), PrototypeStore()
+    trainer.run_session(0, model, store, tmp_path / "s0")
+    trainer.run_session(1, model, store, tmp_path / "s1")
+    assert all(t == ["seg"] for t in rec.loss_terms)
+    assert all(s is None for s in rec.min_scale)
+
+
+def test_runner_shares_base_writes_outputs_and_resumes(toy_protocol, toy_config, tmp_path):
+    out = tmp_path / "run"
+    messages = []
+    results = run_benchmark(toy_protocol, toy_config, ["vanilla", "jascl"], out, cache_dir=tmp_path / "cache",
+                            progress=False, echo=messages.append)
+    v, j = results["methods"]["vanilla"], results["methods"]["jascl"]
+    assert v["sessions"][0] == j["sessions"][0]  # one shared base session
+    assert sum("training the shared base model" in m for m in messages) == 1
+    for name in ("results.json", "results.csv", "results.md", "config.yaml", "manifest.json", "log.txt",
+                 "environment.json", "base/model.safetensors", "jascl/s1-inc/prototypes.safetensors",
+                 "vanilla/s1-inc/metrics.json"):
+        assert (out / name).exists(), name
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["sessions"][1]["train"] == ["s1-inc/train/00000", "s1-inc/train/00001",
+                                                "s1-inc/train/00002", "s1-inc/train/00003"]
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["methods"]["jascl"]["sessions"][1]["all"] == pytest.approx(j["sessions"][1]["all"])
+    drop = v["total_drop"]
+    s = [r["all"] for r in v["sessions"]]
+    assert drop == pytest.approx(100 * max(0.0, s[0] - s[1]) / s[0])
+    # resume: a second run in the same folder retrains nothing and gives the same numbers
+    stamp = (out / "jascl/s1-inc/metrics.json").stat().st_mtime_ns
+    messages.clear()
+    again = run_benchmark(toy_protocol, toy_config, ["vanilla", "jascl"], out, cache_dir=tmp_path / "cache",
+                          progress=False, echo=messages.append)
+    assert not any("training" in m for m in messages)
+    assert (out / "jascl/s1-inc/metrics.json").stat().st_mtime_ns == stamp
+    assert again["methods"]["jascl"]["sessions"] == j["sessions"]
+
+
+@pytest.mark.parametrize("name", METHODS.list())
+def test_every_registered_method_runs_on_the_toy_protocol(name, toy_protocol, toy_config, tmp_path):
+    results = run_benchmark(toy_protocol, toy_config, [name], tmp_path / "run", cache_dir=tmp_path / "cache",
+                            progress=False, echo=lambda m: None)
+    sessions = results["methods"][name]["sessions"]
+    assert [s["session"] for s in sessions] == [0, 1]
+    assert all(0.0 <= s["background"] <= 1.0 for s in sessions)
+
+
+def test_gas_on_a_frozen_layer_is_a_config_error(toy_protocol, toy_config, tmp_path):
+    from jascl.errors import ConfigError
+
+    toy_config.gas.layer = "encoder"
+    with pytest.raises(ConfigError, match="gas.layer='encoder' is frozen"):
+        run_benchmark(toy_protocol, toy_config, ["jascl"], tmp_path / "run", cache_dir=tmp_path / "cache",
+                      progress=False, echo=lambda m: None)
+
+
+def test_gas_on_encoder_layer_when_unfrozen(toy_protocol, toy_config, tmp_path):
+    toy_config.gas.layer = "encoder"
+    toy_config.freeze_incremental = "none"
+    results = run_benchmark(toy_protocol, toy_config, ["jascl"], tmp_path / "run", cache_dir=tmp_path / "cache",
+                            progress=False, echo=lambda m: None)
+    assert len(results["methods"]["jascl"]["sessions"]) == 2
+
+
+def test_monte_carlo_evaluation_differs_from_deterministic(toy_protocol, toy_config, tmp_path):
+    data = load_or_generate(toy_protocol, tmp_path / "cache")
+    from jascl.evaluation.evaluator import evaluate
+    from jascl.methods.gas import attach_gas
+
+    trainer = ContinualTrainer(toy_protocol, toy_config, Method("x"), data, progress=False)
+    model = trainer.new_model(3)
+    noise = attach_gas(model.classifier)  # zero buffer: full-scale noise when switched on
+    args = (model, [data[0].test], [0, 1, 2], torch.device("cpu"))
+    det1, det2 = evaluate(*args), evaluate(*args)
+    assert det1.dice == det2.dice  # deterministic by default
+    torch.manual_seed(0)
+    mc = evaluate(*args, mc_samples=3)
+    assert mc.iou != det1.iou and not noise.training  # noise switched off again afterwards
+
+
+def test_3d_toy_protocol_runs_with_authors_evaluation(toy_protocol_3d, tmp_path):
+    from jascl.training.config import resolve_config
+
+    config = resolve_config(toy_protocol_3d.training, "toy-3d.yaml", overrides=["eval_mode=authors", "patch_size=[32,32,32]"])
+    results = run_benchmark(toy_protocol_3d, config, ["vanilla", "jascl"], tmp_path / "run", cache_dir=tmp_path / "cache",
+                            progress=False, echo=lambda m: None)
+    assert results["background"].startswith("included")
+    last = results["methods"]["jascl"]["sessions"][-1]
+    # authors' convention: the "all" mean includes background
+    vals = [v for v in last["per_class"].values() if v == v]
+    assert last["all"] == pytest.approx(sum(vals) / len(vals))
+
+
+def test_patch_size_that_does_not_fit_the_backbone_is_a_config_error(toy_protocol, toy_config, tmp_path):
+    from jascl.errors import ConfigError
+
+    toy_config.patch_size = [24, 24]
+    with pytest.raises(ConfigError, match=r"patch_size=\[24, 24\]: .* multiple of 16"):
+        run_benchmark(toy_protocol, toy_config, ["vanilla"], tmp_path / "run", cache_dir=tmp_path / "cache",
+                      progress=False, echo=lambda m: None)
