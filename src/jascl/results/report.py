@@ -35,6 +35,7 @@ __all__ = [
     "to_markdown",
     "to_csv",
     "write_json",
+    "per_class_table",
     "print_tables",
     "write_all",
 ]
@@ -168,12 +169,45 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def per_class_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Per-class score at the last session and forgetting (best earlier score - last), per method.
+
+    Rows are the classes of the last session (background first); class names
+    come from ``results["classes"]`` (id -> name) when present.
+    """
+    methods = _methods(results)
+    metric = str(results.get("metric", "dice"))
+    names = results.get("classes", {}) or {}
+    header = ["Class"]
+    for name in methods:
+        header += [f"{name} last", f"{name} forgetting"]
+    keys: list[str] = []
+    for m in methods.values():
+        sessions = _sessions(m)
+        if sessions:
+            keys += [k for k in (sessions[-1].get("per_class") or {}) if k not in keys]
+    rows = []
+    for key in sorted(keys, key=_class_sort_key):
+        label = f"{key} {names.get(str(key), '')}".strip()
+        row = [label]
+        for m in methods.values():
+            sessions = _sessions(m)
+            last = (sessions[-1].get("per_class") or {}).get(key) if sessions else None
+            forgetting = (m.get("forgetting") or {}).get(key)
+            row += [format_score(last, metric), MISSING if forgetting is None or math.isnan(_as_float(forgetting))
+                    else format_score(forgetting, metric)]
+        rows.append(row)
+    return header, rows
+
+
 def to_markdown(results: Mapping[str, Any]) -> str:
-    """Renders the title, the comparison table and one detail table per method."""
+    """Renders the title, the comparison table, one detail table per method and the per-class table."""
     parts = [f"## {table_title(results)}", "", _md_table(*comparison_table(results))]
     for name in _methods(results):
         parts += ["", f"### {name}: per-session detail", ""]
         parts.append(_md_table(*session_detail_table(results, name)))
+    parts += ["", "### per class: score at the last session and forgetting", ""]
+    parts.append(_md_table(*per_class_table(results)))
     return "\n".join(parts) + "\n"
 
 
@@ -288,6 +322,7 @@ def print_tables(results: Mapping[str, Any], console: Any = None) -> None:
     console.print(render(table_title(results), *comparison_table(results)))
     for name in _methods(results):
         console.print(render(f"{name}: per-session detail", *session_detail_table(results, name)))
+    console.print(render("per class: score at the last session and forgetting", *per_class_table(results)))
 
 
 def write_all(results: Mapping[str, Any], out_dir: str | os.PathLike[str]) -> dict[str, Path]:

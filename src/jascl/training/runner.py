@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 import yaml
+from tqdm.auto import tqdm
 
 from jascl import __version__
 from jascl.data.synthetic import SessionData, load_or_generate
@@ -120,7 +121,9 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
         results = {"protocol": protocol.name, "metric": protocol.metric, "eval_mode": config.eval_mode,
                    "background": ("included in means (authors' convention)" if config.eval_mode == "authors"
                                   else "excluded from means"),
-                   "seed": protocol.seed, "methods": {}}
+                   "seed": protocol.seed, "classes": {str(c.id): c.name for c in protocol.classes},
+                   "methods": {}}
+        bar = tqdm(total=len(built) * len(protocol.sessions), desc="sessions", unit="session", disable=not progress)
         for method in built:
             trainer = ContinualTrainer(protocol, config, method, data, progress=progress)
             records: list[dict] = []
@@ -136,6 +139,7 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
                     shared_base = base_dir
                 model, store, record = trainer.load_session(shared_base, 0)
                 records.append(record)
+                bar.update(1)
                 start = 1
             else:
                 model, store = trainer.new_model(len(protocol.seen_classes(0))), PrototypeStore()
@@ -151,7 +155,9 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
                 log.info("%s session %d %s: all=%.4f old=%.4f new=%.4f base=%.4f", method.name, t, session.name,
                          record["all"], record["old"], record["new"], record["base"])
                 records.append(record)
+                bar.update(1)
             results["methods"][method.name] = _method_summary(protocol, records)
+        bar.close()
         write_all(results, out)
         return results
     finally:

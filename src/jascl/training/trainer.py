@@ -162,7 +162,7 @@ class ContinualTrainer:
                             generator=generator)
         epochs = cfg.epochs_base if t == 0 else cfg.epochs_incremental
         bar = tqdm(range(epochs), desc=f"{self.method.name} s{t} {session.name}", unit="ep", leave=False,
-                   disable=not self.progress)
+                   position=1, disable=not self.progress)
         for epoch in bar:
             state.epoch = epoch
             model.train()
@@ -192,6 +192,8 @@ class ContinualTrainer:
             self.method.fire("after_epoch", state)
             mean_loss = running / max(steps, 1)
             bar.set_postfix(loss=f"{mean_loss:.3f}")
+            log.info("%s session %d epoch %d: loss %.4f (%s)", self.method.name, t, epoch, mean_loss,
+                     ", ".join(f"{k} {float(v.detach()):.4f}" for k, v in state.losses.items()))
             if on_epoch:
                 on_epoch(epoch, mean_loss)
         bar.close()
