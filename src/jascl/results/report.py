@@ -314,7 +314,7 @@ def print_tables(results: Mapping[str, Any], console: Any = None) -> None:
     def render(title: str, header: list[str], rows: list[list[str]]) -> Table:
         table = Table(title=title)
         for i, h in enumerate(header):
-            table.add_column(h, justify="left" if i == 0 else "right")
+            table.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
         for r in rows:
             table.add_row(*r)
         return table
