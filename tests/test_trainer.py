@@ -183,3 +183,54 @@ def test_patch_size_that_does_not_fit_the_backbone_is_a_config_error(toy_protoco
     with pytest.raises(ConfigError, match=r"patch_size=\[24, 24\]: .* multiple of 16"):
         run_benchmark(toy_protocol, toy_config, ["vanilla"], tmp_path / "run", cache_dir=tmp_path / "cache",
                       progress=False, echo=lambda m: None)
+
+
+def test_mean_teacher_with_pas_on_an_unlabelled_pool(tmp_path):
+    from conftest import toy_protocol_dict
+    from jascl.protocols import parse_protocol
+    from jascl.training.config import resolve_config
+
+    d = toy_protocol_dict()
+    d["sessions"][1]["unlabelled"] = 6
+    d["training"]["pas"] = {"start_epoch": 0, "every": 1, "weight": 0.5}
+    protocol = parse_protocol(d, "toy-ss.yaml")
+    config = resolve_config(protocol.training, "toy-ss.yaml")
+    rec = Recorder()
+    method = create_method("jascl", config)
+    method.plugins.append(rec)
+    data = load_or_generate(protocol, tmp_path / "cache")
+    assert len(data[1].unlabelled) == 6
+    trainer = ContinualTrainer(protocol, config, method, data, progress=False)
+    model, store = trainer.new_model(3), PrototypeStore()
+    trainer.run_session(0, model, store, tmp_path / "s0")
+    record = trainer.run_session(1, model, store, tmp_path / "s1")
+    # 2 epochs, each an unlabelled phase: max(1 labelled batch, 2 unlabelled batches of 4) = 2 steps
+    inc_terms = rec.loss_terms[2:]
+    assert inc_terms == [["cons", "proto", "seg"]] * 4  # GAS adds no loss term
+    pl = record["pseudo_labels"]
+    assert pl["filter"] == "pas" and pl["phases"] == 2
+    assert 0.0 <= pl["coverage"] <= 1.0 and pl["gamma"] == pytest.approx(0.5 / 1.5)
+    if pl["coverage"] > 0:
+        from jascl.methods.pas import asymptotic_error
+
+        assert 0.0 <= pl["precision"] <= 1.0
+        assert pl["eps_inf_predicted"] == pytest.approx(
+            asymptotic_error(pl["coverage"], pl["precision"], pl["gamma"], pl["eps0"]))
+    saved = json.loads((tmp_path / "s1" / "metrics.json").read_text())
+    assert saved["pseudo_labels"]["phases"] == 2
+
+
+def test_ablate_flag_maps_to_component_switches():
+    import argparse
+
+    from jascl.cli import _protocol_and_overrides
+
+    args = argparse.Namespace(protocol="synthetic-2d", seed=None, set=["epochs_base=3"], backbone=None, device=None,
+                              eval_mode=None, ablate="gas,proto")
+    protocol, overrides = _protocol_and_overrides(args)
+    assert overrides == ["epochs_base=3", "jascl.gas=false", "jascl.replay=false"]
+    from jascl.training.config import resolve_config
+
+    cfg = resolve_config(protocol.training, protocol.path, None, overrides)
+    method = create_method("jascl", cfg)
+    assert [p.name for p in method.plugins] == ["cons"]

@@ -22,9 +22,13 @@ def _console():
     return Console()
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+ABLATIONS = {"gas": "jascl.gas=false", "pas": "jascl.pas=false", "proto": "jascl.replay=false"}
+
+
+def _protocol_and_overrides(args: argparse.Namespace):
+    """The protocol (seed applied) and the --set overrides implied by the shared run options."""
+    from jascl.errors import ConfigError
     from jascl.protocols import get_protocol
-    from jascl.training.config import resolve_config
 
     protocol = get_protocol(args.protocol)
     if args.seed is not None:
@@ -34,6 +38,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
+    for part in filter(None, (args.ablate or "").split(",")):
+        if part.strip() not in ABLATIONS:
+            raise ConfigError(f"--ablate {part.strip()}: choose any of {', '.join(ABLATIONS)} (comma-separated)")
+        overrides.append(ABLATIONS[part.strip()])
+    return protocol, overrides
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from jascl.training.config import resolve_config
+
+    protocol, overrides = _protocol_and_overrides(args)
     config = resolve_config(protocol.training, protocol.path, args.config, overrides)
     # Heavy imports (torch, MONAI) only after the protocol and configuration are valid,
     # so that input errors are reported at once.
@@ -54,6 +69,37 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 130
     print_tables(results, console)
     console.print(f"results written to {out}/results.{{json,csv,md}} in {time.time() - started:.0f} s")
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from jascl.training.sweep import GRIDS
+
+    protocol, overrides = _protocol_and_overrides(args)
+    grids = [g.strip() for g in args.grid.split(",") if g.strip()] if args.grid != "all" else list(GRIDS)
+    from jascl.training.config import resolve_config
+
+    resolve_config(protocol.training, protocol.path, args.config, overrides)  # fail fast on bad input
+    from jascl.training.sweep import run_sweep, sweep_table
+
+    out = Path(args.out) if args.out else Path("runs") / f"sweep-{protocol.name}-seed{protocol.seed}"
+    console = _console()
+    try:
+        rows = run_sweep(protocol, grids, out, method=args.method, config_file=args.config, overrides=overrides,
+                         cache_dir=args.cache_dir, progress=not args.no_progress, echo=console.print)
+    except KeyboardInterrupt:
+        console.print(f"interrupted; rerun the same command to resume the sweep in {out}")
+        return 130
+    from rich.table import Table
+
+    header, body = sweep_table(rows)
+    table = Table(title=f"sweep: {args.method} on {protocol.name} (seed {protocol.seed})")
+    for h in header:
+        table.add_column(h, no_wrap=h == "point")
+    for r in body:
+        table.add_row(*r)
+    console.print(table)
+    console.print(f"sweep table written to {out}/sweep.{{md,csv,json}}")
     return 0
 
 
@@ -114,19 +160,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"jascl {__version__}")
     sub = parser.add_subparsers(dest="command")
 
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--protocol", default=DEFAULT_PROTOCOL, help=f"built-in name or YAML path (default {DEFAULT_PROTOCOL})")
+        p.add_argument("--seed", type=int, default=None, help="override the protocol's seed (data and training)")
+        p.add_argument("--config", default=None, help="YAML file of run-configuration keys")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a configuration key, e.g. --set epochs_base=5")
+        p.add_argument("--ablate", default=None, metavar="PARTS",
+                       help="switch JASCL components off: any of gas,pas,proto (comma-separated)")
+        p.add_argument("--backbone", default=None, help="backbone name (see 'jascl backbones')")
+        p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:1, ...")
+        p.add_argument("--eval-mode", dest="eval_mode", default=None, choices=["sliding-window", "authors"])
+        p.add_argument("--cache-dir", default=None, help="where generated data is cached (default $JASCL_CACHE or ~/.cache/jascl)")
+        p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
     run = sub.add_parser("run", help="run a protocol for one or more methods and print the comparison table")
-    run.add_argument("--protocol", default=DEFAULT_PROTOCOL, help=f"built-in name or YAML path (default {DEFAULT_PROTOCOL})")
+    common(run)
     run.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated methods (default {DEFAULT_METHODS})")
-    run.add_argument("--seed", type=int, default=None, help="override the protocol's seed (data and training)")
     run.add_argument("--out", default=None, help="run folder (default runs/<protocol>-seed<seed>-<time>); reused to resume")
-    run.add_argument("--config", default=None, help="YAML file of run-configuration keys")
-    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a configuration key, e.g. --set epochs_base=5")
-    run.add_argument("--backbone", default=None, help="backbone name (see 'jascl backbones')")
-    run.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:1, ...")
-    run.add_argument("--eval-mode", dest="eval_mode", default=None, choices=["sliding-window", "authors"])
-    run.add_argument("--cache-dir", default=None, help="where generated data is cached (default $JASCL_CACHE or ~/.cache/jascl)")
-    run.add_argument("--no-progress", action="store_true", help="hide progress bars")
     run.set_defaults(func=cmd_run)
+
+    sweep = sub.add_parser("sweep", help="run a grid of configurations (sensitivity / retention / layer-choice tables)")
+    common(sweep)
+    sweep.add_argument("--grid", default="tau", help="comma-separated grids: eps, sigma2, shots, tau, gas-layer, or 'all' (default tau)")
+    sweep.add_argument("--method", default="jascl", help="method to sweep (default jascl)")
+    sweep.add_argument("--out", default=None, help="sweep folder (default runs/sweep-<protocol>-seed<seed>); reused to resume")
+    sweep.set_defaults(func=cmd_sweep)
 
     protocols = sub.add_parser("protocols", help="list built-in protocols, or show one protocol's sessions")
     protocols.add_argument("name", nargs="?", help="protocol name or YAML path")

@@ -268,8 +268,9 @@ class SyntheticRenderer:
             train_plan = [c for c in session.classes for _ in range(session.shots)]
         train = self._split(session, "train", train_plan, distractors=True)
         test = self._split(session, "test", [None] * session.test, distractors=False)
-        unlabelled = (self._split(session, "unlabelled", [None] * session.unlabelled, distractors=True)
-                      if session.unlabelled else None)
+        pool_plan: list[int | None] = [None] * session.unlabelled
+        pool_plan += [c for c in session.classes for _ in range(session.unlabelled_per_class)]
+        unlabelled = self._split(session, "unlabelled", pool_plan, distractors=True) if pool_plan else None
         return SessionData(session, train, test, unlabelled)
 
 
@@ -287,7 +288,7 @@ def protocol_digest(protocol: Protocol) -> str:
         "domains": {k: dict(v.appearance) for k, v in protocol.domains.items()},
         "synthetic": protocol.synthetic.__dict__ if protocol.synthetic else None,
         "sessions": [(s.name, s.domains, s.new_classes, s.recurring_classes, s.shots, s.train, s.test,
-                      s.unlabelled) for s in protocol.sessions],
+                      s.unlabelled, s.unlabelled_per_class) for s in protocol.sessions],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=list).encode()).hexdigest()[:12]
 

@@ -4,7 +4,8 @@ The trainer (``jascl.training.trainer``) fires these events, in this order,
 for every session::
 
     before_session
-      before_epoch
+      before_epoch   (an epoch runs max(len(labelled loader), any plugin's epoch_iterations) steps,
+                      cycling the labelled loader)
         before_iteration -> after_forward (add loss terms) -> before_backward
         -> after_backward -> before_update -> after_update
       after_epoch
@@ -45,6 +46,10 @@ class Plugin:
     name = "plugin"
     changes_base_session = False
 
+    def epoch_iterations(self, state: "LoopState") -> int | None:
+        """Iterations the plugin needs in the coming epoch (None = the labelled loader's length)."""
+        return None
+
     def before_session(self, state: "LoopState") -> None: ...
     def before_epoch(self, state: "LoopState") -> None: ...
     def before_iteration(self, state: "LoopState") -> None: ...
@@ -71,6 +76,10 @@ class Method:
     @property
     def changes_base_session(self) -> bool:
         return any(p.changes_base_session for p in self.plugins)
+
+    def epoch_iterations(self, state: "LoopState") -> int:
+        """The largest number of iterations any plugin asks for in the coming epoch (0 = none)."""
+        return max([p.epoch_iterations(state) or 0 for p in self.plugins], default=0)
 
     def fire(self, event: str, state: "LoopState") -> None:
         for plugin in self.plugins:

@@ -107,3 +107,8 @@ def record_sq_grad(layer: nn.Module) -> None:
     for p in layer.parametrizations["weight"]:
         if isinstance(p, GASNoise):
             p.sq_grad.copy_(grad.detach() ** 2)
+
+
+def clean_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with GAS removed from the keys (``x.parametrizations.weight.original`` -> ``x.weight``)."""
+    return {k.replace("parametrizations.weight.original", "weight"): v for k, v in model.state_dict().items()}

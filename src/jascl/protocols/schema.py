@@ -55,7 +55,9 @@ class SessionSpec:
         shots: labelled samples per class (K), or None for "all" (base session).
         train: number of labelled training samples when ``shots`` is "all".
         test: number of test samples.
-        unlabelled: size of the unlabelled pool (0 = none).
+        unlabelled: size of the unlabelled pool drawn from the session's domain (0 = none).
+        unlabelled_per_class: additional unlabelled samples per taught class, each
+            showing that class (as in Semi-Supervised Natural-JASCL).
         source: data source ("synthetic", or a dataset name for real data).
         other_classes: what the training labels of classes not taught in this
             session become: "background" (the authors' convention) or "ignore".
@@ -70,6 +72,7 @@ class SessionSpec:
     train: int | None = None
     test: int = 1
     unlabelled: int = 0
+    unlabelled_per_class: int = 0
     source: str = "synthetic"
     other_classes: str = "background"
 
@@ -116,6 +119,8 @@ class Protocol:
         sessions: sessions in order.
         synthetic: generator options when the data source is synthetic.
         training: recommended training defaults (validated by ``jascl.training.config``).
+        unlabelled_noise: boundary-aware degradation of unlabelled pools: "none",
+            "moderate" or "heavy" (the paper's limitations section, ``jascl.data.noise``).
     """
 
     name: str
@@ -130,6 +135,7 @@ class Protocol:
     description: str = ""
     synthetic: SyntheticSpec | None = None
     training: Mapping[str, Any] = field(default_factory=dict)
+    unlabelled_noise: str = "none"
 
     def class_name(self, class_id: int) -> str:
         for c in self.classes:
@@ -199,9 +205,10 @@ class _Reader:
 
 
 _TOP_KEYS = {"name", "description", "seed", "spatial_dims", "in_channels", "metric", "classes", "domains",
-             "sessions", "synthetic", "training"}
+             "sessions", "synthetic", "training", "unlabelled_noise"}
+NOISE_SCHEDULES = ("none", "moderate", "heavy")
 _SESSION_KEYS = {"name", "domains", "new_classes", "recurring_classes", "shots", "train", "test", "unlabelled",
-                 "source", "other_classes"}
+                 "unlabelled_per_class", "source", "other_classes"}
 _SYNTHETIC_KEYS = {"size", "objects_per_image", "object_radius", "distractors"}
 APPEARANCE_KEYS = {"background", "class_intensity", "jitter", "noise", "speckle", "blur", "texture", "invert",
                    "bias_field", "gamma"}
@@ -249,7 +256,9 @@ def parse_protocol(data: Any, source: str = "<protocol>", name: str | None = Non
     training = top.get("training", {}) or {}
     if not isinstance(training, Mapping):
         raise r.fail("training", "must be a mapping of run-configuration defaults")
+    noise = r.string(top.get("unlabelled_noise", "none"), "unlabelled_noise", NOISE_SCHEDULES)
     return Protocol(
+        unlabelled_noise=noise,
         name=proto_name, path=source, seed=seed, spatial_dims=spatial_dims, in_channels=in_channels,
         metric=metric, classes=classes, domains=domains, sessions=tuple(sessions),
         description=str(top.get("description", "")), synthetic=synthetic, training=dict(training),
@@ -387,9 +396,10 @@ def _parse_session(r: _Reader, raw: Any, i: int, class_ids: set[int], introduced
         train = None
     test = r.integer(e.get("test", 1), f"{key}.test", minimum=1)
     unlabelled = r.integer(e.get("unlabelled", 0), f"{key}.unlabelled", minimum=0)
+    per_class = r.integer(e.get("unlabelled_per_class", 0), f"{key}.unlabelled_per_class", minimum=0)
     source = r.string(e.get("source", "synthetic"), f"{key}.source")
     other = r.string(e.get("other_classes", "background"), f"{key}.other_classes", OTHER_CLASS_POLICIES)
-    return SessionSpec(i, name, tuple(doms), new, recurring, shots, train, test, unlabelled, source, other)
+    return SessionSpec(i, name, tuple(doms), new, recurring, shots, train, test, unlabelled, per_class, source, other)
 
 
 def load_protocol(path: str | Path) -> Protocol:

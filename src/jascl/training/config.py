@@ -40,11 +40,30 @@ class ReplayConfig:
 
 
 @dataclass
+class PASConfig:
+    """Mean teacher + PAS options.
+
+    Defaults: tau_conf = tau_sim = 0.7 (paper, "Hyperparameters"); lambda_cons
+    0.05, EMA decay 0.99, an unlabelled phase every 25 epochs from epoch 25
+    (the authors' medical semi-supervised code, per AUTHORS-CODE-NOTES).
+    """
+
+    tau_conf: float = 0.7
+    tau_sim: float = 0.7
+    weight: float = 0.05
+    ema_decay: float = 0.99
+    start_epoch: int = 25
+    every: int = 25
+    batch_size: int | None = None
+
+
+@dataclass
 class JasclComponents:
-    """Switches of the ``jascl`` preset, for ablations."""
+    """Switches of the ``jascl`` preset, for ablations (``--ablate gas,pas,proto``)."""
 
     gas: bool = True
     replay: bool = True
+    pas: bool = True
 
 
 @dataclass
@@ -99,6 +118,7 @@ class RunConfig:
     threads: int = 0
     gas: GASConfig = field(default_factory=GASConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    pas: PASConfig = field(default_factory=PASConfig)
     jascl: JasclComponents = field(default_factory=JasclComponents)
 
     def validate(self, source: str = "config") -> None:
@@ -127,6 +147,13 @@ class RunConfig:
             raise bad("gas.sigma2", f"must be >= 0 (got {self.gas.sigma2})")
         if self.replay.reduction not in ("sum", "mean"):
             raise bad("replay.reduction", f"must be 'sum' or 'mean' (got {self.replay.reduction!r})")
+        for key in ("tau_conf", "tau_sim"):
+            if not 0.0 <= getattr(self.pas, key) <= 1.0:
+                raise bad(f"pas.{key}", f"must be in [0, 1] (got {getattr(self.pas, key)})")
+        if not 0.0 <= self.pas.ema_decay < 1.0:
+            raise bad("pas.ema_decay", f"must be in [0, 1) (got {self.pas.ema_decay})")
+        if self.pas.weight < 0 or self.pas.start_epoch < 0 or self.pas.every < 1:
+            raise bad("pas", f"weight >= 0, start_epoch >= 0 and every >= 1 are required (got {self.pas})")
         if self.replay.weight < 0:
             raise bad("replay.weight", f"must be >= 0 (got {self.replay.weight})")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):

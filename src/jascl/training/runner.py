@@ -31,6 +31,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from jascl import __version__
+from jascl.data.noise import degrade_pool
 from jascl.data.synthetic import SessionData, load_or_generate
 from jascl.errors import ConfigError
 from jascl.evaluation.metrics import per_class_forgetting, total_drop
@@ -87,6 +88,30 @@ def _setup_logging(out: Path) -> logging.Handler:
     return handler
 
 
+def ensure_base(protocol: Protocol, config: RunConfig, data: Sequence[SessionData], base_dir: Path,
+                progress: bool = True, echo=print) -> None:
+    """Train the shared session-0 model into ``base_dir`` unless it is already complete there."""
+    if (base_dir / "metrics.json").exists():
+        return
+    echo(f"session 0 ({protocol.sessions[0].name}): training the shared base model")
+    trainer = ContinualTrainer(protocol, config, Method("base"), list(data), progress=progress)
+    trainer.run_session(0, trainer.new_model(len(protocol.seen_classes(0))), PrototypeStore(), base_dir)
+
+
+def load_data(protocol: Protocol, cache_dir: str | Path | None = None, echo=print) -> list[SessionData]:
+    """The protocol's data (generated and cached), with its unlabelled-noise schedule applied."""
+    data = load_or_generate(protocol, cache_dir, progress=lambda msg: echo(f"[data] {msg}"))
+    return apply_unlabelled_noise(protocol, data)
+
+
+def apply_unlabelled_noise(protocol: Protocol, data: Sequence[SessionData]) -> list[SessionData]:
+    if protocol.unlabelled_noise == "none":
+        return list(data)
+    return [dataclasses.replace(d, unlabelled=degrade_pool(d.unlabelled, protocol.unlabelled_noise,
+                                                           protocol.seed + d.session.index))
+            if d.unlabelled is not None else d for d in data]
+
+
 def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str], out: str | Path,
                   cache_dir: str | Path | None = None, progress: bool = True, echo=print,
                   data: Sequence[SessionData] | None = None) -> dict:
@@ -106,9 +131,11 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
     handler = _setup_logging(out)
     try:
         if data is None:
-            data = load_or_generate(protocol, cache_dir, progress=lambda msg: echo(f"[data] {msg}"))
+            data = load_data(protocol, cache_dir, echo)
         elif len(data) != len(protocol.sessions):
             raise ConfigError(f"{protocol.path}: {len(protocol.sessions)} sessions but data for {len(data)} were given")
+        else:
+            data = apply_unlabelled_noise(protocol, data)
         (out / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
         if Path(protocol.path).is_file():
             shutil.copyfile(protocol.path, out / "protocol.yaml")
@@ -131,11 +158,7 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
             if not method.changes_base_session:
                 base_dir = out / "base"
                 if shared_base is None:
-                    if not (base_dir / "metrics.json").exists():
-                        echo(f"[{method.name}] session 0 ({protocol.sessions[0].name}): training the shared base model")
-                        base_trainer = ContinualTrainer(protocol, config, Method("base"), data, progress=progress)
-                        model = base_trainer.new_model(len(protocol.seen_classes(0)))
-                        base_trainer.run_session(0, model, PrototypeStore(), base_dir)
+                    ensure_base(protocol, config, data, base_dir, progress, echo)
                     shared_base = base_dir
                 model, store, record = trainer.load_session(shared_base, 0)
                 records.append(record)

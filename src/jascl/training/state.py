@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -21,6 +21,9 @@ class LoopState:
 
     Attributes:
         seen: global class ids covered by the classifier, in row order (row 0 = background).
+        new_model: builds a fresh model of the same architecture with K classes (e.g. a teacher).
+        compute_prototypes: eq. 2 prototypes of the given classes from the session's labelled
+            data with the current model (training modes are restored afterwards).
         losses: named loss terms of the current iteration; the loop sums them.
         output: the model output of the current training iteration.
         batch: the current batch (``image`` (B, C, *spatial), ``label`` (B, *spatial) global ids).
@@ -35,6 +38,9 @@ class LoopState:
     device: torch.device
     prototypes: PrototypeStore
     seen: list[int]
+    seed: int = 0
+    new_model: Callable[[int], Segmenter] | None = None
+    compute_prototypes: Callable[[list[int]], dict[int, torch.Tensor]] | None = None
     optimizer: torch.optim.Optimizer | None = None
     epoch: int = 0
     iteration: int = 0

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader
@@ -34,6 +35,12 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def _repeat(loader: DataLoader) -> Iterator[dict]:
+    """Iterate ``loader`` again and again (a fresh shuffle and augmentation each pass)."""
+    while True:
+        yield from loader
 
 
 def _write_json(path: Path, payload: dict) -> None:
@@ -105,13 +112,19 @@ class ContinualTrainer:
 
     @torch.no_grad()
     def compute_prototypes(self, model: Segmenter, t: int, classes: list[int]) -> dict[int, torch.Tensor]:
-        """Eq. 2 prototypes of ``classes`` from session ``t``'s labelled data (eval mode, no GAS noise)."""
+        """Eq. 2 prototypes of ``classes`` from session ``t``'s labelled data (eval mode, no GAS noise).
+
+        The train/eval mode of every module is restored afterwards.
+        """
+        modes = {m: m.training for m in model.modules()}
         model.eval()
         acc = PrototypeAccumulator(classes)
         loader = DataLoader(self._labelled_dataset(t, augment=False), batch_size=self.config.batch_size)
         for batch in loader:
             out = model.forward_features(batch["image"].to(self.device))
             acc.update(out.features, batch["label"].to(self.device))
+        for module, mode in modes.items():
+            module.train(mode)
         return acc.compute()
 
     def _grow(self, model: Segmenter, t: int) -> None:
@@ -150,7 +163,9 @@ class ContinualTrainer:
             self._grow(model, t)
         frozen = self._freeze(model, t)
         seen = protocol.seen_classes(t)
-        state = LoopState(protocol, cfg, self.method, session, self.data[t], model, self.device, prototypes, seen)
+        state = LoopState(protocol, cfg, self.method, session, self.data[t], model, self.device, prototypes, seen,
+                          seed=self.seed, new_model=self.new_model,
+                          compute_prototypes=lambda classes: self.compute_prototypes(model, t, classes))
         self.method.fire("before_session", state)
 
         params = [p for p in model.parameters() if p.requires_grad]
@@ -170,7 +185,8 @@ class ContinualTrainer:
                 module.eval()
             self.method.fire("before_epoch", state)
             running, steps = 0.0, 0
-            for batch in loader:
+            n_steps = max(len(loader), self.method.epoch_iterations(state))
+            for batch in itertools.islice(_repeat(loader), n_steps):
                 state.batch = batch
                 self.method.fire("before_iteration", state)
                 x = batch["image"].to(self.device)
@@ -209,6 +225,8 @@ class ContinualTrainer:
         self.method.fire("after_session", state)
 
         record = self.session_record(t, result)
+        if "pseudo_labels" in state.metrics:
+            record["pseudo_labels"] = state.metrics["pseudo_labels"]
         record["seconds"] = round(time.time() - started, 1)
         out_dir.mkdir(parents=True, exist_ok=True)
         save_model(model, out_dir / "model.safetensors",

@@ -1,0 +1,199 @@
+"""Mean teacher on the session's unlabelled pool, with PAS or confidence-only pseudo-label filtering."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+from monai.transforms import Compose, RandAdjustContrast, RandGaussianNoise, RandScaleIntensity
+from torch.utils.data import DataLoader, Dataset
+
+from jascl.methods.base import Plugin
+from jascl.methods.gas import clean_state_dict
+from jascl.methods.pas import FilterCounters, asymptotic_error, consistency_loss, ema_update, pas_filter, prototype_matrix
+
+if TYPE_CHECKING:
+    from jascl.data.synthetic import Split
+    from jascl.training.state import LoopState
+
+log = logging.getLogger("jascl")
+
+
+class UnlabelledDataset(Dataset):
+    """Unlabelled images; the hidden ground truth rides along for *measurement only* (never a loss)."""
+
+    def __init__(self, split: "Split") -> None:
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"image": torch.from_numpy(self.split.images[index]).float(),
+                "truth": torch.from_numpy(self.split.labels[index].astype("int64"))}
+
+
+def _repeat(loader: DataLoader) -> Iterator[dict]:
+    while True:
+        yield from loader
+
+
+def view_transform(seed: int) -> Compose:
+    """Intensity-only augmentation (pixels stay aligned between the student's and the teacher's views)."""
+    return Compose([
+        RandScaleIntensity(factors=0.1, prob=1.0),
+        RandAdjustContrast(gamma=(0.8, 1.25), prob=1.0),
+        RandGaussianNoise(std=0.03, prob=1.0),
+    ]).set_random_state(seed)
+
+
+class MeanTeacherPlugin(Plugin):
+    """Student-teacher consistency on unlabelled data, filtered by PAS (or by confidence only).
+
+    In every incremental session with an unlabelled pool the teacher starts as a
+    copy of the student and follows it by EMA after every optimiser step (the
+    standard mean teacher; the authors' code applies one EMA step per
+    unlabelled phase, which leaves the teacher almost at its starting point).
+    From ``start_epoch`` on, every ``every`` epochs is an *unlabelled phase*:
+    the epoch makes one pass over the unlabelled pool, each step pairing a
+    labelled batch with an unlabelled one, and adds
+    ``weight * L_consistency`` (eq. 5) on the pixels valid for both models.
+    Prototypes for PAS are recomputed from the session's labelled data at the
+    start of every phase (as the authors do), falling back to stored ones.
+
+    Args:
+        filter: "pas" (confidence and prototype similarity) or "confidence".
+        tau_conf, tau_sim: thresholds (paper: 0.7 / 0.7).
+        weight: lambda_cons (authors, medical: 0.05).
+        ema_decay: teacher EMA decay (authors: 0.99).
+        start_epoch, every: unlabelled-phase schedule (authors' medical code: every 25 epochs).
+        batch_size: unlabelled batch size (default: the labelled one).
+    """
+
+    name = "cons"
+
+    def __init__(self, filter: str = "pas", tau_conf: float = 0.7, tau_sim: float = 0.7, weight: float = 0.05,
+                 ema_decay: float = 0.99, start_epoch: int = 25, every: int = 25, batch_size: int | None = None) -> None:
+        if filter not in ("pas", "confidence"):
+            raise ValueError(f"filter must be 'pas' or 'confidence', got {filter!r}")
+        self.filter = filter
+        self.tau_conf, self.tau_sim = tau_conf, tau_sim
+        self.weight = weight
+        self.ema_decay = ema_decay
+        self.start_epoch, self.every = start_epoch, every
+        self.batch_size = batch_size
+        self.teacher = None
+        self._batches: Iterator | None = None
+        self._loader: DataLoader | None = None
+        self._protos: torch.Tensor | None = None
+        self._phase = False
+
+    # ---------------------------------------------------------------- events
+
+    def before_session(self, state: "LoopState") -> None:
+        self.teacher = None
+        pool = state.data.unlabelled
+        if state.session.index == 0 or pool is None or len(pool) == 0:
+            return
+        self.teacher = state.new_model(state.model.num_classes)
+        self.teacher.load_state_dict(clean_state_dict(state.model))
+        self.teacher.eval().requires_grad_(False)
+        generator = torch.Generator().manual_seed(state.seed * 7919 + state.session.index)
+        self._loader = DataLoader(UnlabelledDataset(pool), batch_size=self.batch_size or state.config.batch_size,
+                                  shuffle=True, generator=generator)
+        self._views = (view_transform(state.seed + 1), view_transform(state.seed + 2))
+        self.counters = FilterCounters()
+        self.conf_counters = FilterCounters()  # confidence-only filter on the same predictions, for comparison
+        self.eps0: float | None = None
+        self.phases = 0
+
+    def _is_phase(self, epoch: int) -> bool:
+        return epoch >= self.start_epoch and (epoch - self.start_epoch) % max(self.every, 1) == 0
+
+    def epoch_iterations(self, state: "LoopState") -> int | None:
+        if self.teacher is not None and self._is_phase(state.epoch):
+            return len(self._loader)
+        return None
+
+    def before_epoch(self, state: "LoopState") -> None:
+        self._phase = self.teacher is not None and self._is_phase(state.epoch)
+        if not self._phase:
+            return
+        self._batches = _repeat(self._loader)
+        if self.filter == "pas":
+            current = state.compute_prototypes([0, *state.session.classes])
+            self._protos = prototype_matrix(state.seen, current, state.prototypes,
+                                            state.model.backbone.feature_channels).to(state.device)
+        if self.eps0 is None:  # the student trained on labelled data only so far
+            self.eps0 = self.pool_error(state, state.model)
+        self.phases += 1
+
+    def _view(self, images: torch.Tensor, which: int) -> torch.Tensor:
+        t = self._views[which]
+        return torch.stack([torch.as_tensor(t(img)) for img in images]).float()
+
+    def after_forward(self, state: "LoopState") -> None:
+        if not self._phase:
+            return
+        batch = next(self._batches)
+        images = batch["image"]
+        x_s = self._view(images, 0).to(state.device)
+        x_t = self._view(images, 1).to(state.device)
+        out_s = state.model.forward_features(x_s)
+        with torch.no_grad():
+            out_t = self.teacher.forward_features(x_t)
+        protos = self._protos if self.filter == "pas" else None
+        s = pas_filter(out_s.logits.detach(), out_s.features.detach(), protos, self.tau_conf, self.tau_sim)
+        t = pas_filter(out_t.logits, out_t.features, protos, self.tau_conf, self.tau_sim)
+        valid = s.valid & t.valid
+        state.losses[self.name] = self.weight * consistency_loss(out_s.logits, out_t.logits, valid)
+        seen = torch.as_tensor(state.seen, device=state.device)
+        truth = batch["truth"].to(state.device)
+        self.counters.update(valid, seen[t.pred], truth)
+        conf_only = (s.conf > self.tau_conf) & (t.conf > self.tau_conf)
+        self.conf_counters.update(conf_only, seen[t.pred], truth)
+
+    def after_update(self, state: "LoopState") -> None:
+        if self.teacher is not None:
+            ema_update(self.teacher, clean_state_dict(state.model), self.ema_decay)
+
+    @torch.no_grad()
+    def pool_error(self, state: "LoopState", model: torch.nn.Module) -> float:
+        """Pixel error rate of ``model`` on the unlabelled pool (hidden ground truth), GAS noise off."""
+        seen = torch.as_tensor(state.seen, device=state.device)
+        wrong = total = 0
+        modes = {m: m.training for m in model.modules()}
+        model.eval()
+        for batch in DataLoader(UnlabelledDataset(state.data.unlabelled), batch_size=self._loader.batch_size):
+            pred = seen[model(batch["image"].to(state.device)).argmax(1)]
+            truth = batch["truth"].to(state.device)
+            wrong += int((pred != truth).sum())
+            total += truth.numel()
+        for m, mode in modes.items():
+            m.train(mode)
+        return wrong / total if total else float("nan")
+
+    def after_training(self, state: "LoopState") -> None:
+        if self.teacher is None:
+            return
+        c = self.counters
+        gamma = self.weight / (1.0 + self.weight)
+        eps_final = self.pool_error(state, self.teacher)
+        eps0 = self.eps0 if self.eps0 is not None else eps_final
+        stats = {
+            "filter": self.filter, "phases": self.phases, "coverage": c.coverage, "precision": c.precision,
+            "confidence_only_coverage": self.conf_counters.coverage,
+            "confidence_only_precision": self.conf_counters.precision,
+            "gamma": gamma, "eps0": eps0,
+            "eps_inf_predicted": asymptotic_error(c.coverage, c.precision, gamma, eps0) if c.kept else eps0,
+            "teacher_error_final": eps_final,
+        }
+        state.metrics["pseudo_labels"] = stats
+        log.info("session %d pseudo-labels: %s", state.session.index,
+                 ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
+
+    def after_session(self, state: "LoopState") -> None:
+        self.teacher = None
+        self._loader = None
+        self._batches = None

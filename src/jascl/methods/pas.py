@@ -1,0 +1,154 @@
+"""Prototype anchored supervision (PAS), paper eqs. 3-5, as pure functions on tensors.
+
+For every unlabelled pixel/voxel and for each of student and teacher:
+predicted class c' = argmax softmax, confidence = max softmax, and the cosine
+similarity of the pixel's feature to the prototype of c' (eq. 3). A pseudo-label
+is valid when conf > tau_conf and sim > tau_sim; the consistency loss (eq. 5)
+is the mean squared difference of the student's and the teacher's softmax
+outputs over the pixels valid for *both*.
+
+Differences from the authors' code, on purpose: their consistency term is an
+MSE between two hard, filtered label maps cast to float (no gradient reaches
+the student), and their prototypes are looked up by position in a
+concatenated dict. Here the loss is the paper's (soft, differentiable in the
+student) and prototypes are looked up by class id (:func:`prototype_matrix`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from jascl.methods.prototypes import PrototypeStore
+
+
+@dataclass
+class PseudoLabels:
+    """Per-pixel outputs of the PAS filter for one model.
+
+    Shapes: (B, *spatial) for all fields; ``pred`` holds classifier rows.
+    """
+
+    pred: torch.Tensor
+    conf: torch.Tensor
+    sim: torch.Tensor
+    valid: torch.Tensor
+
+
+def prototype_matrix(seen: list[int], current: dict[int, torch.Tensor], store: PrototypeStore,
+                     dim: int) -> torch.Tensor:
+    """(K, D) prototypes aligned with the classifier rows ``seen`` (looked up by class id).
+
+    The session's own prototypes (``current``) take precedence; otherwise the
+    newest stored one. Rows of classes with no prototype are NaN, which makes
+    their similarity NaN and their pixels invalid.
+    """
+    rows = []
+    for c in seen:
+        p = current.get(c)
+        if p is None:
+            p = store.latest(c)
+        rows.append(p.float() if p is not None else torch.full((dim,), float("nan")))
+    return torch.stack(rows)
+
+
+def pas_filter(logits: torch.Tensor, features: torch.Tensor, prototypes: torch.Tensor | None, tau_conf: float,
+               tau_sim: float) -> PseudoLabels:
+    """The PAS validity test (eqs. 3-4) for one model.
+
+    Args:
+        logits: (B, K, *spatial) classifier outputs.
+        features: (B, D, *spatial') features before the classifier (resized to
+            the logits' size if they differ).
+        prototypes: (K, D) prototype per classifier row, or None for the
+            confidence-only filter (sim is then +1 everywhere).
+        tau_conf, tau_sim: thresholds; a pixel is valid iff conf > tau_conf and sim > tau_sim.
+    """
+    probs = torch.softmax(logits.float(), dim=1)
+    conf, pred = probs.max(dim=1)
+    if prototypes is None:
+        sim = torch.ones_like(conf)
+    else:
+        if features.shape[2:] != logits.shape[2:]:
+            mode = "bilinear" if features.dim() == 4 else "trilinear"
+            features = F.interpolate(features, size=logits.shape[2:], mode=mode, align_corners=False)
+        f = F.normalize(features.float(), dim=1)
+        p = F.normalize(prototypes.to(f), dim=1)  # NaN rows stay NaN
+        chosen = p[pred]  # (B, *spatial, D)
+        sim = (f.movedim(1, -1) * chosen).sum(-1)
+    valid = (conf > tau_conf) & (sim > tau_sim)  # NaN similarity compares False
+    return PseudoLabels(pred, conf, sim, valid)
+
+
+def consistency_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Eq. 5: mean over valid pixels of || softmax(student) - softmax(teacher) ||_2^2.
+
+    The teacher side is detached. An empty valid set gives 0 (still attached to
+    the student's graph, so ``backward`` works) instead of NaN.
+
+    Args:
+        student_logits, teacher_logits: (B, K, *spatial).
+        valid: (B, *spatial) bool, pixels valid for both models.
+    """
+    p_s = torch.softmax(student_logits.float(), dim=1)
+    p_t = torch.softmax(teacher_logits.detach().float(), dim=1)
+    per_pixel = ((p_s - p_t) ** 2).sum(dim=1)
+    count = valid.sum()
+    if count == 0:
+        return per_pixel.sum() * 0.0
+    return (per_pixel * valid).sum() / count
+
+
+@dataclass
+class FilterCounters:
+    """Counts for coverage f and precision rho of kept pseudo-labels against hidden ground truth."""
+
+    total: int = 0
+    kept: int = 0
+    correct: int = 0
+    evaluated: int = 0  # kept pixels with known ground truth
+
+    def update(self, valid: torch.Tensor, pred_ids: torch.Tensor, truth: torch.Tensor | None) -> None:
+        """``pred_ids`` and ``truth`` hold global class ids; truth 255 = unknown."""
+        self.total += int(valid.numel())
+        self.kept += int(valid.sum())
+        if truth is not None:
+            known = valid & (truth != 255)
+            self.evaluated += int(known.sum())
+            self.correct += int((known & (pred_ids == truth)).sum())
+
+    @property
+    def coverage(self) -> float:
+        return self.kept / self.total if self.total else float("nan")
+
+    @property
+    def precision(self) -> float:
+        return self.correct / self.evaluated if self.evaluated else float("nan")
+
+
+def asymptotic_error(f: float, rho: float, gamma: float, eps0: float) -> float:
+    """Theorem "Asymptotic Error With PAS": eps_inf = (1 - f*gamma) * eps0 / (1 - f*gamma*(1 - rho)).
+
+    Args:
+        f: coverage (fraction of pseudo-labels kept).
+        rho: precision of the kept pseudo-labels.
+        gamma: weight of pseudo-labels in the student's training signal, in (0, 1).
+        eps0: error rate with labelled data only.
+    """
+    return (1.0 - f * gamma) * eps0 / (1.0 - f * gamma * (1.0 - rho))
+
+
+@torch.no_grad()
+def ema_update(teacher: torch.nn.Module, student_state: dict[str, torch.Tensor], decay: float) -> None:
+    """teacher <- decay * teacher + (1 - decay) * student, for every floating parameter and buffer.
+
+    ``student_state`` is a clean state dict of the student (same keys as the teacher's).
+    """
+    for name, t in teacher.state_dict().items():
+        s = student_state[name]
+        if t.dtype.is_floating_point:
+            t.mul_(decay).add_(s.to(t), alpha=1.0 - decay)
+        else:
+            t.copy_(s)

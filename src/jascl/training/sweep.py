@@ -1,0 +1,123 @@
+"""Grids of runs for the paper's sensitivity and ablation studies (``jascl sweep``).
+
+Every grid point is a full run of one method into ``<out>/<grid>/<point>/``;
+all points share one base-session model (``<out>/base``), so a sweep costs the
+incremental sessions only. Points and sessions already finished are reused, so
+an interrupted sweep resumes where it stopped. The collected table is written
+to ``<out>/sweep.{md,csv,json}``.
+
+Grids (the paper's tables):
+
+* ``eps``: GAS epsilon in {1e-6, 1e-7, 1e-8, 1e-9} (sensitivity table)
+* ``sigma2``: GAS noise variance in {0.1, 1, 10} (sensitivity table)
+* ``shots``: K in {3, 4, 5} for every incremental session (sensitivity table)
+* ``tau``: tau_conf x tau_sim in {0.6, 0.7, 0.8}^2 with retention % (the
+  "Retention analysis" table: retention = fraction of unlabelled pixels
+  passing both filters for both student and teacher)
+* ``gas-layer``: GAS on an encoder layer, a decoder layer or the classifier,
+  with the whole network trainable (``freeze_incremental=none``), as in the
+  paper's layer-choice appendix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+from jascl.errors import ConfigError
+from jascl.protocols.schema import Protocol
+from jascl.results.report import _atomic_write_text, _md_table, write_json
+from jascl.training.config import resolve_config
+from jascl.training.runner import ensure_base, load_data, run_benchmark
+
+GRIDS: dict[str, list[dict[str, object]]] = {
+    "eps": [{"gas.eps": v} for v in (1e-6, 1e-7, 1e-8, 1e-9)],
+    "sigma2": [{"gas.sigma2": v} for v in (0.1, 1.0, 10.0)],
+    "shots": [{"shots": k} for k in (3, 4, 5)],
+    "tau": [{"pas.tau_conf": c, "pas.tau_sim": s} for c in (0.6, 0.7, 0.8) for s in (0.6, 0.7, 0.8)],
+    "gas-layer": [{"gas.layer": layer, "freeze_incremental": "none"} for layer in ("encoder", "decoder", "classifier")],
+}
+
+
+def with_shots(protocol: Protocol, shots: int) -> Protocol:
+    """The protocol with K = ``shots`` in every incremental session."""
+    sessions = tuple(s if s.shots is None else dataclasses.replace(s, shots=shots) for s in protocol.sessions)
+    return dataclasses.replace(protocol, sessions=sessions, name=f"{protocol.name}-k{shots}")
+
+
+def _point_name(point: dict[str, object]) -> str:
+    return ",".join(f"{k.split('.')[-1]}={v}" for k, v in point.items())
+
+
+def _mean(values: Sequence[float]) -> float:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def run_sweep(protocol: Protocol, grids: Sequence[str], out: str | Path, method: str = "jascl",
+              config_file: str | Path | None = None, overrides: Sequence[str] = (),
+              cache_dir: str | Path | None = None, progress: bool = True, echo=print) -> list[dict]:
+    """Run every point of ``grids`` for ``method`` and write the sweep table; returns its rows."""
+    unknown = [g for g in grids if g not in GRIDS]
+    if unknown or not grids:
+        raise ConfigError(f"--grid {','.join(unknown) or '(none)'}: choose from {', '.join(GRIDS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    base_config = resolve_config(protocol.training, protocol.path, config_file, list(overrides))
+    ensure_base(protocol, base_config, load_data(protocol, cache_dir, echo), out / "base", progress, echo)
+    rows = []
+    for grid in grids:
+        for point in GRIDS[grid]:
+            point_protocol = protocol
+            point_overrides = list(overrides)
+            for key, value in point.items():
+                if key == "shots":
+                    point_protocol = with_shots(protocol, int(value))
+                else:
+                    point_overrides.append(f"{key}={value}")
+            config = resolve_config(protocol.training, protocol.path, config_file, point_overrides)
+            folder = out / grid / _point_name(point)
+            folder.mkdir(parents=True, exist_ok=True)
+            link = folder / "base"
+            if not link.exists():
+                try:
+                    os.symlink(os.path.relpath(out / "base", folder), link)
+                except OSError:  # file systems without symlinks
+                    shutil.copytree(out / "base", link)
+            echo(f"[sweep] {grid}: {_point_name(point)}")
+            results = run_benchmark(point_protocol, config, [method], folder, cache_dir=cache_dir,
+                                    progress=progress, echo=echo)
+            m = results["methods"][method]
+            sessions = m["sessions"]
+            pls = [s["pseudo_labels"] for s in sessions if "pseudo_labels" in s]
+            rows.append({
+                "grid": grid, "point": _point_name(point), **{k: v for k, v in point.items()},
+                "last_all": sessions[-1]["all"], "last_base": sessions[-1]["base"], "total_drop": m["total_drop"],
+                "retention_pct": 100 * _mean([p["coverage"] for p in pls]) if pls else math.nan,
+                "precision": _mean([p["precision"] for p in pls]) if pls else math.nan,
+            })
+    write_sweep(rows, out, protocol, method)
+    return rows
+
+
+def sweep_table(rows: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
+    header = ["grid", "point", "last all", "last base", "Total Drop (%)", "retention (%)", "precision"]
+
+    def f(v: float, fmt: str) -> str:
+        return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+    body = [[r["grid"], r["point"], f(r["last_all"], ".3f"), f(r["last_base"], ".3f"), f(r["total_drop"], ".1f"),
+             f(r["retention_pct"], ".1f"), f(r["precision"], ".3f")] for r in rows]
+    return header, body
+
+
+def write_sweep(rows: Sequence[dict], out: Path, protocol: Protocol, method: str) -> None:
+    header, body = sweep_table(rows)
+    title = f"## sweep: {method} on {protocol.name} (seed {protocol.seed}); scores = mean Dice/IoU over foreground classes"
+    _atomic_write_text(out / "sweep.md", f"{title}\n\n{_md_table(header, body)}\n")
+    _atomic_write_text(out / "sweep.csv", "\n".join(",".join(map(str, r)) for r in [header, *body]) + "\n")
+    write_json({"protocol": protocol.name, "seed": protocol.seed, "method": method, "rows": list(rows)}, out / "sweep.json")

@@ -1,0 +1,119 @@
+"""PAS (eqs. 3-5) on hand-made tensors, the EMA update, the counters and the noisy-pool degradation."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from jascl.data.noise import boundary_mask, degrade, degrade_pool
+from jascl.data.synthetic import Split
+from jascl.methods.pas import (FilterCounters, asymptotic_error, consistency_loss, ema_update, pas_filter,
+                               prototype_matrix)
+from jascl.methods.prototypes import PrototypeStore
+
+
+def _logits_for(probs):
+    return torch.log(torch.tensor(probs))
+
+
+def test_validity_mask_by_hand():
+    # 1 image, 2 classes, 1x3 pixels: softmax confidences 0.9 / 0.65 / 0.8 (class 0, 0, 1)
+    probs = torch.tensor([[0.9, 0.65, 0.2], [0.1, 0.35, 0.8]]).reshape(1, 2, 1, 3)
+    logits = torch.log(probs)
+    # features (D = 2): pixel 0 along class-0 prototype, pixel 1 along it too, pixel 2 at 90 deg to class 1's
+    feats = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]).reshape(1, 2, 1, 3)
+    protos = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    out = pas_filter(logits, feats, protos, tau_conf=0.7, tau_sim=0.7)
+    assert out.pred.tolist() == [[[0, 0, 1]]]
+    assert torch.allclose(out.conf, torch.tensor([[[0.9, 0.65, 0.8]]]))
+    assert torch.allclose(out.sim, torch.tensor([[[1.0, 1.0, 0.0]]]))
+    # pixel 0 passes both; pixel 1 fails confidence; pixel 2 fails similarity
+    assert out.valid.tolist() == [[[True, False, False]]]
+    conf_only = pas_filter(logits, feats, None, 0.7, 0.7)
+    assert conf_only.valid.tolist() == [[[True, False, True]]]
+
+
+def test_class_without_prototype_is_never_valid():
+    logits = torch.tensor([[[[5.0]], [[0.0]]]])  # class 0, very confident
+    feats = torch.ones(1, 2, 1, 1)
+    protos = torch.tensor([[float("nan"), float("nan")], [0.0, 1.0]])
+    assert not pas_filter(logits, feats, protos, 0.7, 0.0).valid.any()
+
+
+def test_prototype_lookup_by_class_id():
+    store = PrototypeStore()
+    store.add(0, {0: torch.tensor([1.0, 0.0]), 4: torch.tensor([0.0, 1.0])})
+    store.add(1, {0: torch.tensor([0.6, 0.8])})
+    m = prototype_matrix([0, 4, 9], current={9: torch.tensor([0.5, 0.5])}, store=store, dim=2)
+    assert torch.allclose(m[0], torch.tensor([0.6, 0.8]))  # newest stored background
+    assert torch.allclose(m[1], torch.tensor([0.0, 1.0]))  # class 4 by id, not by position
+    assert torch.allclose(m[2], torch.tensor([0.5, 0.5]))  # the session's own prototype
+
+
+def test_consistency_loss_by_hand_and_empty_set():
+    # student softmax (0.5, 0.5) vs teacher (1, 0) (almost): squared difference 0.25 + 0.25 = 0.5 per pixel
+    s = torch.zeros(1, 2, 1, 2, requires_grad=True)
+    t = torch.tensor([[[[30.0, 30.0]], [[0.0, 0.0]]]])
+    valid = torch.tensor([[[True, False]]])
+    loss = consistency_loss(s, t, valid)
+    assert loss.item() == pytest.approx(0.5, rel=1e-6)
+    loss.backward()
+    assert s.grad is not None and s.grad.abs().sum() > 0  # the student gets a gradient
+    # empty valid set: exactly 0, no NaN, and backward still works
+    s2 = torch.zeros(1, 2, 1, 2, requires_grad=True)
+    empty = consistency_loss(s2, t, torch.zeros(1, 1, 2, dtype=torch.bool))
+    assert empty.item() == 0.0 and not math.isnan(empty.item())
+    empty.backward()
+
+
+def test_ema_update_by_hand():
+    teacher, student = nn.Linear(1, 1), nn.Linear(1, 1)
+    with torch.no_grad():
+        teacher.weight.fill_(1.0), teacher.bias.fill_(0.0)
+        student.weight.fill_(3.0), student.bias.fill_(2.0)
+    ema_update(teacher, student.state_dict(), decay=0.99)
+    assert teacher.weight.item() == pytest.approx(0.99 * 1 + 0.01 * 3)
+    assert teacher.bias.item() == pytest.approx(0.02)
+
+
+def test_counters_coverage_and_precision():
+    c = FilterCounters()
+    valid = torch.tensor([True, True, True, False, False, True])
+    pred = torch.tensor([1, 2, 0, 0, 5, 3])
+    truth = torch.tensor([1, 2, 1, 0, 5, 255])  # last pixel: unknown ground truth
+    c.update(valid, pred, truth)
+    assert c.coverage == pytest.approx(4 / 6)
+    assert c.precision == pytest.approx(2 / 3)  # of 3 kept pixels with known truth, 2 correct
+
+
+def test_asymptotic_error_theorem_edge_cases():
+    # rho = 0 recovers eps0; rho = 1 gives (1 - f gamma) eps0; decreasing in rho
+    assert asymptotic_error(0.5, 0.0, 0.4, 0.2) == pytest.approx(0.2)
+    assert asymptotic_error(0.5, 1.0, 0.4, 0.2) == pytest.approx(0.8 * 0.2)
+    assert asymptotic_error(0.5, 0.9, 0.4, 0.2) < asymptotic_error(0.5, 0.5, 0.4, 0.2)
+
+
+def test_degradation_mostly_near_boundaries():
+    img = torch.zeros(1, 48, 48)
+    img[0, 12:36, 12:36] = 1.0
+    mask = boundary_mask(img)
+    assert mask.max() == pytest.approx(1.0) and mask[24, 24] < 0.05 and mask[2, 2] < 0.05
+    out = degrade(img, np.random.default_rng(0), "heavy")
+    change = (out - img).abs()[0]
+    near = mask > 0.5
+    far = mask < 0.05
+    assert change[near].mean() > 5 * change[far].mean()
+
+
+def test_pool_degrades_seventy_percent():
+    rng = np.random.default_rng(0)
+    images = np.zeros((10, 1, 32, 32), np.float32)
+    images[:, :, 8:24, 8:24] = 1.0
+    images += rng.normal(0, 0.01, size=images.shape).astype(np.float32)
+    split = Split(images, np.zeros((10, 32, 32), np.uint8), [str(i) for i in range(10)])
+    out = degrade_pool(split, "moderate", seed=1)
+    changed = [not np.array_equal(a, b) for a, b in zip(split.images, out.images)]
+    assert sum(changed) == 7 and out.ids == split.ids and out.labels is split.labels
+    assert degrade_pool(split, "none", seed=1) is split
