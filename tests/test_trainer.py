@@ -226,7 +226,7 @@ def test_ablate_flag_maps_to_component_switches():
     from jascl.cli import _protocol_and_overrides
 
     args = argparse.Namespace(protocol="synthetic-2d", seed=None, set=["epochs_base=3"], backbone=None, device=None,
-                              eval_mode=None, ablate="gas,proto")
+                              eval_mode=None, weights=None, ablate="gas,proto")
     protocol, overrides = _protocol_and_overrides(args)
     assert overrides == ["epochs_base=3", "jascl.gas=false", "jascl.replay=false"]
     from jascl.training.config import resolve_config

@@ -34,7 +34,7 @@ def _protocol_and_overrides(args: argparse.Namespace):
     if args.seed is not None:
         protocol = dataclasses.replace(protocol, seed=args.seed)
     overrides = list(args.set or [])
-    for flag, key in (("backbone", "backbone"), ("device", "device"), ("eval_mode", "eval_mode")):
+    for flag, key in (("backbone", "backbone"), ("device", "device"), ("eval_mode", "eval_mode"), ("weights", "weights")):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--ablate", default=None, metavar="PARTS",
                        help="switch JASCL components off: any of gas,pas,proto (comma-separated)")
         p.add_argument("--backbone", default=None, help="backbone name (see 'jascl backbones')")
+        p.add_argument("--weights", default=None, metavar="PATH",
+                       help="local pretrained backbone weights (.safetensors, or .pth loaded with weights_only=True)")
         p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:1, ...")
         p.add_argument("--eval-mode", dest="eval_mode", default=None, choices=["sliding-window", "authors"])
         p.add_argument("--cache-dir", default=None, help="where generated data is cached (default $JASCL_CACHE or ~/.cache/jascl)")
@@ -191,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     protocols.set_defaults(func=cmd_protocols)
     sub.add_parser("methods", help="list registered methods").set_defaults(func=cmd_methods)
     sub.add_parser("backbones", help="list registered backbones").set_defaults(func=cmd_backbones)
+    from jascl.networks.info import add_model_info_parser
+
+    add_model_info_parser(sub)
     return parser
 
 

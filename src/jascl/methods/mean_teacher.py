@@ -105,6 +105,8 @@ class MeanTeacherPlugin(Plugin):
         self._views = (view_transform(state.seed + 1), view_transform(state.seed + 2))
         self.counters = FilterCounters()
         self.conf_counters = FilterCounters()  # confidence-only filter on the same predictions, for comparison
+        self.fg_counters = FilterCounters()  # the same two, restricted to foreground pseudo-labels
+        self.fg_conf_counters = FilterCounters()
         self.eps0: float | None = None
         self.phases = 0
 
@@ -150,9 +152,13 @@ class MeanTeacherPlugin(Plugin):
         state.losses[self.name] = self.weight * consistency_loss(out_s.logits, out_t.logits, valid)
         seen = torch.as_tensor(state.seen, device=state.device)
         truth = batch["truth"].to(state.device)
-        self.counters.update(valid, seen[t.pred], truth)
+        pred_ids = seen[t.pred]
         conf_only = (s.conf > self.tau_conf) & (t.conf > self.tau_conf)
-        self.conf_counters.update(conf_only, seen[t.pred], truth)
+        self.counters.update(valid, pred_ids, truth)
+        self.conf_counters.update(conf_only, pred_ids, truth)
+        foreground = pred_ids != 0
+        self.fg_counters.update(valid & foreground, pred_ids, truth)
+        self.fg_conf_counters.update(conf_only & foreground, pred_ids, truth)
 
     def after_update(self, state: "LoopState") -> None:
         if self.teacher is not None:
@@ -185,6 +191,8 @@ class MeanTeacherPlugin(Plugin):
             "filter": self.filter, "phases": self.phases, "coverage": c.coverage, "precision": c.precision,
             "confidence_only_coverage": self.conf_counters.coverage,
             "confidence_only_precision": self.conf_counters.precision,
+            "foreground_precision": self.fg_counters.precision,
+            "confidence_only_foreground_precision": self.fg_conf_counters.precision,
             "gamma": gamma, "eps0": eps0,
             "eps_inf_predicted": asymptotic_error(c.coverage, c.precision, gamma, eps0) if c.kept else eps0,
             "teacher_error_final": eps_final,

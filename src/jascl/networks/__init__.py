@@ -1,6 +1,6 @@
 """Backbones behind one interface, the growable classifier and the segmenter."""
 
-from jascl.networks import unet  # noqa: F401  (registers the U-Net backbones)
+from jascl.networks import authors_unet, deeplab, medformer, sam, swinunetr, unet  # noqa: F401  (register the backbones)
 from jascl.networks.base import BACKBONES, Backbone, Segmenter, SegmenterOutput, create_segmenter
 from jascl.networks.classifier import PixelClassifier
 

@@ -29,6 +29,22 @@ class Backbone(nn.Module):
     #: input sizes must be multiples of this, and at least twice it (None = any size)
     size_divisor: int | None = None
 
+    def frozen_modules(self) -> list[nn.Module]:
+        """Modules that stay frozen in every session, the base session included.
+
+        A pretrained foundation encoder (SAM's image encoder) is one. Subclasses
+        set ``requires_grad=False`` on these modules' parameters themselves; the
+        list tells the trainer's freezing policy never to unfreeze them, and
+        :meth:`train` keeps them in eval mode. Default: none.
+        """
+        return []
+
+    def train(self, mode: bool = True) -> "Backbone":
+        super().train(mode)
+        for module in self.frozen_modules():
+            module.train(False)  # frozen means frozen: no dropout, no running-statistics updates
+        return self
+
     def check_input_size(self, size: tuple[int, ...], what: str) -> None:
         """Raise a ConfigError if a training patch / image size does not fit this backbone."""
         d = self.size_divisor

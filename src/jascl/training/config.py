@@ -73,6 +73,8 @@ class RunConfig:
     Attributes:
         backbone: registered backbone name (``jascl backbones``).
         backbone_args: keyword arguments of the backbone factory.
+        weights: local pretrained backbone weights (safetensors, or .pth read with
+            ``weights_only=True``) loaded into the session-0 model; never downloaded.
         classifier: "cosine" (authors: L2-normalised, temperature 10, no bias) or "linear".
         temperature: cosine classifier logit scale.
         epochs_base / epochs_incremental: epochs of session 0 / later sessions.
@@ -94,6 +96,7 @@ class RunConfig:
 
     backbone: str = "unet"
     backbone_args: dict = field(default_factory=dict)
+    weights: str | None = None
     classifier: str = "cosine"
     temperature: float = 10.0
     epochs_base: int = 20

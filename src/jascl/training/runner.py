@@ -95,7 +95,7 @@ def ensure_base(protocol: Protocol, config: RunConfig, data: Sequence[SessionDat
         return
     echo(f"session 0 ({protocol.sessions[0].name}): training the shared base model")
     trainer = ContinualTrainer(protocol, config, Method("base"), list(data), progress=progress)
-    trainer.run_session(0, trainer.new_model(len(protocol.seen_classes(0))), PrototypeStore(), base_dir)
+    trainer.run_session(0, trainer.initial_model(len(protocol.seen_classes(0))), PrototypeStore(), base_dir)
 
 
 def load_data(protocol: Protocol, cache_dir: str | Path | None = None, echo=print) -> list[SessionData]:
@@ -165,7 +165,7 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
                 bar.update(1)
                 start = 1
             else:
-                model, store = trainer.new_model(len(protocol.seen_classes(0))), PrototypeStore()
+                model, store = trainer.initial_model(len(protocol.seen_classes(0))), PrototypeStore()
             for t in range(start, len(protocol.sessions)):
                 session = protocol.sessions[t]
                 folder = out / method.name / f"s{t}-{session.name}"

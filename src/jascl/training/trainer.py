@@ -94,6 +94,15 @@ class ContinualTrainer:
             model.backbone.check_input_size(tuple(self.data[0].train.images.shape[2:]), "image size (patch_size=null)")
         return model.to(self.device)
 
+    def initial_model(self, num_classes: int) -> Segmenter:
+        """The session-0 model: a fresh model plus the user's pretrained backbone weights, if any."""
+        model = self.new_model(num_classes)
+        if self.config.weights:
+            from jascl.networks.weights import load_backbone_weights
+
+            load_backbone_weights(model.backbone, self.config.weights)
+        return model
+
     def load_session(self, folder: Path, session: int) -> tuple[Segmenter, PrototypeStore, dict]:
         """Model, prototype store and metrics saved by :meth:`run_session` for ``session``."""
         model = self.new_model(len(self.protocol.seen_classes(session)))
@@ -144,11 +153,13 @@ class ContinualTrainer:
         """Apply the freezing policy; returns the frozen modules (kept in eval mode while training)."""
         for p in model.parameters():
             p.requires_grad_(True)
+        frozen = list(model.backbone.frozen_modules())  # e.g. SAM's image encoder, frozen in every session
         if t > 0 and self.config.freeze_incremental == "all_but_classifier":
-            for p in model.backbone.parameters():
+            frozen = [model.backbone]
+        for module in frozen:
+            for p in module.parameters():
                 p.requires_grad_(False)
-            return [model.backbone]
-        return []
+        return frozen
 
     # ------------------------------------------------------------------ session
 
