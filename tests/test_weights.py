@@ -141,3 +141,35 @@ def test_sam_checkpoint_image_encoder_keys(tmp_path):
     missing = load_backbone_weights(dst, path, strict=False)
     assert missing and all(k.startswith("decoder.") for k in missing)
     assert torch.equal(src.encoder.patch_embed.proj.weight, dst.encoder.patch_embed.proj.weight)
+
+
+def test_cli_run_with_mismatched_or_unsafe_weights_exits_2(tmp_path, capsys):
+    """`jascl run --weights` on a file that does not fit, or that would run code, stops with one line and exit 2."""
+    import pickle
+
+    import yaml
+    from safetensors.torch import save_file
+
+    from conftest import toy_protocol_dict
+    from jascl.cli import main
+
+    proto = tmp_path / "toy.yaml"
+    proto.write_text(yaml.safe_dump(toy_protocol_dict()))
+    bad = tmp_path / "bad.safetensors"
+    save_file({"net.conv_0.conv_0.conv.weight": torch.zeros(4, 3, 3, 3)}, str(bad))
+    args = ["run", "--protocol", str(proto), "--methods", "vanilla", "--cache-dir", str(tmp_path / "c"), "--no-progress"]
+    assert main(args + ["--weights", str(bad), "--out", str(tmp_path / "o1")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.safetensors" in err[0] and "conv_0.conv_0.conv.weight" in err[0]
+
+    class Evil:
+        def __reduce__(self):
+            import os
+
+            return (os.system, ("true",))
+
+    evil = tmp_path / "evil.pth"
+    evil.write_bytes(pickle.dumps({"x": Evil()}))
+    assert main(args + ["--weights", str(evil), "--out", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "evil.pth" in err[0]

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 from monai.transforms import Compose, RandFlipd, RandSpatialCropd
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from jascl.data.synthetic import Split
 
 IGNORE_INDEX = 255
+
+
+def repeat_loader(loader: DataLoader) -> Iterator[dict]:
+    """Iterate ``loader`` again and again (a fresh shuffle and augmentation on every pass)."""
+    while True:
+        yield from loader
 
 
 def training_labels(labels: np.ndarray, taught: Sequence[int], other_classes: str = "background") -> np.ndarray:

@@ -9,6 +9,7 @@ import torch
 from monai.transforms import Compose, RandAdjustContrast, RandGaussianNoise, RandScaleIntensity
 from torch.utils.data import DataLoader, Dataset
 
+from jascl.data.datasets import repeat_loader
 from jascl.methods.base import Plugin
 from jascl.methods.gas import clean_state_dict
 from jascl.methods.pas import FilterCounters, asymptotic_error, consistency_loss, ema_update, pas_filter, prototype_matrix
@@ -32,11 +33,6 @@ class UnlabelledDataset(Dataset):
     def __getitem__(self, index: int) -> dict:
         return {"image": torch.from_numpy(self.split.images[index]).float(),
                 "truth": torch.from_numpy(self.split.labels[index].astype("int64"))}
-
-
-def _repeat(loader: DataLoader) -> Iterator[dict]:
-    while True:
-        yield from loader
 
 
 def view_transform(seed: int) -> Compose:
@@ -122,7 +118,7 @@ class MeanTeacherPlugin(Plugin):
         self._phase = self.teacher is not None and self._is_phase(state.epoch)
         if not self._phase:
             return
-        self._batches = _repeat(self._loader)
+        self._batches = repeat_loader(self._loader)
         if self.filter == "pas":
             current = state.compute_prototypes([0, *state.session.classes])
             self._protos = prototype_matrix(state.seen, current, state.prototypes,

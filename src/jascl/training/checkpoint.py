@@ -10,7 +10,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 

@@ -8,13 +8,13 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from jascl.data.datasets import LabelledDataset
+from jascl.data.datasets import LabelledDataset, repeat_loader
 from jascl.data.synthetic import SessionData
 from jascl.errors import ConfigError
 from jascl.evaluation.evaluator import evaluate
@@ -35,12 +35,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def _repeat(loader: DataLoader) -> Iterator[dict]:
-    """Iterate ``loader`` again and again (a fresh shuffle and augmentation each pass)."""
-    while True:
-        yield from loader
 
 
 def _write_json(path: Path, payload: dict) -> None:
@@ -197,7 +191,7 @@ class ContinualTrainer:
             self.method.fire("before_epoch", state)
             running, steps = 0.0, 0
             n_steps = max(len(loader), self.method.epoch_iterations(state))
-            for batch in itertools.islice(_repeat(loader), n_steps):
+            for batch in itertools.islice(repeat_loader(loader), n_steps):
                 state.batch = batch
                 self.method.fire("before_iteration", state)
                 x = batch["image"].to(self.device)
