@@ -83,3 +83,22 @@ def test_builtin_synthetic_2d_has_recurring_classes_in_new_domain():
     last = p.sessions[-1]
     assert last.recurring_classes == (1, 2) and last.domains != p.sessions[0].domains
     assert [s.shots for s in p.sessions] == [None, 5, 5, 5]
+
+
+def test_unlabelled_pool_per_class_and_noise_schedule(tmp_path):
+    from jascl.training.runner import load_data
+
+    d = toy_protocol_dict()
+    d["sessions"][1]["unlabelled"] = 2
+    d["sessions"][1]["unlabelled_per_class"] = 3
+    clean = load_data(parse_protocol(d, "toy.yaml"), tmp_path)
+    pool = clean[1].unlabelled
+    # 2 from the domain + 3 per taught class (3 and 1); per-class samples show their class
+    assert len(pool) == 2 + 3 * 2 and clean[0].unlabelled is None
+    for labels, cls in zip(pool.labels[2:], [3, 3, 3, 1, 1, 1]):
+        assert (labels == cls).any()
+    d["unlabelled_noise"] = "heavy"
+    noisy = load_data(parse_protocol(d, "toy.yaml"), tmp_path)
+    changed = [not np.array_equal(a, b) for a, b in zip(pool.images, noisy[1].unlabelled.images)]
+    assert sum(changed) == round(0.7 * len(pool))  # 70% of the pool is degraded
+    assert np.array_equal(noisy[1].train.images, clean[1].train.images)  # labelled data untouched
