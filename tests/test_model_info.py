@@ -8,7 +8,8 @@ import torch
 
 from jascl.errors import ConfigError
 from jascl.networks.classifier import PixelClassifier
-from jascl.networks.info import add_model_info_parser, count_flops, model_info
+from jascl.cli import add_model_info_parser
+from jascl.networks.info import count_flops, model_info
 
 TINY_UNET = {"features": [4, 4, 8, 8, 8, 8]}
 

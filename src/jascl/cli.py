@@ -155,6 +155,31 @@ def cmd_backbones(args: argparse.Namespace) -> int:
     return _list_registry(BACKBONES, "backbones")
 
 
+def cmd_model_info(args: argparse.Namespace) -> int:
+    from jascl.networks.info import cmd_model_info as run
+
+    return run(args)
+
+
+def add_model_info_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``model-info`` (kept here, free of torch imports, so the CLI starts fast)."""
+    p = subparsers.add_parser("model-info", help="parameters, FLOPs and training-step memory of backbones, "
+                                                 "with and without JASCL")
+    p.add_argument("backbone", help="registered backbone name, or 'all'")
+    p.add_argument("--spatial-dims", type=int, default=None, help="2 or 3 (default: the backbone's paper-like setting)")
+    p.add_argument("--spatial-size", default=None,
+                   help="input size, e.g. 128x120x120 or 512 (repeated); default per backbone")
+    p.add_argument("--in-channels", type=int, default=None)
+    p.add_argument("--num-classes", type=int, default=None, help="classifier rows incl. background")
+    p.add_argument("--batch-size", type=int, default=2, help="images per training step for the memory figure")
+    p.add_argument("--backbone-args", default=None, help='YAML/JSON mapping, e.g. "{encoder_name: resnet18}"')
+    p.add_argument("--device", default=None, choices=["cuda", "meta"],
+                   help="cuda: measured memory; meta: estimate (default: cuda if available)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_model_info)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jascl", description="Continual semantic segmentation under joint nonstationarity.")
     parser.add_argument("--version", action="version", version=f"jascl {__version__}")
@@ -193,8 +218,6 @@ def build_parser() -> argparse.ArgumentParser:
     protocols.set_defaults(func=cmd_protocols)
     sub.add_parser("methods", help="list registered methods").set_defaults(func=cmd_methods)
     sub.add_parser("backbones", help="list registered backbones").set_defaults(func=cmd_backbones)
-    from jascl.networks.info import add_model_info_parser
-
     add_model_info_parser(sub)
     return parser
 

@@ -217,25 +217,6 @@ def model_info(name: str, spatial_dims: int | None = None, in_channels: int | No
             "gmacs": flops / 2e9, "train_memory_mib": memory / 2**20, "memory_method": method, "device": device}
 
 
-def add_model_info_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``model-info`` on an argparse sub-parser collection; returns the new parser."""
-    p = subparsers.add_parser("model-info", help="parameters, FLOPs and training-step memory of backbones, "
-                                                 "with and without JASCL")
-    p.add_argument("backbone", help="registered backbone name, or 'all'")
-    p.add_argument("--spatial-dims", type=int, default=None, help="2 or 3 (default: the backbone's paper-like setting)")
-    p.add_argument("--spatial-size", default=None,
-                   help="input size, e.g. 128x120x120 or 512 (repeated); default per backbone")
-    p.add_argument("--in-channels", type=int, default=None)
-    p.add_argument("--num-classes", type=int, default=None, help="classifier rows incl. background")
-    p.add_argument("--batch-size", type=int, default=2, help="images per training step for the memory figure")
-    p.add_argument("--backbone-args", default=None, help='YAML/JSON mapping, e.g. "{encoder_name: resnet18}"')
-    p.add_argument("--device", default=None, choices=["cuda", "meta"],
-                   help="cuda: measured memory; meta: estimate (default: cuda if available)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=cmd_model_info)
-    return p
-
-
 def _parse_size(text: str | None, spatial_dims: int | None) -> tuple[int, ...] | None:
     if text is None:
         return None
