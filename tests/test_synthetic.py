@@ -102,3 +102,22 @@ def test_unlabelled_pool_per_class_and_noise_schedule(tmp_path):
     changed = [not np.array_equal(a, b) for a, b in zip(pool.images, noisy[1].unlabelled.images)]
     assert sum(changed) == round(0.7 * len(pool))  # 70% of the pool is degraded
     assert np.array_equal(noisy[1].train.images, clean[1].train.images)  # labelled data untouched
+
+
+def test_iterate_steps_matches_plain_epochs_and_extends():
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from jascl.data.datasets import iterate_steps
+
+    def loader():
+        return DataLoader(TensorDataset(torch.arange(10)), batch_size=4, shuffle=True,
+                          generator=torch.Generator().manual_seed(0))
+
+    plain, stepped = loader(), loader()
+    for _ in range(3):  # three epochs: the sampler's random stream must stay in step
+        a = [b[0].tolist() for b in plain]
+        b = [x[0].tolist() for x in iterate_steps(stepped, len(stepped))]
+        assert a == b
+    longer = [x[0].tolist() for x in iterate_steps(loader(), 7)]  # 2 whole passes of 3 batches + 1
+    assert len(longer) == 7 and sorted(sum(longer[:3], [])) == list(range(10))

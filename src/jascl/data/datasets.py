@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -18,6 +19,20 @@ def repeat_loader(loader: DataLoader) -> Iterator[dict]:
     """Iterate ``loader`` again and again (a fresh shuffle and augmentation on every pass)."""
     while True:
         yield from loader
+
+
+def iterate_steps(loader: DataLoader, n_steps: int) -> Iterator[dict]:
+    """``n_steps`` batches from ``loader``: whole passes first, each run to exhaustion, then a partial pass.
+
+    Running every whole pass to its end keeps the sampler's random stream the
+    same as a plain ``for batch in loader`` epoch, so an epoch of exactly
+    ``len(loader)`` steps is bit-identical to one.
+    """
+    full, rest = divmod(n_steps, max(len(loader), 1))
+    for _ in range(full):
+        yield from loader
+    if rest:
+        yield from itertools.islice(loader, rest)
 
 
 def training_labels(labels: np.ndarray, taught: Sequence[int], other_classes: str = "background") -> np.ndarray:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -14,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from jascl.data.datasets import LabelledDataset, repeat_loader
+from jascl.data.datasets import LabelledDataset, iterate_steps
 from jascl.data.synthetic import SessionData
 from jascl.errors import ConfigError
 from jascl.evaluation.evaluator import evaluate
@@ -191,7 +190,7 @@ class ContinualTrainer:
             self.method.fire("before_epoch", state)
             running, steps = 0.0, 0
             n_steps = max(len(loader), self.method.epoch_iterations(state))
-            for batch in itertools.islice(repeat_loader(loader), n_steps):
+            for batch in iterate_steps(loader, n_steps):
                 state.batch = batch
                 self.method.fire("before_iteration", state)
                 x = batch["image"].to(self.device)
