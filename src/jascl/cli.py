@@ -38,6 +38,9 @@ def _protocol_and_overrides(args: argparse.Namespace):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
+    if (args.backbone is not None and args.backbone != protocol.training.get("backbone")
+            and not any(o.startswith("backbone_args=") for o in overrides)):
+        overrides.append("backbone_args={}")  # the protocol's backbone_args belong to its own backbone
     for part in filter(None, (args.ablate or "").split(",")):
         if part.strip() not in ABLATIONS:
             raise ConfigError(f"--ablate {part.strip()}: choose any of {', '.join(ABLATIONS)} (comma-separated)")

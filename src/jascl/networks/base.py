@@ -108,5 +108,10 @@ class Segmenter(nn.Module):
 def create_segmenter(name: str, spatial_dims: int, in_channels: int, num_classes: int, cosine: bool = True,
                      temperature: float = 10.0, **backbone_args) -> Segmenter:
     """Build a registered backbone and put a classifier with ``num_classes`` rows on it."""
-    backbone = BACKBONES.create(name, spatial_dims=spatial_dims, in_channels=in_channels, **backbone_args)
+    factory = BACKBONES.get(name)
+    try:
+        backbone = factory(spatial_dims=spatial_dims, in_channels=in_channels, **backbone_args)
+    except TypeError as exc:
+        raise ConfigError(f"backbone_args {sorted(backbone_args)} do not fit backbone {name!r} ({exc}); "
+                          "fix them with --set backbone_args={...}") from None
     return Segmenter(backbone, num_classes, cosine=cosine, temperature=temperature)
