@@ -234,3 +234,22 @@ def test_ablate_flag_maps_to_component_switches():
     cfg = resolve_config(protocol.training, protocol.path, None, overrides)
     method = create_method("jascl", cfg)
     assert [p.name for p in method.plugins] == ["cons"]
+
+
+def test_other_backbone_drops_protocol_backbone_args_and_bad_args_are_config_errors():
+    import argparse
+
+    from jascl.cli import _protocol_and_overrides
+    from jascl.errors import ConfigError
+    from jascl.networks import create_segmenter
+
+    def args(backbone, sets):
+        return argparse.Namespace(protocol="synthetic-2d", seed=None, set=sets, backbone=backbone, device=None,
+                                  eval_mode=None, weights=None, ablate=None)
+
+    assert _protocol_and_overrides(args("deeplabv3plus", []))[1] == ["backbone=deeplabv3plus", "backbone_args={}"]
+    assert _protocol_and_overrides(args("unet", []))[1] == ["backbone=unet"]  # the protocol's own backbone
+    kept = _protocol_and_overrides(args("swinunetr", ["backbone_args={feature_size: 12}"]))[1]
+    assert kept == ["backbone_args={feature_size: 12}", "backbone=swinunetr"]
+    with pytest.raises(ConfigError, match=r"backbone_args \['foo'\] do not fit backbone 'unet'"):
+        create_segmenter("unet", 2, 1, 3, foo=1)
