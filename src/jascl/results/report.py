@@ -160,7 +160,7 @@ def session_detail_table(
     return header, rows
 
 
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
+def md_table(header: list[str], rows: list[list[str]]) -> str:
     def line(cells: list[str]) -> str:
         return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
@@ -202,12 +202,12 @@ def per_class_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[st
 
 def to_markdown(results: Mapping[str, Any]) -> str:
     """Renders the title, the comparison table, one detail table per method and the per-class table."""
-    parts = [f"## {table_title(results)}", "", _md_table(*comparison_table(results))]
+    parts = [f"## {table_title(results)}", "", md_table(*comparison_table(results))]
     for name in _methods(results):
         parts += ["", f"### {name}: per-session detail", ""]
-        parts.append(_md_table(*session_detail_table(results, name)))
+        parts.append(md_table(*session_detail_table(results, name)))
     parts += ["", "### per class: score at the last session and forgetting", ""]
-    parts.append(_md_table(*per_class_table(results)))
+    parts.append(md_table(*per_class_table(results)))
     return "\n".join(parts) + "\n"
 
 
@@ -236,7 +236,7 @@ def _csv_value(value: Any) -> str:
     return "" if math.isnan(v) else repr(v)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     """Writes ``text`` to a temp file next to ``path``, then ``os.replace``s it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -266,7 +266,7 @@ def to_csv(results: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     buf = io.StringIO()
     csv.writer(buf, lineterminator="\n").writerows(_csv_rows(results))
     out = Path(path)
-    _atomic_write_text(out, buf.getvalue())
+    atomic_write_text(out, buf.getvalue())
     return out
 
 
@@ -295,7 +295,7 @@ def write_json(results: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
     """
     text = json.dumps(_jsonable(results), indent=2, allow_nan=False) + "\n"
     out = Path(path)
-    _atomic_write_text(out, text)
+    atomic_write_text(out, text)
     return out
 
 
@@ -334,7 +334,7 @@ def write_all(results: Mapping[str, Any], out_dir: str | os.PathLike[str]) -> di
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md = out / "results.md"
-    _atomic_write_text(md, to_markdown(results))
+    atomic_write_text(md, to_markdown(results))
     return {
         "json": write_json(results, out / "results.json"),
         "csv": to_csv(results, out / "results.csv"),

@@ -21,7 +21,9 @@ Grids (the paper's tables):
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import math
 import os
 import shutil
@@ -30,7 +32,7 @@ from typing import Sequence
 
 from jascl.errors import ConfigError
 from jascl.protocols.schema import Protocol
-from jascl.results.report import _atomic_write_text, _md_table, write_json
+from jascl.results.report import atomic_write_text, md_table, write_json
 from jascl.training.config import resolve_config
 from jascl.training.runner import ensure_base, load_data, run_benchmark
 
@@ -118,6 +120,8 @@ def sweep_table(rows: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
 def write_sweep(rows: Sequence[dict], out: Path, protocol: Protocol, method: str) -> None:
     header, body = sweep_table(rows)
     title = f"## sweep: {method} on {protocol.name} (seed {protocol.seed}); scores = mean Dice/IoU over foreground classes"
-    _atomic_write_text(out / "sweep.md", f"{title}\n\n{_md_table(header, body)}\n")
-    _atomic_write_text(out / "sweep.csv", "\n".join(",".join(map(str, r)) for r in [header, *body]) + "\n")
+    atomic_write_text(out / "sweep.md", f"{title}\n\n{md_table(header, body)}\n")
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows([header, *body])  # point names contain commas: quote them
+    atomic_write_text(out / "sweep.csv", buf.getvalue())
     write_json({"protocol": protocol.name, "seed": protocol.seed, "method": method, "rows": list(rows)}, out / "sweep.json")
