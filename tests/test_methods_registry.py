@@ -5,7 +5,6 @@ import math
 import shutil
 
 import pytest
-import torch
 
 from jascl.methods import METHODS, Plugin, create_method
 from jascl.methods.base import Method

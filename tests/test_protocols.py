@@ -105,8 +105,8 @@ def test_unmodified_copy_loads_from_a_path(tmp_path):
     path = _write(tmp_path, _base())
     p = load_protocol(path)
     assert p.name == "synthetic-2d"  # the YAML's name wins over the file stem
-    assert p.path == "bad.yaml"
-    assert p == dataclasses.replace(get_protocol("synthetic-2d"), path="bad.yaml")
+    assert p.path == "bad.yaml" and p.file == str(path.resolve())
+    assert p == dataclasses.replace(get_protocol("synthetic-2d"), path="bad.yaml", file=str(path.resolve()))
 
 
 def test_defaults_of_optional_keys():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -61,33 +62,106 @@ def _data_args(args: argparse.Namespace) -> dict:
             "split_manifest": getattr(args, "split_manifest", None)}
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from jascl.training.config import resolve_config
+def _without_devices(argv: Sequence[str]) -> list[str]:
+    """``argv`` minus ``--devices N`` / ``--devices=N`` (what each torchrun process runs)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--devices":
+            skip = True
+        elif not a.startswith("--devices="):
+            out.append(a)
+    return out
 
-    protocol, overrides = _protocol_and_overrides(args)
-    config = resolve_config(protocol.training, protocol.path, args.config, overrides)
+
+#: options of ``jascl run`` that --resume takes from the run folder instead
+_RESUME_CONFLICTS = ("protocol", "seed", "config", "ablate", "backbone", "weights", "eval_mode", "methods", "out",
+                     "seeds", "root", "roots", "split_manifest")
+
+
+def _resume_setup(args: argparse.Namespace):
+    """Protocol, configuration, methods and data options of the run folder ``args.resume``."""
+    from jascl.errors import ConfigError
+    from jascl.protocols import get_protocol
+    from jascl.training.config import resolve_config
+    from jascl.training.runner import read_run_file
+
+    given = [f"--{k.replace('_', '-')}" for k in _RESUME_CONFLICTS if getattr(args, k, None) is not None]
+    if given:
+        raise ConfigError(f"--resume {args.resume}: the run folder fixes the protocol, methods and settings; "
+                          f"drop {', '.join(given)} (only --device, --devices, --set of device/threads/"
+                          "num_workers/pin_memory/checkpoint_every, --cache-dir and --no-progress apply)")
+    out = Path(args.resume)
+    record = read_run_file(out)
+    source = out / record["protocol_file"] if record.get("protocol_file") else record["protocol"]
+    # the folder's copy of the protocol file, under the name it ran with (a YAML without 'name:' takes its file's)
+    protocol = dataclasses.replace(get_protocol(str(source)), seed=int(record["seed"]), name=record["protocol"])
+    overrides = list(args.set or []) + ([f"device={args.device}"] if args.device else [])
+    config = resolve_config(protocol.training, protocol.path, out / "config.yaml", overrides)
+    manifest = out / "manifest.json"
+    data_args = {"roots": record.get("roots") or None, "roots_file": record.get("roots_file"),
+                 "split_manifest": str(manifest) if manifest.is_file() else record.get("split_manifest")}
+    args.cache_dir = args.cache_dir or record.get("cache_dir")
+    return protocol, config, list(record["methods"]), out, data_args
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from jascl import distributed
+
+    if args.devices is not None:
+        if args.devices < 1:
+            from jascl.errors import ConfigError
+
+            raise ConfigError(f"--devices {args.devices}: must be >= 1")
+        if args.devices > 1 and not distributed.launched():
+            if args.seeds is not None:
+                from jascl.errors import ConfigError
+
+                raise ConfigError("--devices with --seeds: run the seeds one by one (--seed S --devices N)")
+            return distributed.launch(_without_devices(args.argv), args.devices)
+    if args.resume is not None:
+        protocol, config, methods, out, data_args = _resume_setup(args)
+    else:
+        from jascl.training.config import resolve_config
+
+        args.protocol = args.protocol or DEFAULT_PROTOCOL
+        protocol, overrides = _protocol_and_overrides(args)
+        config = resolve_config(protocol.training, protocol.path, args.config, overrides)
+        methods = [m.strip() for m in (args.methods or DEFAULT_METHODS).split(",") if m.strip()]
+        data_args = _data_args(args)
+        if args.seeds is not None:
+            return _run_seeds(args, protocol, config, methods)
+        out = Path(args.out) if args.out else Path("runs") / f"{protocol.name}-seed{protocol.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     # Heavy imports (torch, MONAI) only after the protocol and configuration are valid,
     # so that input errors are reported at once.
     from jascl.results.report import print_tables
     from jascl.training.runner import run_benchmark
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    data_args = _data_args(args)
-    if args.seeds is not None:
-        return _run_seeds(args, protocol, config, methods)
-    out = Path(args.out) if args.out else Path("runs") / f"{protocol.name}-seed{protocol.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    config.device = distributed.init(config.device)
+    if distributed.launched():
+        out = Path(distributed.broadcast_object(str(out)))  # one folder, even if the ranks' clocks differ
+    main = distributed.is_main()
     console = _console()
-    console.print(f"jascl {__version__}: protocol [bold]{protocol.name}[/] (seed {protocol.seed}), "
-                  f"methods {', '.join(methods)}, backbone {config.backbone}, output {out}")
+    echo = _echo(console) if main else (lambda message: None)
+    if main:
+        ranks = f", {distributed.world_size()} processes" if distributed.active() else ""
+        console.print(f"jascl {__version__}: protocol [bold]{protocol.name}[/] (seed {protocol.seed}), "
+                      f"methods {', '.join(methods)}, backbone {config.backbone}{ranks}, output {out}")
     started = time.time()
     try:
         results = run_benchmark(protocol, config, methods, out, cache_dir=args.cache_dir,
-                                progress=not args.no_progress, echo=_echo(console), **data_args)
+                                progress=not args.no_progress and main, echo=echo, **data_args)
     except KeyboardInterrupt:
-        console.print(f"interrupted; finished sessions are saved in {out} and are reused if you rerun with --out {out}")
+        if main:
+            console.print(f"interrupted; finished sessions and the last epoch checkpoint are saved in {out}; "
+                          f"continue with: jascl run --resume {out}")
         return 130
-    print_tables(results, console)
-    console.print(f"results written to {out}/results.{{json,csv,md}} in {time.time() - started:.0f} s")
+    finally:
+        distributed.shutdown()
+    if main:
+        print_tables(results, console)
+        console.print(f"results written to {out}/results.{{json,csv,md}} in {time.time() - started:.0f} s")
     return 0
 
 
@@ -180,6 +254,42 @@ def cmd_report(args: argparse.Namespace) -> int:
     paths = write_report(args.runs, out, samples=args.samples, device=args.device, cache_dir=args.cache_dir,
                          echo=lambda msg: console.print(msg, markup=False))  # "[report] ..." is not rich markup
     console.print(f"report written to {paths['html']} (self-contained) and {paths['markdown']} (figures next to it)")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``jascl bench``: throughput and peak memory of plain loops vs jascl's, and the overhead ratios."""
+    from jascl.training.bench import CASES, run_bench, tables, to_markdown
+
+    cases = CASES if args.cases == "all" else tuple(c.strip() for c in args.cases.split(",") if c.strip())
+    console = _console()
+    summary = run_bench(args.protocol, session=args.session, epochs=args.epochs, rounds=args.rounds,
+                        device=args.device, overrides=list(args.set or []), cases=cases, cache_dir=args.cache_dir,
+                        threads=args.threads, echo=_echo(console) if not args.no_progress else (lambda m: None))
+    from rich.table import Table
+
+    case_rows, ratio_rows = tables(summary)
+    spec = summary["spec"]
+    table = Table(title=f"jascl bench: {spec['protocol']} session {spec['session']}, {summary['device']}, "
+                        f"{spec['epochs'] - 1} timed epochs x {args.rounds} rounds (median)")
+    for h in ("case", "throughput", "range", "peak MiB", "between epochs (s)"):
+        table.add_column(h)
+    for r in case_rows:
+        table.add_row(*r)
+    console.print(table)
+    ratios = Table(title="ratios of throughput (targets from issue 7)")
+    for h in ("ratio", "value", "target", "met", "what"):
+        ratios.add_column(h)
+    for r in ratio_rows:
+        ratios.add_row(*r)
+    console.print(ratios)
+    if args.out:
+        from jascl.results.report import atomic_write_text
+
+        out = Path(args.out)
+        atomic_write_text(out.with_suffix(".md"), to_markdown(summary))
+        atomic_write_text(out.with_suffix(".json"), __import__("json").dumps(summary, indent=1, default=float))
+        console.print(f"written to {out.with_suffix('.md')} and {out.with_suffix('.json')}")
     return 0
 
 
@@ -306,8 +416,15 @@ def add_model_info_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block), exit code 2; subcommand parsers inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jascl", description="Continual semantic segmentation under joint nonstationarity.")
+    parser = _Parser(prog="jascl", description="Continual semantic segmentation under joint nonstationarity.")
     parser.add_argument("--version", action="version", version=f"jascl {__version__}")
     sub = parser.add_subparsers(dest="command")
 
@@ -328,8 +445,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a protocol for one or more methods and print the comparison table")
     common(run)
-    run.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated methods (default {DEFAULT_METHODS})")
+    run.set_defaults(protocol=None)  # so that --resume can tell an explicit --protocol from the default
+    run.add_argument("--methods", default=None, help=f"comma-separated methods (default {DEFAULT_METHODS})")
     run.add_argument("--out", default=None, help="run folder (default runs/<protocol>-seed<seed>-<time>); reused to resume")
+    run.add_argument("--resume", default=None, metavar="RUN_DIR",
+                     help="continue an interrupted run from its last checkpoint, with the folder's own protocol, "
+                          "methods and configuration")
+    run.add_argument("--devices", type=int, default=None, metavar="N",
+                     help="train with N processes on this machine (torchrun + DistributedDataParallel; one per GPU, "
+                          "or gloo processes on CPU); batch_size stays the global batch")
     run.add_argument("--seeds", default=None, help="run several seeds in sequence (a count, or a list such as 1024,7) "
                                                    "and aggregate mean ± std; resumable")
     add_root_arguments(run)
@@ -364,6 +488,22 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--cache-dir", default=None, help="synthetic data cache (default $JASCL_CACHE or ~/.cache/jascl)")
     report.set_defaults(func=cmd_report)
 
+    bench = sub.add_parser("bench", help="training steps/s and peak memory of a plain PyTorch/MONAI loop vs jascl "
+                                         "(vanilla, GAS + replay, PAS) and of sliding-window evaluation, with ratios")
+    bench.add_argument("--protocol", default="bench-2d", help="workload (default bench-2d; bench-3d for volumes)")
+    bench.add_argument("--session", type=int, default=1, help="incremental session to time (default 1)")
+    bench.add_argument("--epochs", type=int, default=4, help="epochs per case; the first warms up (default 4)")
+    bench.add_argument("--rounds", type=int, default=3, help="repetitions of every case, interleaved (default 3)")
+    bench.add_argument("--cases", default="all", help="comma-separated: plain, vanilla, gas+replay, plain-mt, pas, "
+                                                      "eval-plain, eval (default all)")
+    bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    bench.add_argument("--threads", type=int, default=0, help="torch CPU threads per case (0 = torch's default)")
+    bench.add_argument("--set", action="append", metavar="KEY=VALUE", help="configuration key, e.g. precision=fp32")
+    bench.add_argument("--cache-dir", default=None, help="synthetic data cache")
+    bench.add_argument("--out", default=None, help="also write OUT.md and OUT.json")
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(func=cmd_bench)
+
     protocols = sub.add_parser("protocols", help="list built-in protocols, or show one protocol's sessions")
     protocols.add_argument("name", nargs="?", help="protocol name or YAML path")
     protocols.set_defaults(func=cmd_protocols)
@@ -376,10 +516,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a one-line usage error (exit code 2)
+        return int(exc.code or 0)
+    args.argv = argv
     if args.command is None:
         parser.print_help()
         return 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (args.command != "run" or getattr(args, "seeds", None)):
+        print(f"jascl: error: '{args.command}{' --seeds' if args.command == 'run' else ''}' runs in one process; "
+              "only 'jascl run' (one seed) trains with several processes", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except JasclError as exc:

@@ -25,3 +25,9 @@ class DataError(JasclError):
 
 class CheckpointError(JasclError):
     """A checkpoint or weights file cannot be loaded safely or does not fit."""
+
+
+class TrainingError(JasclError):
+    """Training cannot go on (e.g. the loss became NaN); the last good checkpoint is kept. Exit code 3."""
+
+    exit_code = 3

@@ -10,6 +10,7 @@ import torch
 from monai.transforms import Compose, MapTransform, RandFlipd, Randomizable, RandSpatialCropd, SpatialPadd
 from torch.utils.data import DataLoader, Dataset
 
+from jascl.data.sampling import derive_seed, split_key
 from jascl.data.synthetic import Split
 
 IGNORE_INDEX = 255
@@ -90,6 +91,10 @@ class LabelledDataset(Dataset):
     """(image, training label) pairs of one split.
 
     Items are dicts ``{"image": (C, *spatial) float32, "label": (*spatial) int64, "id": str}``.
+    Keys are sample indices or ``(pass, index)`` pairs from a
+    :class:`jascl.data.sampling.SeededBatchSampler`; the random crop and flips of
+    an item are drawn from ``(seed, pass, index)`` alone, so they do not depend on
+    worker processes, ranks or the order in which items are read.
 
     Splits held as arrays (synthetic data) are cropped uniformly to ``patch_size``.
     Lazy splits of real datasets (``jascl.data.real.LazySamples``, variable sizes) are
@@ -113,15 +118,21 @@ class LabelledDataset(Dataset):
                            RandForegroundCropd(["image", "label"], "label", patch_size, FOREGROUND_CROP_PROB)]
         if augment:
             transforms += [RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=axis) for axis in range(dims)]
-        self.transform = Compose(transforms).set_random_state(seed) if transforms else None
+        self.seed = seed
+        self.transform = Compose(transforms) if transforms else None
 
     def __len__(self) -> int:
         return len(self.split)
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, key: int | tuple[int, int]) -> dict:
+        pass_index, index = split_key(key)
         image = torch.from_numpy(np.asarray(self.split.images[index]))
         label = torch.from_numpy(training_labels(self.split.labels[index], self.taught, self.other_classes))
         if self.transform is not None:
+            self.transform.set_random_state(seed=derive_seed(self.seed, pass_index, index))
             out = self.transform({"image": image, "label": label[None]})
-            image, label = torch.as_tensor(out["image"]), torch.as_tensor(out["label"])[0]
+            # plain tensors: MONAI's MetaTensor would route every later operation (the model's too) through
+            # its __torch_function__
+            image = torch.as_tensor(out["image"]).as_subclass(torch.Tensor)
+            label = torch.as_tensor(out["label"]).as_subclass(torch.Tensor)[0]
         return {"image": image.float().contiguous(), "label": label.long().contiguous(), "id": self.split.ids[index]}

@@ -66,7 +66,7 @@ import yaml
 from jascl.data.cache import cached
 from jascl.data.synthetic import SessionData, Split, default_cache_dir
 from jascl.errors import ConfigError, DataError
-from jascl.protocols.schema import IGNORE_ID, DatasetSpec, Protocol, SessionSpec
+from jascl.protocols.schema import IGNORE_ID, DatasetSpec, Protocol
 
 log = logging.getLogger("jascl")
 

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from monai.inferers import sliding_window_inference
 
+from jascl import distributed
 from jascl.data.synthetic import Split
 from jascl.evaluation.metrics import ConfusionAccumulator, dice_from_confusion, iou_from_confusion
 from jascl.methods.gas import GASNoise
@@ -232,24 +233,51 @@ def _centred_crop(label: np.ndarray, size: Sequence[int], rng: np.random.Generat
     return tuple(slices)
 
 
-def _shape_groups(split: Split, batch_size: int) -> Iterator[tuple[list[np.ndarray], list[np.ndarray]]]:
-    """Consecutive samples of one shape, at most ``batch_size`` at a time.
+class _Indexed:
+    """``items[indices[i]]`` as item ``i``."""
+
+    def __init__(self, items, indices: list[int]) -> None:
+        self.items, self.indices = items, indices
+
+    def __getitem__(self, i: int):
+        return self.items[self.indices[i]]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class _Shard:
+    """This rank's share of a split's samples (every ``world_size``-th); the split itself in one process."""
+
+    def __init__(self, split: Split) -> None:
+        self.indices = distributed.shard(range(len(split)))
+        self.images = _Indexed(split.images, self.indices)
+        self.labels = _Indexed(split.labels, self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def _shape_groups(split, batch_size: int) -> Iterator[tuple[list[int], list[np.ndarray], list[np.ndarray]]]:
+    """Consecutive samples of one shape, at most ``batch_size`` at a time, with their indices in the split.
 
     Samples are fetched one by one (``split.images[i]``), so a lazily loading
     split with volumes of different sizes works; a sample whose shape differs
     from the previous one starts a new batch.
     """
+    indices: list[int] = []
     images: list[np.ndarray] = []
     labels: list[np.ndarray] = []
     for i in range(len(split)):
         image, label = np.asarray(split.images[i]), np.asarray(split.labels[i])
         if images and (len(images) == batch_size or image.shape != images[0].shape):
-            yield images, labels
-            images, labels = [], []
+            yield indices, images, labels
+            indices, images, labels = [], [], []
+        indices.append(split.indices[i] if hasattr(split, "indices") else i)
         images.append(image)
         labels.append(label)
     if images:
-        yield images, labels
+        yield indices, images, labels
 
 
 def _stack(arrays: list[np.ndarray]) -> np.ndarray:
@@ -286,16 +314,20 @@ def evaluate(model: Segmenter, splits: Sequence[Split], seen: Sequence[int], dev
         batch_size: samples per forward when whole samples go through the model.
         sw_batch_size, overlap: MONAI sliding-window batch and window overlap.
         mc_samples: 0 = deterministic; N > 0 = mean softmax over N GAS noise draws.
-        seed: seeds the authors' crop jitter.
+        seed: seeds the authors' crop jitter (drawn per sample from (seed, split, sample)).
         before_split: called with the index of each split before it is scored
             (methods with per-domain parts switch to that split's domain).
         max_block_elements: bound on B x K x voxels of one stitched sliding-window
             output (a third of it under MC-GAS, which holds two more such volumes);
             larger samples are scored in blocks with identical results; None = unbounded.
         progress: show a progress bar (samples scored, with ETA).
+
+    With several processes each rank scores its share of every split and the
+    counts are summed over ranks, so every rank returns the whole-set scores.
     """
     from tqdm.auto import tqdm
 
+    splits = [_Shard(split) for split in splits]
     bar = tqdm(total=sum(len(split) for split in splits), desc="eval", unit="sample", leave=False,
                disable=not progress)
     model.eval()
@@ -305,7 +337,6 @@ def evaluate(model: Segmenter, splits: Sequence[Split], seen: Sequence[int], dev
     inter = torch.zeros(k, dtype=torch.float64)
     psum = torch.zeros(k, dtype=torch.float64)
     gsum = torch.zeros(k, dtype=torch.float64)
-    rng = np.random.default_rng(seed)
     lut = torch.full((max(256, max(seen) + 1),), -1, dtype=torch.long)
     for row, cid in enumerate(seen):
         lut[cid] = row
@@ -314,11 +345,13 @@ def evaluate(model: Segmenter, splits: Sequence[Split], seen: Sequence[int], dev
         if before_split is not None:
             before_split(index)
             model.eval()
-        for images, labels in _shape_groups(split, batch_size):
+        for indices, images, labels in _shape_groups(split, batch_size):
             spatial = images[0].shape[1:]
             crop = mode == "authors" and roi is not None and len(spatial) == 3
             if crop:
-                crops = [_centred_crop(lab, roi, rng) for lab in labels]
+                # jitter drawn per sample, so a split shared out over ranks gets the same crops
+                crops = [_centred_crop(lab, roi, np.random.default_rng([seed, index, i]))
+                         for i, lab in zip(indices, labels)]
                 images = [img[(slice(None), *c)] for img, c in zip(images, crops)]
                 labels = [lab[c] for lab, c in zip(labels, crops)]
                 spatial = images[0].shape[1:]
@@ -350,6 +383,8 @@ def evaluate(model: Segmenter, splits: Sequence[Split], seen: Sequence[int], dev
             _update_confusion(confusion, ids, probs.argmax(1), _stack(labels))
             bar.update(len(labels))
     bar.close()
+    confusion.all_reduce()
+    inter, psum, gsum = (distributed.all_reduce_sum(v) for v in (inter, psum, gsum))
     cm = confusion.matrix()
     iou = iou_from_confusion(cm)
     if mode == "authors":

@@ -128,6 +128,12 @@ class ConfusionAccumulator:
         """Zeroes the accumulated counts."""
         self._cm.zero_()
 
+    def all_reduce(self) -> None:
+        """Sum the matrices of all ranks (each scored its share of the samples); no-op in one process."""
+        from jascl.distributed import all_reduce_sum
+
+        self._cm = all_reduce_sum(self._cm)
+
 
 def _tp_fp_fn(cm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Splits a ``(C, C)`` confusion matrix into per-class TP, FP, FN (float64)."""

@@ -25,6 +25,12 @@ re-evaluate the loss of the current batch (``state.closure``, for sharpness-awar
 updates), and keep tensors across sessions that are saved with each session's
 checkpoint (:meth:`Plugin.extra_state` / :meth:`Plugin.load_extra_state`).
 
+Within a session, the trainer checkpoints every plugin's mutable state at epoch
+ends (:meth:`Plugin.state_dict`), so that a killed run resumes exactly where it
+stopped. The default captures every data-like attribute (tensors, modules,
+counters, random generators, loaders' positions; :mod:`jascl.training.snapshot`);
+a plugin whose state lives elsewhere overrides the pair.
+
 A plugin overrides the events it needs; each receives the loop state. Loss
 terms are added in ``after_forward`` to ``state.losses`` under a name, so they
 are logged separately and summed by the loop.
@@ -80,6 +86,18 @@ class Plugin:
 
     def load_extra_state(self, tensors: dict[str, "torch.Tensor"]) -> None:
         """Restore what :meth:`extra_state` returned, when a saved session is reused."""
+
+    def state_dict(self) -> dict:
+        """In-session state for a resumable checkpoint (default: every data-like attribute)."""
+        from jascl.training.snapshot import capture_object
+
+        return capture_object(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` into a plugin whose session was set up again (``before_session`` ran)."""
+        from jascl.training.snapshot import restore_object
+
+        restore_object(self, state)
 
     def epoch_iterations(self, state: "LoopState") -> int | None:
         """Iterations the plugin needs in the coming epoch (None = the labelled loader's length)."""
@@ -145,6 +163,16 @@ class Method:
             own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
             if own:
                 plugin.load_extra_state(own)
+
+    def state_dict(self) -> dict:
+        """Every plugin's in-session state, keyed ``<index>.<plugin name>``."""
+        return {f"{i}.{p.name}": p.state_dict() for i, p in enumerate(self.plugins)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for i, plugin in enumerate(self.plugins):
+            key = f"{i}.{plugin.name}"
+            if key in state:
+                plugin.load_state_dict(state[key])
 
     def fire(self, event: str, state: "LoopState") -> None:
         for plugin in self.plugins:

@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 import torch
 from monai.transforms import Compose, RandAdjustContrast, RandGaussianNoise, RandScaleIntensity
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
+from jascl import distributed
 from jascl.data.datasets import repeat_loader
+from jascl.data.sampling import derive_seed, seeded_loader, split_key
 from jascl.methods.base import Plugin
 from jascl.methods.gas import clean_state_dict
 from jascl.methods.pas import FilterCounters, asymptotic_error, consistency_loss, ema_update, pas_filter, prototype_matrix
@@ -23,17 +25,38 @@ log = logging.getLogger("jascl")
 
 
 class UnlabelledDataset(Dataset):
-    """Unlabelled images with their pool index; the hidden ground truth rides along for *measurement only* (never a loss)."""
+    """Unlabelled images with their pool index; the hidden ground truth rides along for *measurement only* (never a loss).
 
-    def __init__(self, split: "Split") -> None:
+    With ``views`` (intensity transforms), each item also carries ``views``:
+    (len(views), C, *spatial), view ``v`` of sample ``i`` in pass ``p`` drawn from
+    ``(seed, v, p, i)`` alone (see :mod:`jascl.data.sampling`); made in the
+    loader's worker processes.
+    """
+
+    def __init__(self, split: "Split", views: tuple[Compose, ...] = (), seed: int = 0) -> None:
         self.split = split
+        self.views = views
+        self.seed = seed
 
     def __len__(self) -> int:
         return len(self.split)
 
-    def __getitem__(self, index: int) -> dict:
-        return {"image": torch.from_numpy(np.asarray(self.split.images[index])).float(), "index": index,
+    def __getitem__(self, key: int | tuple[int, int]) -> dict:
+        pass_index, index = split_key(key)
+        image = torch.from_numpy(np.asarray(self.split.images[index])).float()
+        item = {"image": image, "index": index,
                 "truth": torch.from_numpy(np.asarray(self.split.labels[index]).astype("int64"))}
+        if self.views:
+            item["views"] = torch.stack([apply_view(t, image, derive_seed(self.seed, v, pass_index, index))
+                                         for v, t in enumerate(self.views)])
+        return item
+
+
+def apply_view(transform: Compose, image: torch.Tensor, seed: int) -> torch.Tensor:
+    """``transform`` applied to one (C, *spatial) image with its random draws seeded by ``seed``; a plain float tensor."""
+    transform.set_random_state(seed=seed)
+    # plain tensors: MONAI MetaTensors would slow down every later operation
+    return torch.as_tensor(transform(image)).as_subclass(torch.Tensor).float()
 
 
 def view_transform(seed: int) -> Compose:
@@ -97,10 +120,11 @@ class MeanTeacherPlugin(Plugin):
         self.teacher = state.new_model(state.model.num_classes)
         self.teacher.load_state_dict(clean_state_dict(state.model))
         self.teacher.eval().requires_grad_(False)
-        generator = torch.Generator().manual_seed(state.seed * 7919 + state.session.index)
-        self._loader = DataLoader(UnlabelledDataset(pool), batch_size=self.batch_size or state.config.batch_size,
-                                  shuffle=True, generator=generator)
-        self._views = (view_transform(state.seed + 1), view_transform(state.seed + 2))
+        t = state.session.index
+        views = (view_transform(state.seed + 1), view_transform(state.seed + 2))
+        self._loader = seeded_loader(UnlabelledDataset(pool, views, derive_seed(state.seed, "views", t)),
+                                     self.batch_size or state.config.batch_size,
+                                     derive_seed(state.seed, "unlabelled", t), **state.loader_options)
         self.counters = FilterCounters()
         self.conf_counters = FilterCounters()  # confidence-only filter on the same predictions, for comparison
         self.fg_counters = FilterCounters()  # the same two, restricted to foreground pseudo-labels
@@ -129,18 +153,15 @@ class MeanTeacherPlugin(Plugin):
             self.eps0 = self.pool_error(state, state.model)
         self.phases += 1
 
-    def _view(self, images: torch.Tensor, which: int) -> torch.Tensor:
-        t = self._views[which]
-        # plain tensors: MONAI MetaTensors would slow down every later operation
-        return torch.stack([torch.as_tensor(t(img)).as_subclass(torch.Tensor) for img in images]).float()
+    def _student_teacher_views(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The student's and the teacher's view of an unlabelled batch, each (B, C, *spatial)."""
+        return batch["views"][:, 0], batch["views"][:, 1]
 
     def after_forward(self, state: "LoopState") -> None:
         if not self._phase:
             return
         batch = next(self._batches)
-        images = batch["image"]
-        x_s = self._view(images, 0).to(state.device)
-        x_t = self._view(images, 1).to(state.device)
+        x_s, x_t = (v.to(state.device, non_blocking=True) for v in self._student_teacher_views(batch))
         out_s = state.model.forward_features(x_s)
         with torch.no_grad():
             out_t = self.teacher.forward_features(x_t)
@@ -167,21 +188,25 @@ class MeanTeacherPlugin(Plugin):
     def pool_error(self, state: "LoopState", model: torch.nn.Module) -> float:
         """Pixel error rate of ``model`` on the unlabelled pool (hidden ground truth), GAS noise off."""
         seen = torch.as_tensor(state.seen, device=state.device)
-        wrong = total = 0
+        counts = torch.zeros(2, dtype=torch.long, device=state.device)  # wrong, total
         modes = {m: m.training for m in model.modules()}
         model.eval()
-        for batch in DataLoader(UnlabelledDataset(state.data.unlabelled), batch_size=self._loader.batch_size):
-            pred = seen[model(batch["image"].to(state.device)).argmax(1)]
-            truth = batch["truth"].to(state.device)
-            wrong += int((pred != truth).sum())
-            total += truth.numel()
+        pool = Subset(UnlabelledDataset(state.data.unlabelled), distributed.shard(range(len(state.data.unlabelled))))
+        with state.autocast():
+            for batch in DataLoader(pool, batch_size=self._loader.batch_sampler.batch_size):
+                pred = seen[model(batch["image"].to(state.device)).argmax(1)]
+                truth = batch["truth"].to(state.device)
+                counts += torch.stack([(pred != truth).sum(), torch.tensor(truth.numel(), device=state.device)])
         for m, mode in modes.items():
             m.train(mode)
+        wrong, total = (int(v) for v in distributed.all_reduce_sum(counts))
         return wrong / total if total else float("nan")
 
     def after_training(self, state: "LoopState") -> None:
         if self.teacher is None:
             return
+        for counters in (self.counters, self.conf_counters, self.fg_counters, self.fg_conf_counters):
+            counters.all_reduce()
         c = self.counters
         gamma = self.weight / (1.0 + self.weight)
         eps_final = self.pool_error(state, self.teacher)

@@ -74,10 +74,12 @@ def pas_filter(logits: torch.Tensor, features: torch.Tensor, prototypes: torch.T
         if features.shape[2:] != logits.shape[2:]:
             mode = "bilinear" if features.dim() == 4 else "trilinear"
             features = F.interpolate(features, size=logits.shape[2:], mode=mode, align_corners=False)
-        f = F.normalize(features.float(), dim=1)
-        p = F.normalize(prototypes.to(f), dim=1)  # NaN rows stay NaN
-        chosen = p[pred]  # (B, *spatial, D)
-        sim = (f.movedim(1, -1) * chosen).sum(-1)
+        f = features.float()
+        p = F.normalize(prototypes.to(f), dim=1)  # (K, D); NaN rows stay NaN
+        # cosine to every prototype as one 1x1 product, then the predicted class's: no (B, *spatial, D) gather
+        dots = torch.einsum("bd...,kd->bk...", f, p)
+        norms = torch.linalg.vector_norm(f, dim=1).clamp_min(1e-12)  # F.normalize's epsilon
+        sim = dots.gather(1, pred.unsqueeze(1)).squeeze(1) / norms
     valid = (conf > tau_conf) & (sim > tau_sim)  # NaN similarity compares False
     return PseudoLabels(pred, conf, sim, valid)
 
@@ -103,29 +105,40 @@ def consistency_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
 
 @dataclass
 class FilterCounters:
-    """Counts for coverage f and precision rho of kept pseudo-labels against hidden ground truth."""
+    """Counts for coverage f and precision rho of kept pseudo-labels against hidden ground truth.
 
-    total: int = 0
-    kept: int = 0
-    correct: int = 0
-    evaluated: int = 0  # kept pixels with known ground truth
+    Counts accumulate on the predictions' device (no host synchronisation per
+    step); the properties read them.
+    """
+
+    total: int | torch.Tensor = 0
+    kept: int | torch.Tensor = 0
+    correct: int | torch.Tensor = 0
+    evaluated: int | torch.Tensor = 0  # kept pixels with known ground truth
 
     def update(self, valid: torch.Tensor, pred_ids: torch.Tensor, truth: torch.Tensor | None) -> None:
         """``pred_ids`` and ``truth`` hold global class ids; truth 255 = unknown."""
-        self.total += int(valid.numel())
-        self.kept += int(valid.sum())
+        self.total += valid.numel()
+        self.kept = self.kept + valid.sum()
         if truth is not None:
             known = valid & (truth != 255)
-            self.evaluated += int(known.sum())
-            self.correct += int((known & (pred_ids == truth)).sum())
+            self.evaluated = self.evaluated + known.sum()
+            self.correct = self.correct + (known & (pred_ids == truth)).sum()
+
+    def all_reduce(self) -> None:
+        """Sum the counts of all ranks; no-op in one process."""
+        from jascl.distributed import all_reduce_sum
+
+        counts = torch.tensor([int(self.total), int(self.kept), int(self.correct), int(self.evaluated)])
+        self.total, self.kept, self.correct, self.evaluated = (int(v) for v in all_reduce_sum(counts))
 
     @property
     def coverage(self) -> float:
-        return self.kept / self.total if self.total else float("nan")
+        return int(self.kept) / int(self.total) if self.total else float("nan")
 
     @property
     def precision(self) -> float:
-        return self.correct / self.evaluated if self.evaluated else float("nan")
+        return int(self.correct) / int(self.evaluated) if self.evaluated else float("nan")
 
 
 def asymptotic_error(f: float, rho: float, gamma: float, eps0: float) -> float:

@@ -76,6 +76,21 @@ class PrototypeAccumulator:
                 self.sums[c] = self.sums[c] + s if c in self.sums else s
                 self.counts[c] += len(vectors)
 
+    def all_reduce(self, dim: int) -> None:
+        """Sum sums and counts over ranks (each saw a share of the samples); no-op in one process."""
+        from jascl import distributed
+
+        if not distributed.active():
+            return
+        table = torch.zeros(len(self.classes), dim + 1, dtype=torch.float64)
+        for i, c in enumerate(self.classes):
+            if c in self.sums:
+                table[i, :dim] = self.sums[c].double()
+            table[i, dim] = self.counts[c]
+        table = distributed.all_reduce_sum(table)
+        self.sums = {c: table[i, :dim].float() for i, c in enumerate(self.classes) if table[i, dim] > 0}
+        self.counts = {c: int(table[i, dim]) for i, c in enumerate(self.classes)}
+
     def compute(self) -> dict[int, torch.Tensor]:
         return {c: self.sums[c] / self.counts[c] for c in self.classes if self.counts[c]}
 

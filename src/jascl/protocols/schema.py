@@ -23,6 +23,8 @@ manifests) lives in :mod:`jascl.data.real`.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -202,6 +204,7 @@ class Protocol:
             "moderate" or "heavy" (the paper's limitations section, ``jascl.data.noise``).
         datasets: local dataset copies by entry name, for protocols on public datasets
             (empty for synthetic protocols).
+        file: absolute path of the YAML file it was read from (None when parsed from a mapping).
     """
 
     name: str
@@ -218,6 +221,7 @@ class Protocol:
     training: Mapping[str, Any] = field(default_factory=dict)
     unlabelled_noise: str = "none"
     datasets: Mapping[str, DatasetSpec] = field(default_factory=dict)
+    file: str | None = None
 
     @property
     def uses_datasets(self) -> bool:
@@ -671,4 +675,4 @@ def load_protocol(path: str | Path) -> Protocol:
         where = f" line {mark.line + 1}:" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{p.name}:{where} not valid YAML ({problem})") from None
-    return parse_protocol(data, source=p.name, name=p.stem)
+    return dataclasses.replace(parse_protocol(data, source=p.name, name=p.stem), file=str(p.resolve()))

@@ -35,9 +35,22 @@ def read_meta(path: str | Path) -> dict:
         raise CheckpointError(f"{path}: not a readable jascl checkpoint ({exc}); delete it to recompute the session") from None
 
 
-def load_model(model: Segmenter, path: str | Path) -> dict:
-    """Load weights into ``model`` (whose classifier must already have the right size); returns the metadata."""
+def check_meta(path: str | Path, meta: dict, expect: dict | None) -> None:
+    """Refuse a checkpoint made for another protocol, backbone, classifier or class set (one line naming both)."""
+    wanted_meta = json.loads(json.dumps(expect or {}))  # as stored: tuples become lists
+    for key, wanted in wanted_meta.items():
+        if key in meta and meta[key] != wanted:
+            raise CheckpointError(f"{path}: made for {key} {meta[key]!r}, but this run has {key} {wanted!r}; "
+                                  "use a new --out, or run with the settings the checkpoint was made with")
+
+
+def load_model(model: Segmenter, path: str | Path, expect: dict | None = None) -> dict:
+    """Load weights into ``model`` (whose classifier must already have the right size); returns the metadata.
+
+    ``expect``: metadata entries the checkpoint must match (e.g. ``{"protocol": ..., "backbone": ...}``).
+    """
     meta = read_meta(path)
+    check_meta(path, meta, expect)
     with safe_open(str(path), framework="pt") as f:
         state = {k: f.get_tensor(k) for k in f.keys()}
     own = model.state_dict()
@@ -69,3 +82,44 @@ def load_tensors(path: str | Path) -> dict:
             return {k: f.get_tensor(k) for k in f.keys()}
     except Exception as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); delete it to recompute the session") from None
+
+
+# ------------------------------------------------------------------------------------------------ in-session progress
+
+PROGRESS_FORMAT = "jascl-progress-v1"
+
+
+def save_progress(path: str | Path, meta: dict, payload: dict) -> None:
+    """Write an in-session checkpoint atomically: ``payload`` (nested data with tensors) as one safetensors file.
+
+    The structure goes to the file's metadata as JSON (:func:`jascl.training.snapshot.pack`),
+    the tensors to its body; nothing is pickled.
+    """
+    from jascl.training.snapshot import pack
+
+    path = Path(path)
+    tensors: dict = {}
+    skeleton = pack(payload, "p", tensors)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": PROGRESS_FORMAT, "jascl": json.dumps(meta),
+                                           "payload": json.dumps(skeleton)})
+    os.replace(tmp, path)
+
+
+def load_progress(path: str | Path, expect: dict | None = None) -> tuple[dict, dict]:
+    """(metadata, payload) of an in-session checkpoint written by :func:`save_progress`."""
+    from jascl.training.snapshot import unpack
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if header.get("format") != PROGRESS_FORMAT:
+            raise ValueError(f"format {header.get('format')!r}, expected {PROGRESS_FORMAT!r}")
+        meta = json.loads(header["jascl"])
+        payload = unpack(json.loads(header["payload"]), tensors)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: not a readable jascl progress checkpoint ({exc}); delete it to restart "
+                              "this session from its beginning") from None
+    check_meta(path, meta, expect)
+    return meta, payload

@@ -19,6 +19,7 @@ from jascl.errors import ConfigError
 
 FREEZE_POLICIES = ("all_but_classifier", "none")
 EVAL_MODES = ("sliding-window", "authors")
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass
@@ -96,6 +97,15 @@ class RunConfig:
             (e.g. ``--set method_args.ewc.weight=500``); each method checks its own keys.
         tensorboard: log losses, GAS noise-scale statistics, per-session metrics and pseudo-label
             statistics to ``<run>/tensorboard/<method>/`` (``jascl.results.tensorboard``).
+        precision: "auto" (bf16 autocast on a GPU that supports it, else fp32), "fp32" or "bf16".
+        channels_last: channels-last memory format for the model and its training inputs (GPU convolutions).
+        compile: ``torch.compile`` the backbone (the classifier grows and carries GAS, so it stays eager).
+        num_workers: data-loading worker processes per rank (-1 = auto: 4 on CUDA, 0 on CPU).
+        pin_memory: page-locked host batches (null = on CUDA only).
+        checkpoint_every: write a resumable in-session checkpoint every N epochs (0 = only whole
+            sessions are saved); the last epoch of a session is always checkpointed.
+        find_unused_parameters: DistributedDataParallel's option, for methods whose trainable
+            parameters do not all receive a gradient every step (several processes only).
     """
 
     backbone: str = "unet"
@@ -129,6 +139,13 @@ class RunConfig:
     jascl: JasclComponents = field(default_factory=JasclComponents)
     method_args: dict = field(default_factory=dict)
     tensorboard: bool = False
+    precision: str = "auto"
+    channels_last: bool = False
+    compile: bool = False
+    num_workers: int = -1
+    pin_memory: bool | None = None
+    checkpoint_every: int = 1
+    find_unused_parameters: bool = False
 
     def validate(self, source: str = "config") -> None:
         def bad(key: str, msg: str) -> ConfigError:
@@ -169,6 +186,14 @@ class RunConfig:
             raise bad("seed", f"must be a non-negative integer or null (got {self.seed!r})")
         if self.threads < 0:
             raise bad("threads", f"must be >= 0 (got {self.threads})")
+        if self.precision not in PRECISIONS:
+            raise bad("precision", f"must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
+        if self.num_workers < -1:
+            raise bad("num_workers", f"must be >= 0, or -1 for auto (got {self.num_workers})")
+        if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
+            raise bad("pin_memory", f"must be true, false or null (got {self.pin_memory!r})")
+        if self.checkpoint_every < 0:
+            raise bad("checkpoint_every", f"must be >= 0 epochs (got {self.checkpoint_every})")
         if self.patch_size is not None and (not isinstance(self.patch_size, list) or
                                             not all(isinstance(v, int) and v > 0 for v in self.patch_size)):
             raise bad("patch_size", f"must be a list of positive integers or null (got {self.patch_size!r})")

@@ -32,10 +32,14 @@ class SegmentationLoss(nn.Module):
         # masks the *index* map first, which turns ignored pixels into background ground truth
         self.masked_dice = MaskedDiceLoss(to_onehot_y=False, softmax=True)
 
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        ignore = target == IGNORE_INDEX
-        if not ignore.any():
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, has_ignore: bool | None = None) -> torch.Tensor:
+        """``has_ignore``: whether ``target`` holds 255 anywhere, if the caller knows (from the labels on the
+        host, say); None = find out here, which waits for a GPU to finish the batch so far."""
+        if has_ignore is None:
+            has_ignore = bool((target == IGNORE_INDEX).any())
+        if not has_ignore:
             return self.dice_ce(logits, target.unsqueeze(1))
+        ignore = target == IGNORE_INDEX
         ce = F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX)
         safe = target.masked_fill(ignore, 0)
         onehot = F.one_hot(safe, logits.shape[1]).movedim(-1, 1).to(logits.dtype)

@@ -2,6 +2,7 @@
 
 Run folder layout::
 
+    <out>/run.json             what was run (protocol source, seed, methods, data options): ``--resume`` reads it
     <out>/config.yaml          resolved run configuration
     <out>/protocol.yaml        the protocol as run (seed included)
     <out>/manifest.json        K-shot manifest: sample ids of every split, per session
@@ -10,11 +11,15 @@ Run folder layout::
     <out>/log.txt              log
     <out>/base/                session 0 shared by every method that does not change it
     <out>/<method>/s<t>-<name>/  model.safetensors, prototypes.safetensors, metrics.json
+                               (progress.safetensors while the session trains)
     <out>/results.{json,csv,md}
 
 A session whose ``metrics.json`` exists is complete: rerunning with the same
-``--out`` reuses it instead of training again, so an interrupted run resumes
-at the first unfinished session and nothing already computed is lost.
+``--out`` (or ``jascl run --resume <out>``) reuses it instead of training
+again; a session with a ``progress.safetensors`` continues after its last
+checkpointed epoch. Every file is written atomically (temporary file +
+rename), so a run killed at any point leaves a folder that resumes to exactly
+the results of an uninterrupted run. With several processes only rank 0 writes.
 """
 
 from __future__ import annotations
@@ -24,14 +29,13 @@ import json
 import logging
 import math
 import platform
-import shutil
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import yaml
 from tqdm.auto import tqdm
 
-from jascl import __version__
+from jascl import __version__, distributed
 from jascl.data.noise import degrade_pool
 from jascl.data.synthetic import SessionData, load_or_generate
 from jascl.errors import ConfigError, DataError, JasclError
@@ -40,7 +44,7 @@ from jascl.methods import create_method
 from jascl.methods.base import Method
 from jascl.methods.prototypes import PrototypeStore
 from jascl.protocols.schema import Protocol
-from jascl.results.report import write_all
+from jascl.results.report import atomic_write_text, write_all
 from jascl.training.config import RunConfig
 from jascl.training.trainer import ContinualTrainer
 
@@ -52,7 +56,24 @@ def write_manifest(protocol: Protocol, data: Sequence[SessionData], path: Path,
     """The K-shot manifest (sample ids of every split, per session) as ``path``; reusable with ``--split-manifest``."""
     from jascl.data.real import manifest_dict
 
-    path.write_text(json.dumps(manifest_dict(protocol, data, roots), indent=1))
+    atomic_write_text(path, json.dumps(manifest_dict(protocol, data, roots), indent=1))
+
+
+def check_same_samples(protocol: Protocol, data: Sequence[SessionData]) -> None:
+    """With several processes: every rank must have drawn the same K-shot samples (else the ranks would train
+    on different sessions); a one-line error names the first rank that differs."""
+    if not distributed.active():
+        return
+    import hashlib
+
+    from jascl.data.real import manifest_dict
+
+    digest = hashlib.sha256(json.dumps(manifest_dict(protocol, data, None), sort_keys=True).encode()).hexdigest()
+    digests = distributed.all_gather_object(digest)
+    for r, other in enumerate(digests):
+        if other != digests[0]:
+            raise DataError(f"rank {r} selected other samples than rank 0 (K-shot manifests differ); every node must "
+                            "see the same dataset copies and cache: check the roots and --cache-dir on each node")
 
 
 def _environment() -> dict:
@@ -84,10 +105,14 @@ def _method_summary(protocol: Protocol, records: list[dict]) -> dict:
             if key != "0":
                 history.setdefault(int(key), []).append(value)
     forgetting = per_class_forgetting(history)
-    return {"sessions": records, "total_drop": drop, "forgetting": {str(k): v for k, v in forgetting.items()}}
+    # wall-clock time stays in each session's metrics.json: results depend on nothing but the run's inputs
+    sessions = [{k: v for k, v in r.items() if k != "seconds"} for r in records]
+    return {"sessions": sessions, "total_drop": drop, "forgetting": {str(k): v for k, v in forgetting.items()}}
 
 
 def _setup_logging(out: Path) -> logging.Handler:
+    if not distributed.is_main():
+        return logging.NullHandler()
     handler = logging.FileHandler(out / "log.txt")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(handler)
@@ -98,11 +123,12 @@ def _setup_logging(out: Path) -> logging.Handler:
 def ensure_base(protocol: Protocol, config: RunConfig, data: Sequence[SessionData], base_dir: Path,
                 progress: bool = True, echo=print) -> None:
     """Train the shared session-0 model into ``base_dir`` unless it is already complete there."""
-    if (base_dir / "metrics.json").exists():
+    if distributed.broadcast_object((base_dir / "metrics.json").exists()):
         return
     echo(f"session 0 ({protocol.sessions[0].name}): training the shared base model")
     trainer = ContinualTrainer(protocol, config, Method("base"), list(data), progress=progress)
     trainer.run_session(0, trainer.initial_model(len(protocol.seen_classes(0))), PrototypeStore(), base_dir)
+    distributed.barrier()  # rank 0 has written it before anyone reads it
 
 
 def load_data(protocol: Protocol, cache_dir: str | Path | None = None, echo=print,
@@ -159,7 +185,7 @@ def apply_unlabelled_noise(protocol: Protocol, data: Sequence[SessionData]) -> l
 
 
 #: configuration keys that may differ between a run folder's runs without changing results
-_NEUTRAL_KEYS = ("device", "threads", "method_args", "tensorboard")
+_NEUTRAL_KEYS = ("device", "threads", "method_args", "tensorboard", "num_workers", "pin_memory", "checkpoint_every")
 
 
 def check_reusable(out: Path, config: RunConfig, protocol: Protocol) -> None:
@@ -181,10 +207,53 @@ def check_reusable(out: Path, config: RunConfig, protocol: Protocol) -> None:
     if resolved.exists():
         old_p = json.loads(resolved.read_text())
         new_p = json.loads(json.dumps(dataclasses.asdict(protocol), default=list))
-        changed = sorted(k for k in set(old_p) | set(new_p) if k != "path" and old_p.get(k) != new_p.get(k))
+        changed = sorted(k for k in set(old_p) | set(new_p) if k not in ("path", "file") and old_p.get(k) != new_p.get(k))
         if changed:
             raise ConfigError(f"{out}: this run folder was made with a different protocol ({', '.join(changed)}); "
                               "use a new --out")
+
+
+def write_run_files(out: Path, protocol: Protocol, config: RunConfig, methods: Sequence[str],
+                    data: Sequence[SessionData], cache_dir, roots, roots_file, split_manifest) -> None:
+    """The run folder's description of itself (atomic writes): configuration, protocol, manifest, environment,
+    and ``run.json``, from which ``jascl run --resume`` restarts the run with nothing else given."""
+    atomic_write_text(out / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
+    if protocol.file is not None and Path(protocol.file).is_file():
+        atomic_write_text(out / "protocol.yaml", Path(protocol.file).read_text())
+    atomic_write_text(out / "protocol-resolved.json", json.dumps(dataclasses.asdict(protocol), indent=1, default=list))
+    resolved_roots = None
+    if protocol.uses_datasets and data is not None:
+        from jascl.data.real import resolve_roots
+
+        try:
+            resolved_roots = resolve_roots(protocol, roots, roots_file)
+        except JasclError:  # data passed in directly: the roots are provenance only
+            resolved_roots = None
+    write_manifest(protocol, data, out / "manifest.json", resolved_roots)
+    atomic_write_text(out / "environment.json", json.dumps(_environment(), indent=1))
+    record = {"protocol": protocol.name, "protocol_file": "protocol.yaml" if (out / "protocol.yaml").exists() else None,
+              "seed": protocol.seed, "methods": list(methods),
+              "cache_dir": str(Path(cache_dir).resolve()) if cache_dir is not None else None,
+              "roots": {k: str(Path(v).resolve()) for k, v in (roots or {}).items()},
+              "roots_file": str(Path(roots_file).resolve()) if roots_file is not None else None,
+              "split_manifest": str(Path(split_manifest).resolve()) if split_manifest is not None else None}
+    atomic_write_text(out / "run.json", json.dumps(record, indent=1))
+
+
+def read_run_file(out: str | Path) -> dict:
+    """``run.json`` of a run folder (for ``--resume``), with a one-line error if the folder is not a run."""
+    path = Path(out) / "run.json"
+    if not path.is_file():
+        raise ConfigError(f"{out}: not a jascl run folder (no run.json); give the --out folder of an earlier "
+                          "'jascl run' (runs made before jascl 0.2 resume by rerunning their command with --out)")
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: unreadable ({exc}); rerun the original command with --out {out}") from None
+    for key in ("protocol", "seed", "methods"):
+        if key not in record:
+            raise ConfigError(f"{path}: missing {key!r}; rerun the original command with --out {out}")
+    return record
 
 
 def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str], out: str | Path,
@@ -207,12 +276,14 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
         raise ConfigError(f"--methods: a method is listed twice ({','.join(methods)})")
     built: list[Method] = [create_method(m, config) for m in methods]
     out = Path(out)
-    if config.tensorboard:  # live scalars; last plugin, so it sees every loss term and statistic
+    main = distributed.is_main()
+    if config.tensorboard and main:  # live scalars; last plugin, so it sees every loss term and statistic
         from jascl.results.tensorboard import TensorBoardPlugin
 
         for method in built:
             method.plugins.append(TensorBoardPlugin(out))
-    out.mkdir(parents=True, exist_ok=True)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
     handler = _setup_logging(out)
     try:
         if protocol.uses_datasets and config.patch_size is None:
@@ -220,26 +291,16 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
                               "evaluate with a sliding window of that size: set training.patch_size or "
                               "--set patch_size=[...]")
         if data is None:
-            data = load_data(protocol, cache_dir, echo, roots, split_manifest, roots_file, config)
+            with distributed.main_first():  # rank 0 generates and caches, the others read the cache
+                data = load_data(protocol, cache_dir, echo, roots, split_manifest, roots_file, config)
         elif len(data) != len(protocol.sessions):
             raise ConfigError(f"{protocol.path}: {len(protocol.sessions)} sessions but data for {len(data)} were given")
         else:
             data = apply_unlabelled_noise(protocol, data)
+        check_same_samples(protocol, data)
         check_reusable(out, config, protocol)
-        (out / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-        if Path(protocol.path).is_file():
-            shutil.copyfile(protocol.path, out / "protocol.yaml")
-        (out / "protocol-resolved.json").write_text(json.dumps(dataclasses.asdict(protocol), indent=1, default=list))
-        resolved_roots = None
-        if protocol.uses_datasets and data is not None:
-            from jascl.data.real import resolve_roots
-
-            try:
-                resolved_roots = resolve_roots(protocol, roots, roots_file)
-            except JasclError:  # data passed in directly: the roots are provenance only
-                resolved_roots = None
-        write_manifest(protocol, data, out / "manifest.json", resolved_roots)
-        (out / "environment.json").write_text(json.dumps(_environment(), indent=1))
+        if main:
+            write_run_files(out, protocol, config, methods, data, cache_dir, roots, roots_file, split_manifest)
         log.info("run %s: protocol %s seed %d methods %s", out, protocol.name, protocol.seed, ",".join(methods))
 
         shared_base = None
@@ -248,7 +309,8 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
                                   else "excluded from means"),
                    "seed": protocol.seed, "classes": {str(c.id): c.name for c in protocol.classes},
                    "methods": {}}
-        bar = tqdm(total=len(built) * len(protocol.sessions), desc="sessions", unit="session", disable=not progress)
+        bar = tqdm(total=len(built) * len(protocol.sessions), desc="sessions", unit="session",
+                   disable=not (progress and main))
         for method in built:
             trainer = ContinualTrainer(protocol, config, method, data, progress=progress)
             records: list[dict] = []
@@ -268,7 +330,7 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
             for t in range(start, len(protocol.sessions)):
                 session = protocol.sessions[t]
                 folder = out / method.name / f"s{t}-{session.name}"
-                if (folder / "metrics.json").exists():
+                if distributed.broadcast_object((folder / "metrics.json").exists()):
                     model, store, record = trainer.load_session(folder, t)
                     trainer.restore_session(t, folder, model, store)
                     echo(f"[{method.name}] session {t} ({session.name}): reusing {folder}")
@@ -281,7 +343,8 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
                 bar.update(1)
             results["methods"][method.name] = _method_summary(protocol, records)
         bar.close()
-        write_all(results, out)
+        if main:
+            write_all(results, out)
         return results
     finally:
         log.removeHandler(handler)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -33,6 +34,11 @@ class LoopState:
         eval_session: during evaluation, the session whose test split is being scored.
         previous_seen: classes of the classifier at the end of the previous session
             (its first rows; empty in session 0).
+        forward: the training forward, ``x -> SegmenterOutput``: the model itself, or its
+            DistributedDataParallel wrapper when several processes train.
+        autocast: a context manager for forwards in the run's precision (bf16 autocast or nothing);
+            the loop's training forward and ``after_forward`` already run inside it.
+        loader_options: DataLoader keyword arguments of the run (workers, pinned memory) for plugins' loaders.
     """
 
     protocol: Protocol
@@ -57,15 +63,21 @@ class LoopState:
     closure: Callable[[], torch.Tensor] | None = None
     eval_session: int | None = None
     previous_seen: list[int] = field(default_factory=list)
+    forward: Callable[[torch.Tensor], SegmenterOutput] | None = None
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext
+    loader_options: dict = field(default_factory=dict)
+    _lut: torch.Tensor | None = field(default=None, repr=False)
 
     def class_index(self, global_ids: torch.Tensor) -> torch.Tensor:
         """Map global class ids to classifier rows (255 stays 255)."""
-        lut = torch.full((256,), -1, dtype=torch.long)
-        lut[255] = 255
-        for row, cid in enumerate(self.seen):
-            lut[cid] = row
-        rows = lut.to(global_ids.device)[global_ids.long()]
-        if (rows < 0).any():
+        if self._lut is None or self._lut.device != global_ids.device:
+            lut = torch.full((256,), -1, dtype=torch.long)
+            lut[255] = 255
+            for row, cid in enumerate(self.seen):
+                lut[cid] = row
+            self._lut = lut.to(global_ids.device)
+        rows = self._lut[global_ids.long()]
+        if global_ids.device.type == "cpu" and (rows < 0).any():  # a host check would stall a GPU every step
             bad = sorted(set(global_ids[rows < 0].tolist()))
             raise ValueError(f"class ids {bad} are not covered by the classifier (seen: {self.seen})")
         return rows

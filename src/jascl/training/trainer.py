@@ -2,32 +2,43 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
-from torch.utils.data import DataLoader
+from torch import nn
+from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
-from jascl.data.datasets import LabelledDataset, iterate_steps
+from jascl import distributed
+from jascl.data.datasets import IGNORE_INDEX, LabelledDataset, iterate_steps
+from jascl.data.sampling import derive_seed, loader_options, seeded_loader
 from jascl.data.synthetic import SessionData
-from jascl.errors import ConfigError
+from jascl.errors import ConfigError, TrainingError
 from jascl.evaluation.evaluator import evaluate
 from jascl.evaluation.metrics import summarise
 from jascl.methods.base import Method
 from jascl.methods.prototypes import PrototypeAccumulator, PrototypeStore
-from jascl.networks.base import Segmenter, create_segmenter
+from jascl.networks.base import Segmenter, SegmenterOutput, create_segmenter
 from jascl.protocols.schema import Protocol
-from jascl.training.checkpoint import load_model, load_tensors, save_model, save_tensors
+from jascl.training.checkpoint import (load_model, load_progress, load_tensors, save_model, save_progress,
+                                       save_tensors)
+from jascl.training.snapshot import load_module_state, module_state, rng_state, set_rng_state
 from jascl.training.config import RunConfig
 from jascl.training.losses import SegmentationLoss
 from jascl.training.state import LoopState
 
 log = logging.getLogger("jascl")
+
+
+#: the in-session checkpoint of a session folder (removed once the session is complete)
+PROGRESS = "progress.safetensors"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -36,10 +47,31 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of the run (None = fp32): "auto" is bf16 on a GPU that supports it."""
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
 def _write_json(path: Path, payload: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2, default=float))
     os.replace(tmp, path)
+
+
+class _TrainForward(nn.Module):
+    """``forward_features`` as a module returning a tuple, the form DistributedDataParallel wraps."""
+
+    def __init__(self, model: Segmenter) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model.forward_features(x)
+        return out.logits, out.features
 
 
 class ContinualTrainer:
@@ -71,6 +103,26 @@ class ContinualTrainer:
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         self.loss_fn = SegmentationLoss(config.lambda_ce, config.lambda_dice)
+        self.amp_dtype = resolve_precision(config.precision, self.device)
+        self.loader_options = loader_options(self.device, config.num_workers, config.pin_memory)
+        self.memory_format = None
+        if config.channels_last:
+            self.memory_format = torch.channels_last if protocol.spatial_dims == 2 else torch.channels_last_3d
+        if distributed.world_size() > config.batch_size:
+            raise ConfigError(f"batch_size={config.batch_size}: smaller than the {distributed.world_size()} "
+                              "processes; every rank needs at least one sample per step (batch_size is global)")
+
+    def autocast(self) -> ContextManager:
+        """Forwards in the run's precision (bf16 autocast, or nothing for fp32)."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def checkpoint_meta(self, t: int) -> dict:
+        """What a session-``t`` checkpoint of this run must match to be loaded."""
+        cfg = self.config
+        return {"protocol": self.protocol.name, "backbone": cfg.backbone, "backbone_args": cfg.backbone_args,
+                "classifier": cfg.classifier, "seen": list(self.protocol.seen_classes(t))}
 
     # ------------------------------------------------------------------ model
 
@@ -85,7 +137,12 @@ class ContinualTrainer:
             model.backbone.check_input_size(tuple(cfg.patch_size), "patch_size")
         else:
             model.backbone.check_input_size(tuple(self.data[0].train.images.shape[2:]), "image size (patch_size=null)")
-        return model.to(self.device)
+        model = model.to(self.device)
+        if self.memory_format is not None:
+            model = model.to(memory_format=self.memory_format)
+        if cfg.compile:
+            model.backbone.compile()  # in place: parameter names (and checkpoints) stay the same
+        return model
 
     def initial_model(self, num_classes: int) -> Segmenter:
         """The session-0 model: a fresh model plus the user's pretrained backbone weights, if any."""
@@ -99,7 +156,7 @@ class ContinualTrainer:
     def load_session(self, folder: Path, session: int) -> tuple[Segmenter, PrototypeStore, dict]:
         """Model, prototype store and metrics saved by :meth:`run_session` for ``session``."""
         model = self.new_model(len(self.protocol.seen_classes(session)))
-        load_model(model, folder / "model.safetensors")
+        load_model(model, folder / "model.safetensors", self.checkpoint_meta(session))
         store = PrototypeStore.load(folder / "prototypes.safetensors")
         record = json.loads((folder / "metrics.json").read_text())
         return model, store, record
@@ -111,24 +168,29 @@ class ContinualTrainer:
         session = self.protocol.sessions[t]
         patch = self.config.patch_size
         return LabelledDataset(self.data[t].train, session.classes, session.other_classes, augment=augment,
-                               patch_size=patch if crop else None, seed=self.seed + t)
+                               patch_size=patch if crop else None, seed=derive_seed(self.seed, "augment", t))
 
     @torch.no_grad()
     def compute_prototypes(self, model: Segmenter, t: int, classes: list[int]) -> dict[int, torch.Tensor]:
         """Eq. 2 prototypes of ``classes`` from session ``t``'s labelled data (eval mode, no GAS noise).
 
+        With several processes each rank takes a share of the samples and the
+        sums are reduced, so every rank gets the prototypes of the whole set.
         The train/eval mode of every module is restored afterwards.
         """
         modes = {m: m.training for m in model.modules()}
         model.eval()
         acc = PrototypeAccumulator(classes)
+        dataset = self._labelled_dataset(t, augment=False, crop=False)
         # whole samples: batch them only when they all have one size (real datasets vary)
         uniform = getattr(self.data[t].train.images, "uniform", True)
-        loader = DataLoader(self._labelled_dataset(t, augment=False, crop=False),
+        loader = DataLoader(Subset(dataset, distributed.shard(range(len(dataset)))),
                             batch_size=self.config.batch_size if uniform else 1)
-        for batch in loader:
-            out = model.forward_features(batch["image"].to(self.device))
-            acc.update(out.features, batch["label"].to(self.device))
+        with self.autocast():
+            for batch in loader:
+                out = model.forward_features(batch["image"].to(self.device))
+                acc.update(out.features, batch["label"].to(self.device))
+        acc.all_reduce(model.backbone.feature_channels)
         for module, mode in modes.items():
             module.train(mode)
         return acc.compute()
@@ -162,7 +224,14 @@ class ContinualTrainer:
 
     def run_session(self, t: int, model: Segmenter, prototypes: PrototypeStore, out_dir: Path,
                     on_epoch: Callable[[int, float], None] | None = None) -> dict:
-        """Train, evaluate and checkpoint session ``t``; returns its metrics record."""
+        """Train, evaluate and checkpoint session ``t``; returns its metrics record.
+
+        Every ``checkpoint_every`` epochs (and after the last) the session's whole
+        training state is written atomically to ``out_dir/progress.safetensors``;
+        if that file exists when the session starts, the session is set up as
+        usual and then continues from it, with bit-identical results on the same
+        machine and thread count. Only rank 0 writes files.
+        """
         cfg, protocol = self.config, self.protocol
         session = protocol.sessions[t]
         started = time.time()
@@ -180,19 +249,29 @@ class ContinualTrainer:
         if state.optimizer is None:
             state.optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                                               nesterov=cfg.nesterov and cfg.momentum > 0)
-        generator = torch.Generator().manual_seed(self.seed * 1000 + t)
-        loader = DataLoader(self._labelled_dataset(t, augment=cfg.augment, crop=True), batch_size=cfg.batch_size, shuffle=True,
-                            generator=generator)
+        if params and distributed.active():
+            ddp = distributed.wrap(_TrainForward(model), self.device, cfg.find_unused_parameters)
+            state.forward = lambda x: SegmenterOutput(*ddp(x))
+        loader = seeded_loader(self._labelled_dataset(t, augment=cfg.augment, crop=True), cfg.batch_size,
+                               derive_seed(self.seed, "labelled", t), **self.loader_options)
         epochs = cfg.epochs_base if t == 0 else cfg.epochs_incremental
-        bar = tqdm(range(epochs), desc=f"{self.method.name} s{t} {session.name}", unit="ep", leave=False,
-                   position=1, disable=not self.progress)
+        progress_path = out_dir / PROGRESS
+        first_epoch, saved_epoch = 0, None
+        if progress_path.exists():
+            saved_epoch = self._restore_progress(progress_path, t, state, loader)
+            first_epoch = saved_epoch + 1
+            log.info("%s session %d: resuming after epoch %d from %s", self.method.name, t, first_epoch - 1,
+                     progress_path)
+        bar = tqdm(range(first_epoch, epochs), desc=f"{self.method.name} s{t} {session.name}", unit="ep",
+                   leave=False, position=1, disable=not (self.progress and distributed.is_main()))
         for epoch in bar:
             state.epoch = epoch
             model.train()
             for module in frozen:
                 module.eval()
             self.method.fire("before_epoch", state)
-            running, steps = 0.0, 0
+            running = torch.zeros((), device=self.device)
+            steps = 0
             n_steps = max(len(loader), self.method.epoch_iterations(state))
             for batch in iterate_steps(loader, n_steps):
                 state.batch = batch
@@ -206,15 +285,27 @@ class ContinualTrainer:
                 state.optimizer.step()
                 self.method.fire("after_update", state)
                 state.iteration += 1
-                running += float(total.detach())
+                running += total.detach().float()
                 steps += 1
             self.method.fire("after_epoch", state)
-            mean_loss = running / max(steps, 1)
+            # one host synchronisation per epoch; a non-finite loss on any rank stops every rank
+            mean_loss = float(distributed.all_reduce_sum(running)) / max(steps * distributed.world_size(), 1)
+            if not math.isfinite(mean_loss):
+                kept = (f"its last good checkpoint (after epoch {saved_epoch}) is kept in {progress_path}"
+                        if saved_epoch is not None else "no checkpoint of it had been written yet")
+                raise TrainingError(f"{self.method.name} session {t} ({session.name}) epoch {epoch}: the training loss "
+                                    f"became {mean_loss}; the session stopped and {kept}; lower the learning rate "
+                                    f"({'lr_base' if t == 0 else 'lr_incremental'}={lr}) or check the data, then "
+                                    "rerun to resume")
             bar.set_postfix(loss=f"{mean_loss:.3f}")
             log.info("%s session %d epoch %d: loss %.4f (%s)", self.method.name, t, epoch, mean_loss,
                      ", ".join(f"{k} {float(v.detach()):.4f}" for k, v in state.losses.items()))
             if on_epoch:
                 on_epoch(epoch, mean_loss)
+            last = epoch == epochs - 1
+            if last or (cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0):
+                self._save_progress(progress_path, t, epoch, state, loader)
+                saved_epoch = epoch
         bar.close()
         self.method.fire("after_training", state)
 
@@ -225,10 +316,11 @@ class ContinualTrainer:
             state.eval_session = index
             self.method.fire("before_eval_split", state)
 
-        result = evaluate(model, [d.test for d in self.data[: t + 1]], seen, self.device, mode=cfg.eval_mode,
-                          roi=cfg.patch_size, batch_size=cfg.batch_size, sw_batch_size=cfg.sw_batch_size,
-                          overlap=cfg.sw_overlap, mc_samples=cfg.eval_mc_samples, seed=self.seed + t,
-                          before_split=before_split, progress=self.progress)
+        with self.autocast():
+            result = evaluate(model, [d.test for d in self.data[: t + 1]], seen, self.device, mode=cfg.eval_mode,
+                              roi=cfg.patch_size, batch_size=cfg.batch_size, sw_batch_size=cfg.sw_batch_size,
+                              overlap=cfg.sw_overlap, mc_samples=cfg.eval_mc_samples, seed=self.seed + t,
+                              before_split=before_split, progress=self.progress and distributed.is_main())
         state.eval_session = None
         state.metrics["eval"] = result
         self.method.fire("after_eval", state)
@@ -238,14 +330,41 @@ class ContinualTrainer:
         if "pseudo_labels" in state.metrics:
             record["pseudo_labels"] = state.metrics["pseudo_labels"]
         record["seconds"] = round(time.time() - started, 1)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_model(model, out_dir / "model.safetensors",
-                   {"session": t, "seen": seen, "backbone": cfg.backbone, "backbone_args": cfg.backbone_args,
-                    "classifier": cfg.classifier, "method": self.method.name, "protocol": protocol.name})
-        prototypes.save(out_dir / "prototypes.safetensors")
-        save_tensors(self.method.extra_state(), out_dir / "plugins.safetensors")
-        _write_json(out_dir / "metrics.json", record)  # written last: marks the session complete
+        if distributed.is_main():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_model(model, out_dir / "model.safetensors",
+                       {**self.checkpoint_meta(t), "session": t, "method": self.method.name})
+            prototypes.save(out_dir / "prototypes.safetensors")
+            save_tensors(self.method.extra_state(), out_dir / "plugins.safetensors")
+            _write_json(out_dir / "metrics.json", record)  # written last: marks the session complete
+            progress_path.unlink(missing_ok=True)
         return record
+
+    # ------------------------------------------------------------------ in-session checkpoints
+
+    def _save_progress(self, path: Path, t: int, epoch: int, state: LoopState, loader: DataLoader) -> None:
+        """Everything the rest of session ``t`` depends on, after ``epoch`` (rank 0 writes; nothing is pickled)."""
+        if not distributed.is_main():
+            return
+        metrics = {k: v for k, v in state.metrics.items() if isinstance(v, (int, float, str, bool))}
+        payload = {"epoch": epoch, "iteration": state.iteration, "model": module_state(state.model),
+                   "optimizer": state.optimizer.state_dict(), "plugins": self.method.state_dict(),
+                   "loader": loader.batch_sampler.state_dict(), "rng": rng_state(), "metrics": metrics}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_progress(path, {**self.checkpoint_meta(t), "session": t, "method": self.method.name, "epoch": epoch},
+                      payload)
+
+    def _restore_progress(self, path: Path, t: int, state: LoopState, loader: DataLoader) -> int:
+        """Load an in-session checkpoint into a freshly set-up session; returns the epoch it was taken after."""
+        _, payload = load_progress(path, {**self.checkpoint_meta(t), "session": t, "method": self.method.name})
+        load_module_state(state.model, payload["model"])
+        state.optimizer.load_state_dict(payload["optimizer"])
+        self.method.load_state_dict(payload["plugins"])
+        loader.batch_sampler.load_state_dict(payload["loader"])
+        set_rng_state(payload["rng"])
+        state.iteration = int(payload["iteration"])
+        state.metrics.update(payload["metrics"])
+        return int(payload["epoch"])
 
     def loop_state(self, t: int, model: Segmenter, prototypes: PrototypeStore) -> LoopState:
         """The state plugins see in session ``t`` (the batch and loss fields are filled by the loop)."""
@@ -253,15 +372,22 @@ class ContinualTrainer:
         state = LoopState(protocol, self.config, self.method, protocol.sessions[t], self.data[t], model, self.device,
                           prototypes, protocol.seen_classes(t), seed=self.seed, new_model=self.new_model,
                           compute_prototypes=lambda classes: self.compute_prototypes(model, t, classes),
-                          previous_seen=protocol.seen_classes(t - 1) if t > 0 else [])
+                          previous_seen=protocol.seen_classes(t - 1) if t > 0 else [],
+                          forward=model.forward_features, autocast=self.autocast,
+                          loader_options=self.loader_options)
 
         def closure() -> torch.Tensor:
             batch = state.batch
-            x = batch["image"].to(self.device)
-            target = state.class_index(batch["label"].to(self.device))
-            state.output = model.forward_features(x)
-            state.losses = {"seg": self.loss_fn(state.output.logits, target)}
-            self.method.fire("after_forward", state)
+            x = batch["image"].to(self.device, non_blocking=True)
+            if self.memory_format is not None:
+                x = x.contiguous(memory_format=self.memory_format)
+            labels = batch["label"]
+            has_ignore = bool((labels == IGNORE_INDEX).any()) if labels.device.type == "cpu" else None
+            target = state.class_index(labels.to(self.device, non_blocking=True))
+            with self.autocast():
+                state.output = state.forward(x)
+                state.losses = {"seg": self.loss_fn(state.output.logits, target, has_ignore)}
+                self.method.fire("after_forward", state)
             return sum(state.losses.values())
 
         state.closure = closure

@@ -60,7 +60,6 @@ from jascl.methods.mean_teacher import MeanTeacherPlugin, UnlabelledDataset, vie
 from jascl.methods.pas import FilterCounters, consistency_loss, pas_filter
 
 if TYPE_CHECKING:
-    from jascl.data.synthetic import Split
     from jascl.networks.base import Segmenter
     from jascl.training.config import RunConfig
     from jascl.training.state import LoopState
@@ -791,6 +790,7 @@ class RetrievePlugin(MeanTeacherPlugin):
         if self.teacher is not None:
             self._generator = torch.Generator().manual_seed(state.seed * 7919 + state.session.index)
             self._select_rng = torch.Generator().manual_seed(state.seed * 104729 + state.session.index)
+            self._views = (view_transform(state.seed + 1), view_transform(state.seed + 2))
 
     def before_epoch(self, state: "LoopState") -> None:
         if self.teacher is not None and self._is_phase(state.epoch):
@@ -802,8 +802,12 @@ class RetrievePlugin(MeanTeacherPlugin):
         super().before_epoch(state)
 
     def _view(self, images: torch.Tensor, which: int) -> torch.Tensor:
-        # the parent's views as plain tensors: MONAI's MetaTensor slows every later operation down
-        return super()._view(images, which).as_subclass(torch.Tensor)
+        t = self._views[which]
+        # plain tensors: MONAI's MetaTensor slows every later operation down
+        return torch.stack([torch.as_tensor(t(img)).as_subclass(torch.Tensor) for img in images]).float()
+
+    def _student_teacher_views(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._view(batch["image"], 0), self._view(batch["image"], 1)
 
     def _classifier_params(self, model: "Segmenter") -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in model.classifier.named_parameters()}

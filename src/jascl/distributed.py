@@ -1,0 +1,151 @@
+"""Multi-process training on torch.distributed (torchrun + DistributedDataParallel).
+
+jascl does not launch or synchronise processes itself: ``jascl run --devices N``
+starts ``torchrun`` (``torch.distributed.run``) with N processes on this machine,
+and ``torchrun ... -m jascl run ...`` (or one ``torchrun`` per node under SLURM)
+does the same across machines. Every process runs the whole protocol; within a
+session each rank trains on its share of every global batch through
+:class:`torch.nn.parallel.DistributedDataParallel`, and everything a result
+depends on is reduced across ranks here (prototype sums, confusion matrices,
+pseudo-label counters, the epoch loss). Only rank 0 writes files.
+
+Outside a ``torchrun`` launch (``WORLD_SIZE`` unset or 1) every function here
+is a no-op for a single process, so the same code path serves both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from jascl.errors import ConfigError
+
+
+def launched() -> bool:
+    """True in a process started by torchrun with more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def is_main() -> bool:
+    """Rank 0 (or the only process): the one that writes files, logs and progress bars."""
+    return rank() == 0
+
+
+def init(device: str) -> str:
+    """Join the process group torchrun set up; returns this rank's device name.
+
+    Backend: NCCL when the ranks use CUDA devices, else gloo (CPU). With
+    ``device`` "auto" or "cuda" each rank takes ``cuda:<LOCAL_RANK>``; a fixed
+    ``cuda:K`` is refused, since every rank would share one GPU.
+    """
+    if not launched():
+        return device
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if ":" in device:
+            raise ConfigError(f"device={device}: with several processes each rank takes cuda:<LOCAL_RANK>; "
+                              "use --device cuda or auto")
+        if local >= torch.cuda.device_count():
+            raise ConfigError(f"LOCAL_RANK {local}: this machine has {torch.cuda.device_count()} GPU(s); "
+                              "start at most that many processes per node")
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    elif device == "auto":
+        device = "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return device
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of ``tensor`` over ranks (a new tensor on ``tensor``'s device; the input itself when alone)."""
+    if not active():
+        return tensor
+    buf = tensor.detach().to(_comm_device(), copy=True)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    return buf.to(tensor.device)
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (decisions that must agree, e.g. which sessions to reuse)."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=_comm_device() if dist.get_backend() == "nccl" else None)
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    if not active():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+@contextlib.contextmanager
+def main_first() -> Iterator[None]:
+    """Rank 0 runs the block first (e.g. generating and caching data), the others after it."""
+    if is_main():
+        yield
+        barrier()
+    else:
+        barrier()
+        yield
+
+
+def shard(indices: Sequence[int]) -> list[int]:
+    """This rank's share of ``indices`` (every ``world_size``-th, from ``rank``)."""
+    return list(indices)[rank()::world_size()]
+
+
+def wrap(module: torch.nn.Module, device: torch.device, find_unused_parameters: bool = False) -> torch.nn.Module:
+    """``module`` under DistributedDataParallel when several processes run, else itself."""
+    if not active() or not any(p.requires_grad for p in module.parameters()):
+        return module
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=find_unused_parameters)
+
+
+def launch(argv: Sequence[str], nproc: int) -> int:
+    """Re-run ``jascl <argv>`` as ``nproc`` processes on this machine under torchrun; returns its exit code."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "jascl", *argv]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // nproc, 1)))
+    return subprocess.call(cmd, env=env)

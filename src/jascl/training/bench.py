@@ -1,0 +1,409 @@
+"""``jascl bench``: what the framework and each part of JASCL cost, against plain loops a user would write.
+
+Every case trains the same model (the protocol's backbone, grown to the
+classes of session ``--session``, with the same freezing policy) on the same
+session data with the same batch size, device and precision:
+
+=================  =====================================================================
+``plain``          a plain PyTorch/MONAI loop: DataLoader, ``DiceCELoss``, SGD
+``vanilla``        jascl's loop with no method plugins (``vanilla``)
+``gas+replay``     jascl with GAS and prototype replay (``jascl-no-unlabelled``)
+``plain-mt``       a plain mean-teacher loop: each step adds an unlabelled batch (two
+                   views), the unfiltered soft consistency loss and an EMA teacher update
+``pas``            jascl with GAS, prototype replay and the PAS mean teacher, an
+                   unlabelled batch every step (``jascl`` with an unlabelled phase every epoch)
+``eval-plain``     MONAI ``sliding_window_inference`` + argmax over the test splits
+``eval``           jascl's evaluator (confusion matrix, memory-bounded blocks) on the same
+=================  =====================================================================
+
+Training throughput is steps per second over the training steps of every
+epoch after the first (warm-up); the work jascl does between epochs (the PAS
+prototype pass at the start of an unlabelled phase, logging, checkpoints) is
+reported separately as seconds per epoch. Each case runs in a fresh process
+(``python -m jascl.training.bench``), the cases are interleaved over
+``rounds`` and the median is reported; peak memory is the CUDA allocator's
+peak on a GPU, and the process's peak resident set size on a CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+TRAIN_CASES = ("plain", "vanilla", "gas+replay", "plain-mt", "pas")
+EVAL_CASES = ("eval-plain", "eval")
+CASES = TRAIN_CASES + EVAL_CASES
+#: (case, baseline, target ratio of throughputs, what it shows)
+RATIOS = (("vanilla", "plain", 0.95, "framework overhead: jascl vanilla / plain loop"),
+          ("gas+replay", "vanilla", 0.97, "GAS + prototype replay / jascl vanilla"),
+          ("pas", "plain-mt", 0.90, "PAS (GAS + replay + PAS mean teacher) / plain mean teacher"),
+          ("eval", "eval-plain", 0.95, "jascl evaluator / plain sliding-window loop"))
+
+
+class _Done(Exception):
+    """Ends a timed jascl session before its evaluation and checkpoint."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Clock:
+    """Times the training steps of epochs >= 1 (epoch 0 warms up); counts seconds between epochs apart."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.step_seconds = 0.0
+        self.steps = 0
+        self.between_seconds = 0.0
+        self._t = None
+        self._end = None
+
+    def start_epoch(self, epoch: int) -> None:
+        _sync(self.device)
+        now = time.perf_counter()
+        if epoch >= 1 and self._end is not None:
+            self.between_seconds += now - self._end
+        if epoch == 1 and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._t = now
+
+    def end_epoch(self, epoch: int, steps: int) -> None:
+        _sync(self.device)
+        self._end = time.perf_counter()
+        if epoch >= 1:
+            self.step_seconds += self._end - self._t
+            self.steps += steps
+
+
+def _clock_plugin(clock: _Clock, epochs: int):
+    from jascl.methods.base import Plugin
+
+    class ClockPlugin(Plugin):
+        name = "bench-clock"
+
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def before_epoch(self, state) -> None:  # last plugin: the others' epoch set-up is "between epochs"
+            self.steps = 0
+            clock.start_epoch(state.epoch)
+
+        def after_update(self, state) -> None:
+            self.steps += 1
+
+        def after_epoch(self, state) -> None:
+            clock.end_epoch(state.epoch, self.steps)
+            if state.epoch == epochs - 1:
+                raise _Done
+
+    return ClockPlugin()
+
+
+# ------------------------------------------------------------------------------------------------ one case
+
+
+def _setup(spec: dict):
+    from jascl.protocols import get_protocol
+    from jascl.training.config import resolve_config
+    from jascl.training.runner import load_data
+
+    protocol = get_protocol(spec["protocol"])
+    overrides = [f"epochs_incremental={spec['epochs']}", "checkpoint_every=0", *spec["overrides"]]
+    config = resolve_config(protocol.training, protocol.path, None, overrides)
+    data = load_data(protocol, spec.get("cache_dir"), echo=lambda *a: None, config=config)
+    return protocol, config, data
+
+
+def _session_model(trainer, t: int):
+    """A model at the start of session t (grown to its classes) and the prototypes of sessions before t."""
+    from jascl.methods.prototypes import PrototypeStore
+
+    store = PrototypeStore()
+    model = trainer.new_model(len(trainer.protocol.seen_classes(0)))
+    for s in range(t):
+        store.add(s, trainer.compute_prototypes(model, s, [0, *trainer.protocol.sessions[s].classes]))
+        if s + 1 < t:
+            trainer._grow(model, s + 1)
+    return model, store
+
+
+def _jascl_case(case: str, spec: dict, device: torch.device) -> dict:
+    from jascl.methods import create_method
+    from jascl.methods.base import Method
+    from jascl.training.trainer import ContinualTrainer
+
+    protocol, config, data = _setup(spec)
+    name = {"vanilla": "vanilla", "gas+replay": "jascl-no-unlabelled", "pas": "jascl"}[case]
+    method = create_method(name, config)
+    clock = _Clock(device)
+    method = Method(method.name, [*method.plugins, _clock_plugin(clock, spec["epochs"])])
+    trainer = ContinualTrainer(protocol, config, method, data, progress=False)
+    t = spec["session"]
+    model, store = _session_model(trainer, t)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            trainer.run_session(t, model, store, Path(tmp))
+        except _Done:
+            pass
+    return {"steps": clock.steps, "seconds": clock.step_seconds,
+            "between_epoch_seconds": clock.between_seconds / max(spec["epochs"] - 1, 1)}
+
+
+def _plain_case(case: str, spec: dict, device: torch.device) -> dict:
+    """The loops a user would write by hand around the same model, data and batch."""
+    from monai.losses import DiceCELoss
+    from torch.utils.data import DataLoader
+
+    from jascl.data.datasets import LabelledDataset
+    from jascl.methods.base import Method
+    from jascl.methods.mean_teacher import UnlabelledDataset, view_transform
+    from jascl.training.trainer import ContinualTrainer, resolve_precision
+
+    protocol, config, data = _setup(spec)
+    trainer = ContinualTrainer(protocol, config, Method("plain"), data, progress=False)
+    t = spec["session"]
+    model, _ = _session_model(trainer, t)
+    trainer._grow(model, t)
+    session = protocol.sessions[t]
+    if config.freeze_incremental == "all_but_classifier":
+        model.backbone.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=config.lr_incremental, momentum=config.momentum,
+                          weight_decay=config.weight_decay, nesterov=config.nesterov)
+    loss_fn = DiceCELoss(to_onehot_y=True, softmax=True, lambda_ce=config.lambda_ce, lambda_dice=config.lambda_dice)
+    lut = torch.zeros(256, dtype=torch.long)
+    lut[torch.tensor(protocol.seen_classes(t))] = torch.arange(len(protocol.seen_classes(t)))
+    lut = lut.to(device)
+    dataset = LabelledDataset(data[t].train, session.classes, session.other_classes, augment=config.augment,
+                              patch_size=config.patch_size, seed=0)
+    opts = trainer.loader_options
+    loader = DataLoader(dataset, batch_size=config.batch_size, shuffle=True, **opts)
+    amp = resolve_precision(config.precision, device)
+    mean_teacher = case == "plain-mt"
+    if mean_teacher:
+        teacher = copy.deepcopy(model).eval().requires_grad_(False)
+        views = (view_transform(1), view_transform(2))
+        unlabelled = DataLoader(UnlabelledDataset(data[t].unlabelled, views, seed=0), batch_size=config.batch_size,
+                                shuffle=True, **opts)
+        pairs = zip(list(model.parameters()), list(teacher.parameters()))
+        student_params, teacher_params = (list(x) for x in zip(*pairs))
+
+    clock = _Clock(device)
+    unlabelled_iter = None
+    for epoch in range(spec["epochs"]):
+        model.train()
+        model.backbone.train(config.freeze_incremental != "all_but_classifier")
+        clock.start_epoch(epoch)
+        steps = 0
+        n_steps = max(len(loader), len(unlabelled)) if mean_teacher else len(loader)
+        batches = iter(loader)
+        while steps < n_steps:
+            batch = next(batches, None)
+            if batch is None:
+                batches = iter(loader)
+                batch = next(batches)
+            x = batch["image"].to(device, non_blocking=True)
+            y = lut[batch["label"].to(device, non_blocking=True)]
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                loss = loss_fn(model(x), y.unsqueeze(1))
+                if mean_teacher:
+                    u = next(unlabelled_iter, None) if unlabelled_iter is not None else None
+                    if u is None:
+                        unlabelled_iter = iter(unlabelled)
+                        u = next(unlabelled_iter)
+                    views_u = u["views"].to(device, non_blocking=True)
+                    student = torch.softmax(model(views_u[:, 0]).float(), 1)
+                    with torch.no_grad():
+                        target = torch.softmax(teacher(views_u[:, 1]).float(), 1)
+                    loss = loss + config.pas.weight * ((student - target) ** 2).sum(1).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if mean_teacher:
+                with torch.no_grad():
+                    torch._foreach_lerp_(teacher_params, student_params, 1.0 - config.pas.ema_decay)
+            steps += 1
+        clock.end_epoch(epoch, steps)
+    return {"steps": clock.steps, "seconds": clock.step_seconds, "between_epoch_seconds": None}
+
+
+def _eval_case(case: str, spec: dict, device: torch.device) -> dict:
+    from monai.inferers import sliding_window_inference
+
+    from jascl.evaluation.evaluator import evaluate
+    from jascl.methods.base import Method
+    from jascl.training.trainer import ContinualTrainer
+
+    protocol, config, data = _setup(spec)
+    trainer = ContinualTrainer(protocol, config, Method("eval"), data, progress=False)
+    t = spec["session"]
+    model, _ = _session_model(trainer, t)
+    trainer._grow(model, t)
+    model.eval()
+    splits = [d.test for d in data[: t + 1]]
+    spatial = splits[0].images.shape[2:]
+    roi = list(config.patch_size) if config.patch_size else [max(s // 2, 1) for s in spatial]
+    samples = sum(len(s) for s in splits)
+    seconds = []
+    for _ in range(spec["eval_repeats"] + 1):  # the first pass warms up
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        with trainer.autocast():
+            if case == "eval":
+                evaluate(model, splits, protocol.seen_classes(t), device, roi=roi, sw_batch_size=config.sw_batch_size,
+                         overlap=config.sw_overlap)
+            else:
+                with torch.no_grad():
+                    for split in splits:
+                        for i in range(len(split)):
+                            x = torch.from_numpy(split.images[i][None]).float().to(device)
+                            logits = sliding_window_inference(x, roi, config.sw_batch_size, model,
+                                                              overlap=config.sw_overlap)
+                            logits.argmax(1).cpu()
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+    return {"steps": samples * spec["eval_repeats"], "seconds": sum(seconds[1:]), "between_epoch_seconds": None}
+
+
+def run_case(case: str, spec: dict) -> dict:
+    """One case in this process; returns steps, seconds and peak memory."""
+    from jascl.training.trainer import resolve_device
+
+    torch.manual_seed(0)
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    device = resolve_device(spec["device"])
+    spec = {**spec, "overrides": [*spec["overrides"], f"device={device}"]}
+    if case in ("plain", "plain-mt"):
+        out = _plain_case(case, spec, device)
+    elif case in EVAL_CASES:
+        out = _eval_case(case, spec, device)
+    else:
+        out = _jascl_case(case, spec, device)
+    if device.type == "cuda":
+        out["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        out["memory"] = "CUDA allocator peak"
+    else:
+        out["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out["memory"] = "process peak RSS"
+    out["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ all cases
+
+
+def run_bench(protocol: str, session: int = 1, epochs: int = 4, rounds: int = 3, device: str = "auto",
+              overrides: Sequence[str] = (), cases: Sequence[str] = CASES, cache_dir: str | None = None,
+              eval_repeats: int = 2, threads: int = 0, echo: Callable[[str], None] = print) -> dict:
+    """Run every case ``rounds`` times, interleaved, each in a fresh process; medians and ratios."""
+    from jascl.errors import ConfigError
+    from jascl.protocols import get_protocol
+    from jascl.training.config import resolve_config
+
+    p = get_protocol(protocol)
+    resolve_config(p.training, p.path, None, list(overrides))  # fail fast on bad input
+    if not 1 <= session < len(p.sessions):
+        raise ConfigError(f"--session {session}: protocol {p.name} has incremental sessions 1..{len(p.sessions) - 1}")
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        raise ConfigError(f"--cases {','.join(unknown)}: choose from {', '.join(CASES)}")
+    if epochs < 2 or rounds < 1:
+        raise ConfigError(f"--epochs {epochs} --rounds {rounds}: need epochs >= 2 (the first warms up) and rounds >= 1")
+    if any(c in ("plain-mt", "pas") for c in cases) and not p.sessions[session].unlabelled:
+        raise ConfigError(f"protocol {p.name} session {session} has no unlabelled pool for the mean-teacher cases; "
+                          "use --protocol bench-2d or leave out plain-mt,pas")
+    spec = {"protocol": protocol, "session": session, "epochs": epochs, "overrides": list(overrides),
+            "device": device, "cache_dir": cache_dir, "eval_repeats": eval_repeats, "threads": threads}
+    # generate and cache the data once, before any timing
+    from jascl.training.runner import load_data
+
+    load_data(p, cache_dir, echo=lambda m: echo(f"[bench] {m}"), config=resolve_config(p.training, p.path))
+    runs: dict[str, list[dict]] = {c: [] for c in cases}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    for r in range(rounds):
+        for case in cases:
+            echo(f"[bench] round {r + 1}/{rounds}: {case}")
+            done = subprocess.run([sys.executable, "-m", "jascl.training.bench", case, json.dumps(spec)],
+                                  capture_output=True, text=True, env=env)
+            if done.returncode != 0:
+                raise RuntimeError(f"bench case {case} failed:\n{done.stderr[-4000:]}")
+            runs[case].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return summarise(runs, spec)
+
+
+def summarise(runs: dict[str, list[dict]], spec: dict) -> dict:
+    """Median throughput per case (steps or samples per second), peak memory, and the ratios of :data:`RATIOS`."""
+    rows = {}
+    for case, results in runs.items():
+        rates = [r["steps"] / r["seconds"] for r in results if r["seconds"] > 0]
+        between = [r["between_epoch_seconds"] for r in results if r.get("between_epoch_seconds") is not None]
+        rows[case] = {"rate": statistics.median(rates) if rates else math.nan,
+                      "rate_min": min(rates) if rates else math.nan, "rate_max": max(rates) if rates else math.nan,
+                      "unit": "samples/s" if case in EVAL_CASES else "steps/s",
+                      "peak_mib": max(r["peak_mib"] for r in results), "memory": results[0]["memory"],
+                      "between_epoch_seconds": statistics.median(between) if between else None,
+                      "rounds": len(results)}
+    ratios = []
+    for case, base, target, what in RATIOS:
+        if case in rows and base in rows:
+            value = rows[case]["rate"] / rows[base]["rate"]
+            ratios.append({"ratio": f"{case} / {base}", "value": value, "target": target, "met": value >= target,
+                           "what": what})
+    device = next(iter(runs.values()))[0]["device"] if runs else "?"
+    return {"spec": spec, "device": device, "cases": rows, "ratios": ratios}
+
+
+def tables(summary: dict) -> tuple[list[list[str]], list[list[str]]]:
+    """Rows of the throughput table and of the ratio table (strings)."""
+    case_rows = []
+    for case, row in summary["cases"].items():
+        between = row["between_epoch_seconds"]
+        case_rows.append([case, f"{row['rate']:.2f} {row['unit']}", f"{row['rate_min']:.2f}-{row['rate_max']:.2f}",
+                          f"{row['peak_mib']:.0f}", "-" if between is None else f"{between:.3f}"])
+    ratio_rows = [[r["ratio"], f"{r['value']:.3f}", f">= {r['target']:.2f}", "yes" if r["met"] else "NO", r["what"]]
+                  for r in summary["ratios"]]
+    return case_rows, ratio_rows
+
+
+def to_markdown(summary: dict) -> str:
+    spec = summary["spec"]
+    case_rows, ratio_rows = tables(summary)
+    mem = next(iter(summary["cases"].values()))["memory"] if summary["cases"] else ""
+    lines = [f"jascl bench · protocol {spec['protocol']} session {spec['session']} · {summary['device']} · "
+             f"{spec['epochs'] - 1} timed epochs x {next(iter(summary['cases'].values()))['rounds']} rounds · "
+             f"overrides: {' '.join(spec['overrides']) or 'none'}", "",
+             f"| case | throughput (median) | range | peak memory (MiB, {mem}) | between epochs (s) |",
+             "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in case_rows]
+    lines += ["", "| ratio | value | target | met | what |", "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in ratio_rows]
+    return "\n".join(lines) + "\n"
+
+
+def _main(argv: list[str]) -> int:
+    case, spec = argv[0], json.loads(argv[1])
+    result = run_case(case, spec)
+    print(json.dumps(result, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

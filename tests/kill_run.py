@@ -1,0 +1,82 @@
+"""Runs ``jascl <args>`` and SIGKILLs its own process at a chosen point (for the crash-resume tests).
+
+Usage: ``python tests/kill_run.py POINT jascl-args...`` where POINT is
+
+* ``step:N``          right after the N-th optimiser step of the run (mid-epoch),
+* ``write:NAME:N``    in the middle of the N-th safetensors write of a file called NAME
+                      (half of the temporary file is on disk, the rename has not happened),
+* ``session:N``       right after the N-th session of the run was completed and saved (between sessions).
+
+Nothing in jascl knows about this: the points are reached by wrapping its functions from outside.
+"""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> int:
+    point, args = sys.argv[1], sys.argv[2:]
+    kind, _, rest = point.partition(":")
+    count = {"n": 0}
+
+    if kind == "step":
+        from jascl.methods.base import Method
+
+        fire = Method.fire
+
+        def fire_and_maybe_die(self, event, state):
+            fire(self, event, state)
+            if event == "after_update":
+                count["n"] += 1
+                if count["n"] == int(rest):
+                    die()
+
+        Method.fire = fire_and_maybe_die
+    elif kind == "write":
+        import jascl.training.checkpoint as checkpoint
+
+        name, n = rest.rsplit(":", 1)
+        save_file = checkpoint.save_file
+
+        def save_half_and_die(tensors, filename, metadata=None):
+            save_file(tensors, filename, metadata=metadata)
+            if Path(filename).name == f"{name}.tmp":
+                count["n"] += 1
+                if count["n"] == int(n):
+                    size = os.path.getsize(filename)
+                    with open(filename, "r+b") as fh:
+                        fh.truncate(size // 2)
+                    die()
+
+        checkpoint.save_file = save_half_and_die
+    elif kind == "session":
+        from jascl.training.trainer import ContinualTrainer
+
+        run_session = ContinualTrainer.run_session
+
+        def run_and_maybe_die(self, *a, **kw):
+            record = run_session(self, *a, **kw)
+            count["n"] += 1
+            if count["n"] == int(rest):
+                die()
+            return record
+
+        ContinualTrainer.run_session = run_and_maybe_die
+    else:
+        raise SystemExit(f"unknown point {point!r}")
+
+    from jascl.cli import main as jascl_main
+
+    return jascl_main(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""A run SIGKILLed at several points (mid-epoch, during a checkpoint write, between sessions) and
+continued with ``jascl run --resume`` ends with exactly the results.json of an uninterrupted run;
+``--resume`` refuses folders that are not runs and options the folder fixes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jascl.cli import main
+
+from conftest import toy_protocol_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("crash")
+    spec = toy_protocol_dict(2)
+    spec["sessions"][1]["unlabelled"] = 4
+    spec["training"].update(epochs_base=2, epochs_incremental=3, augment=True, threads=1,
+                            pas={"start_epoch": 0, "every": 1})
+    protocol = root / "toy.yaml"
+    protocol.write_text(yaml.safe_dump(spec))
+    args = ["run", "--protocol", str(protocol), "--methods", "vanilla,jascl", "--cache-dir", str(root / "cache"),
+            "--no-progress"]
+    reference = root / "reference"
+    done = subprocess.run([sys.executable, "-m", "jascl", *args, "--out", str(reference)], env=ENV,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return root, args, (reference / "results.json").read_text()
+
+
+# steps: session 0 has 2 steps per epoch (8 images, batch 4) and 2 epochs; vanilla's session 1 follows
+@pytest.mark.parametrize("point", ["step:3", "step:7", "write:progress.safetensors:2", "write:model.safetensors:2",
+                                   "session:1", "session:2"])
+def test_killed_run_resumes_to_identical_results(point, setup, tmp_path):
+    root, args, expected = setup
+    out = tmp_path / "run"
+    killed = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_run.py"), point, *args, "--out", str(out)],
+                            env=ENV, capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (out / "results.json").exists()
+    resumed = subprocess.run([sys.executable, "-m", "jascl", "run", "--resume", str(out), "--no-progress"], env=ENV,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert (out / "results.json").read_text() == expected
+    assert not list(out.rglob("progress.safetensors")), "finished sessions keep no progress checkpoint"
+
+
+def test_resume_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
+    assert main(["run", "--resume", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"jascl: error: {tmp_path}: not a jascl run folder (no run.json)") and "\n" not in err
+
+
+def test_resume_refuses_options_the_folder_fixes(tmp_path, capsys):
+    (tmp_path / "run.json").write_text(json.dumps({"protocol": "synthetic-2d", "seed": 1, "methods": ["vanilla"]}))
+    assert main(["run", "--resume", str(tmp_path), "--methods", "jascl", "--seed", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "the run folder fixes the protocol, methods and settings; drop --seed, --methods" in err
+
+
+def test_devices_must_be_positive(capsys):
+    assert main(["run", "--devices", "0"]) == 2
+    assert "--devices 0: must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--bogus"], "jascl: error: unrecognized arguments: --bogus; see 'jascl --help'"),
+    (["run", "--seed", "abc"], "jascl run: error: argument --seed: invalid int value: 'abc'; see 'jascl run --help'"),
+    (["run", "--set", "epochs_base=-1"], "jascl: error: --set: epochs_base: must be >= 0 (got -1)"),
+    (["run", "--set", "precision=fp16"], "jascl: error: --set: precision: must be one of auto, fp32, bf16 (got 'fp16')"),
+    (["run", "--set", "checkpoint_every=x"], "jascl: error: --set: checkpoint_every: must be a number (got 'x')"),
+    (["bench", "--epochs", "1"], "jascl: error: --epochs 1 --rounds 3: need epochs >= 2 (the first warms up) and "
+                                 "rounds >= 1"),
+    (["bench", "--protocol", "synthetic-2d"], "jascl: error: protocol synthetic-2d session 1 has no unlabelled pool "
+                                              "for the mean-teacher cases; use --protocol bench-2d or leave out "
+                                              "plain-mt,pas"),
+])
+def test_bad_command_lines_get_one_line_errors_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == message

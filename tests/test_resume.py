@@ -1,0 +1,179 @@
+"""Crash-safe resume: a session interrupted after an epoch and resumed from its in-session checkpoint
+ends bit-identically to an uninterrupted one, for every registered method (so every plugin's state is
+in the checkpoint); progress checkpoints are safetensors and refuse other runs' or pickled files."""
+
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from jascl.errors import CheckpointError, TrainingError
+from jascl.methods import METHODS, Plugin
+from jascl.methods.base import Method
+from jascl.protocols import parse_protocol
+from jascl.training.checkpoint import load_progress, save_progress
+from jascl.training.config import resolve_config
+from jascl.training.runner import ensure_base, load_data, run_benchmark
+from jascl.training.snapshot import capture_object, pack, restore_object, unpack
+
+from conftest import toy_protocol_dict
+
+
+class Stop(Exception):
+    """Stands in for the process dying."""
+
+
+class StopBefore(Plugin):
+    """Interrupts session ``session`` when epoch ``epoch`` is about to start (its predecessors are checkpointed)."""
+
+    name = "stop"
+
+    def __init__(self, session: int, epoch: int):
+        self.session, self.epoch = session, epoch
+
+    def before_epoch(self, state):
+        if state.session.index == self.session and state.epoch == self.epoch:
+            raise Stop
+
+
+@pytest.fixture(scope="module")
+def toy_resume(tmp_path_factory):
+    spec = toy_protocol_dict(2)
+    spec["sessions"][1]["unlabelled"] = 4
+    spec["training"]["epochs_incremental"] = 3
+    spec["training"]["augment"] = True
+    protocol = parse_protocol(spec, source="toy-resume.yaml")
+    config = resolve_config(protocol.training, "toy-resume.yaml", overrides=["pas.start_epoch=0", "pas.every=1"])
+    root = tmp_path_factory.mktemp("resume")
+    data = load_data(protocol, root / "cache", echo=lambda *a: None)
+    ensure_base(protocol, config, data, root / "base", progress=False, echo=lambda *a: None)
+    return protocol, config, root
+
+
+def _run(protocol, config, name, out, root):
+    return run_benchmark(protocol, config, [name], out, cache_dir=root / "cache", progress=False,
+                         echo=lambda *a: None)
+
+
+@pytest.mark.parametrize("name", METHODS.list())
+def test_interrupted_session_resumes_bit_identically(name, toy_resume, tmp_path, monkeypatch):
+    protocol, config, root = toy_resume
+    reference, broken = tmp_path / "reference", tmp_path / "broken"
+    for out in (reference, broken):
+        shutil.copytree(root / "base", out / "base")
+    expected = _run(protocol, config, name, reference, root)
+
+    original = METHODS.get(name)
+    monkeypatch.setitem(METHODS._entries, name,
+                        lambda config: Method(name, [*original(config).plugins, StopBefore(1, 2)]))
+    with pytest.raises(Stop):
+        _run(protocol, config, name, broken, root)
+    progress = broken / name / "s1-inc" / "progress.safetensors"
+    assert progress.exists() and not (broken / name / "s1-inc" / "metrics.json").exists()
+    meta, _ = load_progress(progress)
+    assert meta["epoch"] == 1 and meta["method"] == name
+
+    monkeypatch.setitem(METHODS._entries, name, original)
+    resumed = _run(protocol, config, name, broken, root)
+    assert json.dumps(resumed, sort_keys=True) == json.dumps(expected, sort_keys=True)
+    assert (broken / "results.json").read_text() == (reference / "results.json").read_text()
+    a = load_file(reference / name / "s1-inc" / "model.safetensors")
+    b = load_file(broken / name / "s1-inc" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not progress.exists(), "a complete session keeps no progress checkpoint"
+
+
+def test_non_finite_loss_stops_the_session_and_keeps_the_last_good_checkpoint(toy_resume, tmp_path, monkeypatch):
+    protocol, config, root = toy_resume
+
+    class PoisonAt(Plugin):
+        name = "poison"
+
+        def after_forward(self, state):
+            if state.session.index == 1 and state.epoch == 2:
+                state.losses["poison"] = torch.tensor(float("nan"))
+
+    monkeypatch.setitem(METHODS._entries, "vanilla", lambda config: Method("vanilla", [PoisonAt()]))
+    out = tmp_path / "run"
+    shutil.copytree(root / "base", out / "base")
+    with pytest.raises(TrainingError, match=r"vanilla session 1 \(inc\) epoch 2: the training loss became nan; "
+                                            r"the session stopped and its last good checkpoint \(after epoch 1\)"):
+        _run(protocol, config, "vanilla", out, root)
+    meta, payload = load_progress(out / "vanilla" / "s1-inc" / "progress.safetensors")
+    assert meta["epoch"] == 1
+    assert all(torch.isfinite(v).all() for v in payload["model"].values())
+    assert TrainingError.exit_code == 3
+
+
+def test_progress_checkpoint_from_another_run_is_refused(tmp_path):
+    path = tmp_path / "progress.safetensors"
+    save_progress(path, {"protocol": "toy-2d", "backbone": "unet", "session": 1}, {"epoch": 0, "w": torch.ones(2)})
+    meta, payload = load_progress(path, {"protocol": "toy-2d", "backbone": "unet"})
+    assert payload["epoch"] == 0 and torch.equal(payload["w"], torch.ones(2))
+    with pytest.raises(CheckpointError, match="made for backbone 'unet', but this run has backbone 'swinunetr'"):
+        load_progress(path, {"protocol": "toy-2d", "backbone": "swinunetr"})
+    with pytest.raises(CheckpointError, match="made for protocol 'toy-2d', but this run has protocol 'other'"):
+        load_progress(path, {"protocol": "other"})
+
+
+class _Evil:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch pwned",))
+
+
+def test_pickled_progress_checkpoint_is_refused_without_running_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "progress.safetensors"
+    path.write_bytes(pickle.dumps({"model": _Evil()}))
+    with pytest.raises(CheckpointError, match="not a readable jascl progress checkpoint"):
+        load_progress(path)
+    torch.save({"model": _Evil()}, tmp_path / "p2.safetensors")
+    with pytest.raises(CheckpointError):
+        load_progress(tmp_path / "p2.safetensors")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_pack_roundtrip_keeps_structure_types_and_int_keys():
+    state = {"state": {0: {"momentum_buffer": torch.arange(3.0)}, 5: {"step": torch.tensor(2.0)}},
+             "param_groups": [{"lr": 0.01, "params": [0, 5], "nesterov": True, "betas": (0.9, 0.99)}],
+             "none": None, "nan": float("nan"), "array": torch.zeros(0).numpy()}
+    tensors = {}
+    skeleton = pack(state, "p", tensors)
+    json.dumps(skeleton)  # the skeleton is plain JSON
+    back = unpack(json.loads(json.dumps(skeleton)), tensors)
+    assert set(back["state"]) == {0, 5} and torch.equal(back["state"][0]["momentum_buffer"], torch.arange(3.0))
+    assert back["param_groups"][0]["betas"] == (0.9, 0.99) and back["param_groups"][0]["params"] == [0, 5]
+    assert back["none"] is None and back["nan"] != back["nan"]
+
+
+def test_capture_restores_generators_counters_and_modules_in_place():
+    import numpy as np
+
+    from jascl.methods.pas import FilterCounters
+
+    class P(Plugin):
+        def __init__(self):
+            self.g = torch.Generator().manual_seed(1)
+            self.rng = np.random.default_rng(2)
+            self.counts = FilterCounters()
+            self.teacher = torch.nn.Linear(2, 2)
+            self.items = [torch.ones(2), 3]
+            self.loader = iter([])  # not data: left to the session to rebuild
+
+    a = P()
+    torch.rand(3, generator=a.g), a.rng.random()
+    a.counts.update(torch.tensor([True, False]), torch.tensor([1, 1]), torch.tensor([1, 2]))
+    snap = capture_object(a)
+    assert "loader" not in snap
+    expected = (torch.rand(2, generator=a.g), a.rng.random())
+    b = P()
+    teacher = b.teacher
+    restore_object(b, unpack(json.loads(json.dumps(pack(snap, "p", tensors := {}))), tensors))
+    assert b.teacher is teacher and torch.equal(b.teacher.weight, a.teacher.weight)
+    assert torch.equal(torch.rand(2, generator=b.g), expected[0]) and b.rng.random() == expected[1]
+    assert (b.counts.kept, b.counts.correct, b.counts.total) == (1, 1, 2)
