@@ -219,7 +219,7 @@ def test_tensorboard_scalars_match_results(toy_run):
 
 def test_gas_scale_stats_by_hand():
     noise = GASNoise(torch.Size([2]), eps=1.0)
-    noise.sq_grad.copy_(torch.tensor([0.0, 1.0]))
+    noise.set_sq_grad(torch.tensor([0.0, 1.0]))
     # G^-1 = [1, 0.5]; scale = (1 + G^-1 - 0.5) / (1 + 1 - 0.5) = [1, 2/3]
     stats = gas_scale_stats(noise)
     assert stats["min"] == pytest.approx(2 / 3) and stats["max"] == pytest.approx(1.0)

@@ -90,7 +90,8 @@ class RandForegroundCropd(Randomizable, MapTransform):
 class LabelledDataset(Dataset):
     """(image, training label) pairs of one split.
 
-    Items are dicts ``{"image": (C, *spatial) float32, "label": (*spatial) int64, "id": str}``.
+    Items are dicts ``{"image": (C, *spatial) float32, "label": (*spatial) int64, "id": str, "ignore": bool}``
+    (``ignore``: the label holds 255 somewhere).
     Keys are sample indices or ``(pass, index)`` pairs from a
     :class:`jascl.data.sampling.SeededBatchSampler`; the random crop and flips of
     an item are drawn from ``(seed, pass, index)`` alone, so they do not depend on
@@ -135,4 +136,8 @@ class LabelledDataset(Dataset):
             # its __torch_function__
             image = torch.as_tensor(out["image"]).as_subclass(torch.Tensor)
             label = torch.as_tensor(out["label"]).as_subclass(torch.Tensor)[0]
-        return {"image": image.float().contiguous(), "label": label.long().contiguous(), "id": self.split.ids[index]}
+        label = label.long().contiguous()
+        # whether the label holds ignore pixels, found here in the loader's worker so that the loss does not
+        # have to ask the GPU at every step
+        return {"image": image.float().contiguous(), "label": label, "id": self.split.ids[index],
+                "ignore": bool((label == IGNORE_INDEX).any())}

@@ -75,6 +75,8 @@ class Plugin:
     freeze_incremental: str | None = None
     #: keys this plugin adds to ``state.losses`` (non-zero in incremental sessions)
     loss_terms: tuple[str, ...] = ()
+    #: attributes the default :meth:`state_dict` leaves out (e.g. views of tensors restored elsewhere)
+    snapshot_exclude: tuple[str, ...] = ()
 
     def make_optimizer(self, state: "LoopState", params: list, lr: float) -> "torch.optim.Optimizer | None":
         """The optimiser of the coming session (None = the loop's SGD from the run configuration)."""
@@ -91,7 +93,7 @@ class Plugin:
         """In-session state for a resumable checkpoint (default: every data-like attribute)."""
         from jascl.training.snapshot import capture_object
 
-        return capture_object(self)
+        return capture_object(self, exclude=self.snapshot_exclude)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` into a plugin whose session was set up again (``before_session`` ran)."""

@@ -60,15 +60,24 @@ class GASNoise(nn.Module):
         self.eps = eps
         self.sigma = sigma2**0.5
         self.register_buffer("sq_grad", torch.zeros(shape), persistent=False)
+        # G~^-1 of the stored gradient, kept up to date by set_sq_grad: the weight is read several
+        # times per step (labelled, unlabelled and replay forwards) but the gradient changes once
+        self.register_buffer("noise_scale", gas_noise_scale(self.sq_grad, eps), persistent=False)
+
+    @torch.no_grad()
+    def set_sq_grad(self, sq_grad: torch.Tensor) -> None:
+        """Store the squared gradient G and its noise scale."""
+        self.sq_grad.copy_(sq_grad)
+        self.noise_scale.copy_(gas_noise_scale(self.sq_grad, self.eps))
 
     def scale(self) -> torch.Tensor:
-        return gas_noise_scale(self.sq_grad, self.eps)
+        return self.noise_scale
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return weight
         noise = torch.randn_like(weight) * self.sigma
-        return weight + self.scale().to(weight.dtype) * noise
+        return weight + self.noise_scale.to(weight.dtype) * noise
 
 
 def attach_gas(layer: nn.Module, eps: float = 1e-8, sigma2: float = 1.0) -> GASNoise:
@@ -106,7 +115,7 @@ def record_sq_grad(layer: nn.Module) -> None:
         raise RuntimeError("GAS layer received no gradient; is it frozen? Choose a trainable layer for GAS")
     for p in layer.parametrizations["weight"]:
         if isinstance(p, GASNoise):
-            p.sq_grad.copy_(grad.detach() ** 2)
+            p.set_sq_grad(grad.detach().square())
 
 
 def clean_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -15,7 +15,8 @@ from jascl.data.datasets import repeat_loader
 from jascl.data.sampling import derive_seed, seeded_loader, split_key
 from jascl.methods.base import Plugin
 from jascl.methods.gas import clean_state_dict
-from jascl.methods.pas import FilterCounters, asymptotic_error, consistency_loss, ema_update, pas_filter, prototype_matrix
+from jascl.methods.pas import (EMAPairs, FilterCounters, asymptotic_error, consistency_loss, pas_filter,
+                               prototype_matrix)
 
 if TYPE_CHECKING:
     from jascl.data.synthetic import Split
@@ -93,6 +94,8 @@ class MeanTeacherPlugin(Plugin):
 
     name = "cons"
     loss_terms = ("cons",)
+    #: views of the teacher's and the student's own tensors: restored with the models, not again
+    snapshot_exclude = ("_ema",)
 
     def __init__(self, filter: str = "pas", tau_conf: float = 0.7, tau_sim: float = 0.7, weight: float = 0.05,
                  ema_decay: float = 0.99, start_epoch: int = 25, every: int = 25, batch_size: int | None = None) -> None:
@@ -120,6 +123,7 @@ class MeanTeacherPlugin(Plugin):
         self.teacher = state.new_model(state.model.num_classes)
         self.teacher.load_state_dict(clean_state_dict(state.model))
         self.teacher.eval().requires_grad_(False)
+        self._ema = EMAPairs(self.teacher, clean_state_dict(state.model))
         t = state.session.index
         views = (view_transform(state.seed + 1), view_transform(state.seed + 2))
         self._loader = seeded_loader(UnlabelledDataset(pool, views, derive_seed(state.seed, "views", t)),
@@ -182,7 +186,7 @@ class MeanTeacherPlugin(Plugin):
 
     def after_update(self, state: "LoopState") -> None:
         if self.teacher is not None:
-            ema_update(self.teacher, clean_state_dict(state.model), self.ema_decay)
+            self._ema.step(self.ema_decay)
 
     @torch.no_grad()
     def pool_error(self, state: "LoopState", model: torch.nn.Module) -> float:
@@ -227,5 +231,6 @@ class MeanTeacherPlugin(Plugin):
 
     def after_session(self, state: "LoopState") -> None:
         self.teacher = None
+        self._ema = None
         self._loader = None
         self._batches = None

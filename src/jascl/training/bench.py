@@ -343,6 +343,8 @@ def run_bench(protocol: str, session: int = 1, epochs: int = 4, rounds: int = 3,
             echo(f"[bench] round {r + 1}/{rounds}: {case}")
             done = subprocess.run([sys.executable, "-m", "jascl.training.bench", case, json.dumps(spec)],
                                   capture_output=True, text=True, env=env)
+            if done.returncode == 2 and done.stderr.startswith("jascl: error: "):  # bad input: one line
+                raise ConfigError(done.stderr.strip().splitlines()[-1][len("jascl: error: "):])
             if done.returncode != 0:
                 raise RuntimeError(f"bench case {case} failed:\n{done.stderr[-4000:]}")
             runs[case].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -399,8 +401,14 @@ def to_markdown(summary: dict) -> str:
 
 
 def _main(argv: list[str]) -> int:
+    from jascl.errors import JasclError
+
     case, spec = argv[0], json.loads(argv[1])
-    result = run_case(case, spec)
+    try:
+        result = run_case(case, spec)
+    except JasclError as exc:
+        print(f"jascl: error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(result, default=float))
     return 0
 

@@ -184,10 +184,12 @@ def restore(current: Any, snap: Any) -> Any:
     raise ValueError(f"unknown snapshot entry {kind!r}")
 
 
-def capture_object(obj: Any) -> dict:
-    """Snapshot of every data-like attribute of ``obj`` (a plugin)."""
+def capture_object(obj: Any, exclude: tuple[str, ...] = ()) -> dict:
+    """Snapshot of every data-like attribute of ``obj`` (a plugin), except the names in ``exclude``."""
     out = {}
     for name, value in vars(obj).items():
+        if name in exclude:
+            continue
         snap = capture(value)
         if snap is not SKIP:
             out[name] = snap

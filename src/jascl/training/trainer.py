@@ -382,7 +382,10 @@ class ContinualTrainer:
             if self.memory_format is not None:
                 x = x.contiguous(memory_format=self.memory_format)
             labels = batch["label"]
-            has_ignore = bool((labels == IGNORE_INDEX).any()) if labels.device.type == "cpu" else None
+            if "ignore" in batch:  # flagged per sample by the dataset
+                has_ignore = bool(batch["ignore"].any())
+            else:  # a batch a plugin made: check on the host if it is there
+                has_ignore = bool((labels == IGNORE_INDEX).any()) if labels.device.type == "cpu" else None
             target = state.class_index(labels.to(self.device, non_blocking=True))
             with self.autocast():
                 state.output = state.forward(x)
