@@ -89,3 +89,8 @@ def test_bad_command_lines_get_one_line_errors_and_exit_2(argv, message, capsys)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.strip() == message
+
+
+def test_devices_refuses_one_fixed_gpu_for_several_processes(capsys):
+    assert main(["run", "--devices", "2", "--device", "cuda:0"]) == 2
+    assert "--device cuda:0 with --devices 2: each process takes its own GPU; use --device cuda" in capsys.readouterr().err

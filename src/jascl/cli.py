@@ -115,10 +115,20 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             raise ConfigError(f"--devices {args.devices}: must be >= 1")
         if args.devices > 1 and not distributed.launched():
-            if args.seeds is not None:
-                from jascl.errors import ConfigError
+            from jascl.errors import ConfigError
 
+            if args.seeds is not None:
                 raise ConfigError("--devices with --seeds: run the seeds one by one (--seed S --devices N)")
+            import torch
+
+            device = args.device or "auto"
+            if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+                if ":" in device:
+                    raise ConfigError(f"--device {device} with --devices {args.devices}: each process takes its own "
+                                      "GPU; use --device cuda")
+                if args.devices > torch.cuda.device_count():
+                    raise ConfigError(f"--devices {args.devices}: this machine has {torch.cuda.device_count()} GPU(s); "
+                                      "use at most that many, or --device cpu for CPU processes")
             return distributed.launch(_without_devices(args.argv), args.devices)
     if args.resume is not None:
         protocol, config, methods, out, data_args = _resume_setup(args)
