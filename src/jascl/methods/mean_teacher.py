@@ -221,13 +221,17 @@ class MeanTeacherPlugin(Plugin):
             "confidence_only_precision": self.conf_counters.precision,
             "foreground_precision": self.fg_counters.precision,
             "confidence_only_foreground_precision": self.fg_conf_counters.precision,
+            "per_class": {str(k): {"kept": n, "precision": r} for k, (n, r) in c.per_class().items()},
+            "confidence_only_per_class": {str(k): {"kept": n, "precision": r}
+                                          for k, (n, r) in self.conf_counters.per_class().items()},
             "gamma": gamma, "eps0": eps0,
             "eps_inf_predicted": asymptotic_error(c.coverage, c.precision, gamma, eps0) if c.kept else eps0,
             "teacher_error_final": eps_final,
         }
         state.metrics["pseudo_labels"] = stats
         log.info("session %d pseudo-labels: %s", state.session.index,
-                 ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
+                 ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
+                           if not isinstance(v, dict)))
 
     def after_session(self, state: "LoopState") -> None:
         self.teacher = None

@@ -106,13 +106,16 @@ class FilterCounters:
     """Counts for coverage f and precision rho of kept pseudo-labels against hidden ground truth.
 
     Counts accumulate on the predictions' device (no host synchronisation per
-    step); the properties read them.
+    step); the properties read them. Per pseudo-label class (global ids < 256)
+    they are kept as two (256,) count vectors.
     """
 
     total: int | torch.Tensor = 0
     kept: int | torch.Tensor = 0
     correct: int | torch.Tensor = 0
     evaluated: int | torch.Tensor = 0  # kept pixels with known ground truth
+    evaluated_by_class: torch.Tensor | None = None  # the same two, per pseudo-label class
+    correct_by_class: torch.Tensor | None = None
 
     def update(self, valid: torch.Tensor, pred_ids: torch.Tensor, truth: torch.Tensor | None) -> None:
         """``pred_ids`` and ``truth`` hold global class ids; truth 255 = unknown."""
@@ -120,8 +123,22 @@ class FilterCounters:
         self.kept = self.kept + valid.sum()
         if truth is not None:
             known = valid & (truth != 255)
+            hit = known & (pred_ids == truth)
             self.evaluated = self.evaluated + known.sum()
-            self.correct = self.correct + (known & (pred_ids == truth)).sum()
+            self.correct = self.correct + hit.sum()
+            if self.evaluated_by_class is None:
+                self.evaluated_by_class = torch.zeros(256, dtype=torch.long, device=pred_ids.device)
+                self.correct_by_class = torch.zeros(256, dtype=torch.long, device=pred_ids.device)
+            ids = pred_ids.reshape(-1).long()
+            self.evaluated_by_class.scatter_add_(0, ids, known.reshape(-1).long())
+            self.correct_by_class.scatter_add_(0, ids, hit.reshape(-1).long())
+
+    def per_class(self) -> dict[int, tuple[int, float]]:
+        """Pseudo-label class -> (kept pixels with known truth, precision among them)."""
+        if self.evaluated_by_class is None:
+            return {}
+        n, right = self.evaluated_by_class.tolist(), self.correct_by_class.tolist()
+        return {c: (n[c], right[c] / n[c]) for c in range(len(n)) if n[c]}
 
     def all_reduce(self) -> None:
         """Sum the counts of all ranks; no-op in one process."""
@@ -129,6 +146,9 @@ class FilterCounters:
 
         counts = torch.tensor([int(self.total), int(self.kept), int(self.correct), int(self.evaluated)])
         self.total, self.kept, self.correct, self.evaluated = (int(v) for v in all_reduce_sum(counts))
+        if self.evaluated_by_class is not None:
+            self.evaluated_by_class = all_reduce_sum(self.evaluated_by_class)
+            self.correct_by_class = all_reduce_sum(self.correct_by_class)
 
     @property
     def coverage(self) -> float:
