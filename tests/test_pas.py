@@ -11,7 +11,10 @@ from jascl.data.noise import boundary_mask, degrade, degrade_pool
 from jascl.data.synthetic import Split
 from jascl.methods.pas import (FilterCounters, asymptotic_error, consistency_loss, ema_update, pas_filter,
                                prototype_matrix)
-from jascl.methods.prototypes import PrototypeStore
+from jascl.methods import create_method
+from jascl.methods.mean_teacher import MeanTeacherPlugin
+from jascl.methods.prototypes import PrototypeAccumulator, PrototypeStore, class_prototypes
+from jascl.training.config import resolve_config
 
 
 def _logits_for(probs):
@@ -47,9 +50,94 @@ def test_prototype_lookup_by_class_id():
     store.add(0, {0: torch.tensor([1.0, 0.0]), 4: torch.tensor([0.0, 1.0])})
     store.add(1, {0: torch.tensor([0.6, 0.8])})
     m = prototype_matrix([0, 4, 9], current={9: torch.tensor([0.5, 0.5])}, store=store, dim=2)
-    assert torch.allclose(m[0], torch.tensor([0.6, 0.8]))  # newest stored background
-    assert torch.allclose(m[1], torch.tensor([0.0, 1.0]))  # class 4 by id, not by position
-    assert torch.allclose(m[2], torch.tensor([0.5, 0.5]))  # the session's own prototype
+    assert m.shape == (3, 1, 2)
+    assert torch.allclose(m[0, 0], torch.tensor([0.6, 0.8]))  # newest stored background
+    assert torch.allclose(m[1, 0], torch.tensor([0.0, 1.0]))  # class 4 by id, not by position
+    assert torch.allclose(m[2, 0], torch.tensor([0.5, 0.5]))  # the session's own prototype
+
+
+def test_prototype_matrix_with_per_sample_anchors_pads_with_nan():
+    store = PrototypeStore()
+    store.add(0, {4: torch.tensor([0.0, 1.0])})
+    anchors = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, -1.0]])  # three labelled samples of background
+    m = prototype_matrix([0, 4, 7], current={0: anchors}, store=store, dim=2)
+    assert m.shape == (3, 3, 2)
+    assert torch.equal(m[0], anchors)
+    assert torch.allclose(m[1, 0], torch.tensor([0.0, 1.0])) and torch.isnan(m[1, 1:]).all()
+    assert torch.isnan(m[2]).all()  # class 7: no prototype anywhere
+
+
+def test_sim_is_the_best_matching_anchor():
+    # 1x3 pixels, all predicted class 0 with conf 0.9; class 0 has anchors (1, 0) and (0, 1) plus a NaN pad,
+    # class 1 has only NaN anchors
+    logits = torch.log(torch.tensor([[0.9, 0.9, 0.9], [0.1, 0.1, 0.1]])).reshape(1, 2, 1, 3)
+    feats = torch.tensor([[1.0, 0.0, -1.0], [0.0, 1.0, -1.0]]).reshape(1, 2, 1, 3)
+    nan = float("nan")
+    anchors = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [nan, nan]], [[nan, nan]] * 3])
+    out = pas_filter(logits, feats, anchors, tau_conf=0.7, tau_sim=0.7)
+    # pixel 0 matches anchor 0, pixel 1 anchor 1 (cos 1); pixel 2 (-1, -1)/sqrt(2): best cos -1/sqrt(2)
+    assert torch.allclose(out.sim, torch.tensor([[[1.0, 1.0, -(0.5**0.5)]]]), atol=1e-6)
+    assert out.valid.tolist() == [[[True, True, False]]]
+    # with only the first anchor (eq. 3 with one prototype), pixel 1 is at 90 degrees and rejected
+    single = pas_filter(logits, feats, anchors[:, 0], tau_conf=0.7, tau_sim=0.7)
+    assert single.valid.tolist() == [[[True, False, False]]]
+    # a class whose anchors are all NaN never validates
+    flipped = pas_filter(logits.flip(1), feats, anchors, tau_conf=0.7, tau_sim=0.0)
+    assert not flipped.valid.any() and torch.isnan(flipped.sim).all()
+
+
+def _background_with_bright_distractor():
+    """One labelled image, D = 2, 1x4 pixels, all labelled background (0).
+
+    Three true-background pixels point along (1, 0) with norm 1; one unlabelled
+    old-class object, labelled background as untaught classes are, points along
+    (0, 1) with norm 9 (as dark objects do under inverted contrast in synthetic-2d-ss).
+    """
+    feats = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 9.0]]).reshape(1, 2, 1, 4)
+    return feats, torch.zeros(1, 1, 4, dtype=torch.long)
+
+
+def test_pixel_normalised_prototype_by_hand():
+    feats, labels = _background_with_bright_distractor()
+    # eq. 2 literally: mean (0.75, 2.25) -> (1, 3) / sqrt(10): dominated by the one bright pixel
+    raw = class_prototypes(feats, labels, [0])[0]
+    assert torch.allclose(raw, torch.tensor([1.0, 3.0]) / 10**0.5, atol=1e-6)
+    # pixels normalised first (authors' get_prototype): mean (0.75, 0.25) -> (3, 1) / sqrt(10)
+    normed = class_prototypes(feats, labels, [0], normalize_pixels=True)[0]
+    assert torch.allclose(normed, torch.tensor([3.0, 1.0]) / 10**0.5, atol=1e-6)
+    # the streaming accumulator gives the same (two batches: the prototype is the mean of per-sample ones)
+    acc = PrototypeAccumulator([0], normalize_pixels=True, keep_samples=True)
+    acc.update(feats, labels)
+    acc.update(feats, labels)
+    assert torch.allclose(acc.compute()[0], normed, atol=1e-6)
+    # and keeps the summands of eq. 2, one unit vector per sample
+    assert torch.allclose(acc.samples()[0], torch.stack([normed, normed]), atol=1e-6)
+
+
+def test_pixel_normalised_prototype_keeps_background_and_rejects_missed_object():
+    feats, labels = _background_with_bright_distractor()
+    # unlabelled pixels, both confidently predicted background (conf 0.9): a true-background
+    # feature (1, 0) and a missed object (0, 1)
+    logits = torch.log(torch.tensor([[0.9, 0.9], [0.1, 0.1]])).reshape(1, 2, 1, 2)
+    query = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).reshape(1, 2, 1, 2)
+    other = torch.tensor([[0.0, -1.0]])  # class 1's prototype, unused here
+    for normalize, sims, valid in ((False, [0.1**0.5, 0.9**0.5], [False, True]),
+                                   (True, [0.9**0.5, 0.1**0.5], [True, False])):
+        bg = class_prototypes(feats, labels, [0], normalize_pixels=normalize)[0]
+        out = pas_filter(logits, query, torch.cat([bg[None], other]), tau_conf=0.7, tau_sim=0.7)
+        assert torch.allclose(out.sim, torch.tensor([[sims]]), atol=1e-6)
+        assert out.valid.tolist() == [[valid]]
+
+
+def test_presets_wire_the_anchor_options():
+    def mean_teacher(method):
+        return next(p for p in method.plugins if isinstance(p, MeanTeacherPlugin))
+
+    default = mean_teacher(create_method("jascl", resolve_config()))
+    assert default.normalize_pixels is True and default.anchors == "per-sample"
+    config = resolve_config(overrides=["pas.normalize_pixels=false", "pas.anchors=per-sample"])
+    plugin = mean_teacher(create_method("jascl", config))
+    assert plugin.normalize_pixels is False and plugin.anchors == "per-sample"
 
 
 def test_consistency_loss_by_hand_and_empty_set():

@@ -81,7 +81,22 @@ class MeanTeacherPlugin(Plugin):
     labelled batch with an unlabelled one, and adds
     ``weight * L_consistency`` (eq. 5) on the pixels valid for both models.
     Prototypes for PAS are recomputed from the session's labelled data at the
-    start of every phase (as the authors do), falling back to stored ones.
+    start of every phase (as the authors do), falling back to stored ones for
+    classes the session does not teach. Two choices of anchor, both measured on
+    synthetic-2d-ss (README, "Semi-supervised sessions"):
+
+    * ``normalize_pixels`` (default): average L2-normalised pixel features, as
+      the authors' ``get_prototype`` does. With eq. 2's plain mean, high-norm
+      pixels steer the direction eq. 3 compares against: in the xray session,
+      unlabelled old-class objects inside the labelled background have about 3x
+      the feature norm of true background, the background prototype leans
+      towards them, and PAS keeps missed objects while rejecting real background.
+    * ``anchors="per-sample"`` (default): keep every labelled sample's prototype
+      (the summands of eq. 2) and test eq. 4 against the best-matching one. Under
+      domain shift the background varies from image to image and a single mean
+      rejects most of it; stored anchors from *other* domains are not added,
+      because there they match the wrong pixels (a CT background anchor matches
+      dark xray objects).
 
     Args:
         filter: "pas" (confidence and prototype similarity) or "confidence".
@@ -90,6 +105,9 @@ class MeanTeacherPlugin(Plugin):
         ema_decay: teacher EMA decay (authors: 0.99).
         start_epoch, every: unlabelled-phase schedule (authors' medical code: every 25 epochs).
         batch_size: unlabelled batch size (default: the labelled one).
+        normalize_pixels: session prototypes from L2-normalised pixel features (False: eq. 2's plain mean).
+        anchors: "mean" (eq. 2: one prototype per class) or "per-sample" (eq. 2's summands, one
+            anchor per labelled sample of the class; a pixel's sim is its best-matching anchor's).
     """
 
     name = "cons"
@@ -98,15 +116,20 @@ class MeanTeacherPlugin(Plugin):
     snapshot_exclude = ("_ema",)
 
     def __init__(self, filter: str = "pas", tau_conf: float = 0.7, tau_sim: float = 0.7, weight: float = 0.05,
-                 ema_decay: float = 0.99, start_epoch: int = 25, every: int = 25, batch_size: int | None = None) -> None:
+                 ema_decay: float = 0.99, start_epoch: int = 25, every: int = 25, batch_size: int | None = None,
+                 normalize_pixels: bool = True, anchors: str = "per-sample") -> None:
         if filter not in ("pas", "confidence"):
             raise ValueError(f"filter must be 'pas' or 'confidence', got {filter!r}")
+        if anchors not in ("mean", "per-sample"):
+            raise ValueError(f"anchors must be 'mean' or 'per-sample', got {anchors!r}")
+        self.anchors = anchors
         self.filter = filter
         self.tau_conf, self.tau_sim = tau_conf, tau_sim
         self.weight = weight
         self.ema_decay = ema_decay
         self.start_epoch, self.every = start_epoch, every
         self.batch_size = batch_size
+        self.normalize_pixels = normalize_pixels
         self.teacher = None
         self._batches: Iterator | None = None
         self._loader: DataLoader | None = None
@@ -150,7 +173,8 @@ class MeanTeacherPlugin(Plugin):
             return
         self._batches = repeat_loader(self._loader)
         if self.filter == "pas":
-            current = state.compute_prototypes([0, *state.session.classes])
+            current = state.compute_prototypes([0, *state.session.classes], normalize_pixels=self.normalize_pixels,
+                                               per_sample=self.anchors == "per-sample")
             self._protos = prototype_matrix(state.seen, current, state.prototypes,
                                             state.model.backbone.feature_channels).to(state.device)
         if self.eps0 is None:  # the student trained on labelled data only so far

@@ -39,19 +39,61 @@ class PseudoLabels:
 
 def prototype_matrix(seen: list[int], current: dict[int, torch.Tensor], store: PrototypeStore,
                      dim: int) -> torch.Tensor:
-    """(K, D) prototypes aligned with the classifier rows ``seen`` (looked up by class id).
+    """(K, A, D) anchors aligned with the classifier rows ``seen`` (looked up by class id).
 
-    The session's own prototypes (``current``) take precedence; otherwise the
-    newest stored one. Rows of classes with no prototype are NaN, which makes
-    their similarity NaN and their pixels invalid.
+    The session's own prototypes (``current``: class id -> (D,) or (A_c, D), e.g.
+    the per-sample prototypes of eq. 2) take precedence; otherwise the newest
+    stored one. A = the largest anchor count; shorter rows are padded with NaN
+    anchors, and classes with no prototype get only NaN anchors (their
+    similarity is NaN and their pixels invalid).
     """
     rows = []
     for c in seen:
         p = current.get(c)
         if p is None:
             p = store.latest(c)
-        rows.append(p.float() if p is not None else torch.full((dim,), float("nan")))
-    return torch.stack(rows)
+        rows.append(p.float().reshape(-1, dim) if p is not None else torch.full((1, dim), float("nan")))
+    out = torch.full((len(rows), max(r.shape[0] for r in rows), dim), float("nan"))
+    for k, r in enumerate(rows):
+        out[k, : r.shape[0]] = r
+    return out
+
+
+#: bound on B x K x anchors x pixels of one block of dot products in :func:`best_anchor_similarity`
+ANCHOR_BLOCK_ELEMENTS = 2 ** 26
+
+
+def best_anchor_similarity(features: torch.Tensor, prototypes: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of every pixel's feature to the best-matching anchor of its predicted class.
+
+    Args:
+        features: (B, D, *spatial) pixel features.
+        prototypes: (K, D) one anchor per classifier row, or (K, A, D) anchors (NaN anchors are padding).
+        pred: (B, *spatial) predicted classifier rows.
+
+    Returns:
+        (B, *spatial) similarities; NaN where the predicted class has no anchor.
+
+    The dot products with all anchors are 1x1 products over D (blocks of anchors
+    at a time, bounded by :data:`ANCHOR_BLOCK_ELEMENTS`), gathered at the predicted
+    class and divided by the pixel's norm: no (B, *spatial, D) copy is made.
+    """
+    p = F.normalize(prototypes.to(features), dim=-1)  # NaN anchors stay NaN
+    if p.dim() == 2:
+        p = p[:, None]
+    k, a, _ = p.shape
+    real = ~torch.isnan(p).any(-1)  # (K, A)
+    p = p.nan_to_num(0.0)
+    norms = torch.linalg.vector_norm(features, dim=1).clamp_min(1e-12)  # F.normalize's epsilon
+    best = torch.full_like(norms, float("-inf"))
+    step = max(1, ANCHOR_BLOCK_ELEMENTS // max(k * pred.numel(), 1))
+    for a0 in range(0, a, step):
+        dots = torch.einsum("bd...,kcd->bkc...", features, p[:, a0:a0 + step])  # (B, K, c, *spatial)
+        index = pred.unsqueeze(1).unsqueeze(1).expand(-1, 1, dots.shape[2], *pred.shape[1:])
+        picked = dots.gather(1, index).squeeze(1)  # (B, c, *spatial): the predicted class's anchors
+        picked = picked.masked_fill(~real[:, a0:a0 + step][pred].movedim(-1, 1), float("-inf"))
+        best = torch.maximum(best, picked.amax(1))
+    return (best / norms).masked_fill(best == float("-inf"), float("nan"))
 
 
 def pas_filter(logits: torch.Tensor, features: torch.Tensor, prototypes: torch.Tensor | None, tau_conf: float,
@@ -62,8 +104,9 @@ def pas_filter(logits: torch.Tensor, features: torch.Tensor, prototypes: torch.T
         logits: (B, K, *spatial) classifier outputs.
         features: (B, D, *spatial') features before the classifier (resized to
             the logits' size if they differ).
-        prototypes: (K, D) prototype per classifier row, or None for the
-            confidence-only filter (sim is then +1 everywhere).
+        prototypes: (K, D) prototype per classifier row, or (K, A, D) anchors per
+            row (NaN anchors are ignored; sim is the best-matching anchor's), or
+            None for the confidence-only filter (sim is then +1 everywhere).
         tau_conf, tau_sim: thresholds; a pixel is valid iff conf > tau_conf and sim > tau_sim.
     """
     probs = torch.softmax(logits.float(), dim=1)
@@ -74,12 +117,7 @@ def pas_filter(logits: torch.Tensor, features: torch.Tensor, prototypes: torch.T
         if features.shape[2:] != logits.shape[2:]:
             mode = "bilinear" if features.dim() == 4 else "trilinear"
             features = F.interpolate(features, size=logits.shape[2:], mode=mode, align_corners=False)
-        f = features.float()
-        p = F.normalize(prototypes.to(f), dim=1)  # (K, D); NaN rows stay NaN
-        # cosine to every prototype as one 1x1 product, then the predicted class's: no (B, *spatial, D) gather
-        dots = torch.einsum("bd...,kd->bk...", f, p)
-        norms = torch.linalg.vector_norm(f, dim=1).clamp_min(1e-12)  # F.normalize's epsilon
-        sim = dots.gather(1, pred.unsqueeze(1)).squeeze(1) / norms
+        sim = best_anchor_similarity(features.float(), prototypes, pred)
     valid = (conf > tau_conf) & (sim > tau_sim)  # NaN similarity compares False
     return PseudoLabels(pred, conf, sim, valid)
 

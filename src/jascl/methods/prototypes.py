@@ -32,18 +32,25 @@ def align_labels(labels: torch.Tensor, spatial: torch.Size) -> torch.Tensor:
     return F.interpolate(labels[:, None].float(), size=spatial, mode="nearest")[:, 0].long()
 
 
-def per_sample_prototypes(features: torch.Tensor, labels: torch.Tensor, classes: list[int]) -> dict[int, list[torch.Tensor]]:
+def per_sample_prototypes(features: torch.Tensor, labels: torch.Tensor, classes: list[int],
+                          normalize_pixels: bool = False) -> dict[int, list[torch.Tensor]]:
     """Per-sample normalised prototypes p_c^(i)/|p_c^(i)| (the summands of eq. 2).
 
     Args:
         features: (B, D, *spatial) features before the classifier.
         labels: (B, *spatial) global class ids (resized to the features if needed).
         classes: class ids to collect (0 = background may be included).
+        normalize_pixels: L2-normalise every pixel's feature before the per-sample
+            mean, as the authors' code does (``get_prototype``), so that each pixel
+            counts once in the prototype's *direction*; False is eq. 2 literally,
+            where pixels with large feature norms dominate the mean.
 
     Returns:
         class id -> list of (D,) unit vectors, one per sample containing the class.
     """
     labels = align_labels(labels, features.shape[2:])
+    if normalize_pixels:
+        features = F.normalize(features, dim=1)
     out: dict[int, list[torch.Tensor]] = {c: [] for c in classes}
     flat = features.flatten(2)  # (B, D, N)
     lab = labels.flatten(1)  # (B, N)
@@ -55,26 +62,35 @@ def per_sample_prototypes(features: torch.Tensor, labels: torch.Tensor, classes:
     return out
 
 
-def class_prototypes(features: torch.Tensor, labels: torch.Tensor, classes: list[int]) -> dict[int, torch.Tensor]:
+def class_prototypes(features: torch.Tensor, labels: torch.Tensor, classes: list[int],
+                     normalize_pixels: bool = False) -> dict[int, torch.Tensor]:
     """Eq. 2 on one batch: P_c = mean over samples containing c of the normalised per-sample means."""
-    return {c: torch.stack(v).mean(0) for c, v in per_sample_prototypes(features, labels, classes).items() if v}
+    return {c: torch.stack(v).mean(0)
+            for c, v in per_sample_prototypes(features, labels, classes, normalize_pixels).items() if v}
 
 
 class PrototypeAccumulator:
-    """Streams eq. 2 over many batches (sums of normalised per-sample prototypes and counts)."""
+    """Streams eq. 2 over many batches (sums of normalised per-sample prototypes and counts).
 
-    def __init__(self, classes: list[int]) -> None:
+    ``keep_samples``: also keep every per-sample prototype, for :meth:`samples`.
+    """
+
+    def __init__(self, classes: list[int], normalize_pixels: bool = False, keep_samples: bool = False) -> None:
         self.classes = classes
+        self.normalize_pixels = normalize_pixels
         self.sums: dict[int, torch.Tensor] = {}
         self.counts: dict[int, int] = {c: 0 for c in classes}
+        self.vectors: dict[int, list[torch.Tensor]] | None = {c: [] for c in classes} if keep_samples else None
 
     @torch.no_grad()
     def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
-        for c, vectors in per_sample_prototypes(features.float(), labels, self.classes).items():
+        for c, vectors in per_sample_prototypes(features.float(), labels, self.classes, self.normalize_pixels).items():
             if vectors:
                 s = torch.stack(vectors).sum(0).cpu()
                 self.sums[c] = self.sums[c] + s if c in self.sums else s
                 self.counts[c] += len(vectors)
+                if self.vectors is not None:
+                    self.vectors[c].extend(v.cpu() for v in vectors)
 
     def all_reduce(self, dim: int) -> None:
         """Sum sums and counts over ranks (each saw a share of the samples); no-op in one process."""
@@ -90,9 +106,20 @@ class PrototypeAccumulator:
         table = distributed.all_reduce_sum(table)
         self.sums = {c: table[i, :dim].float() for i, c in enumerate(self.classes) if table[i, dim] > 0}
         self.counts = {c: int(table[i, dim]) for i, c in enumerate(self.classes)}
+        if self.vectors is not None:  # per-sample prototypes: every rank's, in rank order
+            gathered = distributed.all_gather_object(self.vectors)
+            self.vectors = {c: [v for part in gathered for v in part[c]] for c in self.classes}
 
     def compute(self) -> dict[int, torch.Tensor]:
+        """Eq. 2: class id -> (D,) mean of the per-sample prototypes."""
         return {c: self.sums[c] / self.counts[c] for c in self.classes if self.counts[c]}
+
+    def samples(self) -> dict[int, torch.Tensor]:
+        """The summands of eq. 2: class id -> (N_c, D) per-sample prototypes (unit vectors); needs ``keep_samples``."""
+        if self.vectors is None:
+            raise RuntimeError("PrototypeAccumulator(keep_samples=False) does not keep per-sample prototypes")
+        return {c: torch.stack(v) for c, v in self.vectors.items() if v}
+
 
 
 @dataclass

@@ -47,6 +47,11 @@ class PASConfig:
     Defaults: tau_conf = tau_sim = 0.7 (paper, "Hyperparameters"); lambda_cons
     0.05, EMA decay 0.99, an unlabelled phase every 25 epochs from epoch 25
     (the authors' medical semi-supervised code, per AUTHORS-CODE-NOTES).
+    ``normalize_pixels``: the session's PAS prototypes average L2-normalised pixel
+    features (the authors' ``get_prototype``); False: eq. 2's plain feature mean.
+    ``anchors``: "per-sample" (every labelled sample's prototype, the summands of
+    eq. 2; the best-matching one counts) or "mean" (eq. 2's class prototype).
+    ``normalize_pixels=false, anchors=mean`` is eq. 2 literally.
     """
 
     tau_conf: float = 0.7
@@ -56,6 +61,8 @@ class PASConfig:
     start_epoch: int = 25
     every: int = 25
     batch_size: int | None = None
+    normalize_pixels: bool = True
+    anchors: str = "per-sample"
 
 
 @dataclass
@@ -178,6 +185,8 @@ class RunConfig:
                 raise bad(f"pas.{key}", f"must be in [0, 1] (got {getattr(self.pas, key)})")
         if not 0.0 <= self.pas.ema_decay < 1.0:
             raise bad("pas.ema_decay", f"must be in [0, 1) (got {self.pas.ema_decay})")
+        if self.pas.anchors not in ("mean", "per-sample"):
+            raise bad("pas.anchors", f"must be 'mean' or 'per-sample' (got {self.pas.anchors!r})")
         if self.pas.weight < 0 or self.pas.start_epoch < 0 or self.pas.every < 1:
             raise bad("pas", f"weight >= 0, start_epoch >= 0 and every >= 1 are required (got {self.pas})")
         if self.replay.weight < 0:

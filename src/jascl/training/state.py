@@ -24,7 +24,8 @@ class LoopState:
         seen: global class ids covered by the classifier, in row order (row 0 = background).
         new_model: builds a fresh model of the same architecture with K classes (e.g. a teacher).
         compute_prototypes: eq. 2 prototypes of the given classes from the session's labelled
-            data with the current model (training modes are restored afterwards).
+            data with the current model (training modes are restored afterwards); keyword
+            ``normalize_pixels`` as in :func:`jascl.methods.prototypes.per_sample_prototypes`.
         losses: named loss terms of the current iteration; the loop sums them.
         output: the model output of the current training iteration.
         batch: the current batch (``image`` (B, C, *spatial), ``label`` (B, *spatial) global ids).
@@ -52,7 +53,7 @@ class LoopState:
     seen: list[int]
     seed: int = 0
     new_model: Callable[[int], Segmenter] | None = None
-    compute_prototypes: Callable[[list[int]], dict[int, torch.Tensor]] | None = None
+    compute_prototypes: Callable[..., dict[int, torch.Tensor]] | None = None
     optimizer: torch.optim.Optimizer | None = None
     epoch: int = 0
     iteration: int = 0

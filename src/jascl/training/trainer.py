@@ -171,16 +171,19 @@ class ContinualTrainer:
                                patch_size=patch if crop else None, seed=derive_seed(self.seed, "augment", t))
 
     @torch.no_grad()
-    def compute_prototypes(self, model: Segmenter, t: int, classes: list[int]) -> dict[int, torch.Tensor]:
+    def compute_prototypes(self, model: Segmenter, t: int, classes: list[int], normalize_pixels: bool = False,
+                           per_sample: bool = False) -> dict[int, torch.Tensor]:
         """Eq. 2 prototypes of ``classes`` from session ``t``'s labelled data (eval mode, no GAS noise).
 
         With several processes each rank takes a share of the samples and the
-        sums are reduced, so every rank gets the prototypes of the whole set.
+        sums (and per-sample prototypes) are gathered, so every rank gets those of the whole set.
+        ``normalize_pixels``: see :func:`jascl.methods.prototypes.per_sample_prototypes`.
+        ``per_sample``: return every sample's prototype, (N_c, D) per class, instead of their mean (D,).
         The train/eval mode of every module is restored afterwards.
         """
         modes = {m: m.training for m in model.modules()}
         model.eval()
-        acc = PrototypeAccumulator(classes)
+        acc = PrototypeAccumulator(classes, normalize_pixels, keep_samples=per_sample)
         dataset = self._labelled_dataset(t, augment=False, crop=False)
         # whole samples: batch them only when they all have one size (real datasets vary)
         uniform = getattr(self.data[t].train.images, "uniform", True)
@@ -193,7 +196,7 @@ class ContinualTrainer:
         acc.all_reduce(model.backbone.feature_channels)
         for module, mode in modes.items():
             module.train(mode)
-        return acc.compute()
+        return acc.samples() if per_sample else acc.compute()
 
     def _grow(self, model: Segmenter, t: int) -> None:
         seen = self.protocol.seen_classes(t)
@@ -371,7 +374,7 @@ class ContinualTrainer:
         protocol = self.protocol
         state = LoopState(protocol, self.config, self.method, protocol.sessions[t], self.data[t], model, self.device,
                           prototypes, protocol.seen_classes(t), seed=self.seed, new_model=self.new_model,
-                          compute_prototypes=lambda classes: self.compute_prototypes(model, t, classes),
+                          compute_prototypes=lambda classes, **kw: self.compute_prototypes(model, t, classes, **kw),
                           previous_seen=protocol.seen_classes(t - 1) if t > 0 else [],
                           forward=model.forward_features, autocast=self.autocast,
                           loader_options=self.loader_options)
