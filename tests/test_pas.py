@@ -112,6 +112,8 @@ def test_pixel_normalised_prototype_by_hand():
     assert torch.allclose(acc.compute()[0], normed, atol=1e-6)
     # and keeps the summands of eq. 2, one unit vector per sample
     assert torch.allclose(acc.samples()[0], torch.stack([normed, normed]), atol=1e-6)
+    with pytest.raises(RuntimeError, match="keep_samples"):
+        PrototypeAccumulator([0]).samples()
 
 
 def test_pixel_normalised_prototype_keeps_background_and_rejects_missed_object():

@@ -121,7 +121,6 @@ class PrototypeAccumulator:
         return {c: torch.stack(v) for c, v in self.vectors.items() if v}
 
 
-
 @dataclass
 class PrototypeStore:
     """All prototypes collected so far, keyed by (session, class id)."""
