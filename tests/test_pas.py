@@ -211,3 +211,25 @@ def test_pool_degrades_seventy_percent():
     changed = [not np.array_equal(a, b) for a, b in zip(split.images, out.images)]
     assert sum(changed) == 7 and out.ids == split.ids and out.labels is split.labels
     assert degrade_pool(split, "none", seed=1) is split
+
+
+def test_best_anchor_similarity_matches_a_direct_computation_in_blocks(monkeypatch):
+    import jascl.methods.pas as pas
+
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(2, 4, 3, 5, generator=g)
+    anchors = torch.randn(3, 4, 4, generator=g)
+    anchors[1, 2:] = float("nan")  # class 1 has two anchors, padded
+    anchors[2] = float("nan")  # class 2 has none
+    pred = torch.randint(0, 3, (2, 3, 5), generator=g)
+    f = torch.nn.functional.normalize(features, dim=1).movedim(1, -1)  # (B, H, W, D)
+    p = torch.nn.functional.normalize(anchors, dim=-1)
+    expected = torch.stack([torch.stack([torch.stack([
+        (f[b, i, j] * p[pred[b, i, j]]).sum(-1).nan_to_num(float("-inf")).max()
+        for j in range(5)]) for i in range(3)]) for b in range(2)])
+    expected = expected.masked_fill(expected == float("-inf"), float("nan"))
+    for block in (2 ** 26, 1):  # all anchors at once, and one anchor per block
+        monkeypatch.setattr(pas, "ANCHOR_BLOCK_ELEMENTS", block)
+        got = pas.best_anchor_similarity(features, anchors, pred)
+        assert torch.allclose(got, expected, atol=1e-6, equal_nan=True)
+    assert torch.isnan(got[pred == 2]).all() and not torch.isnan(got[pred != 2]).any()
