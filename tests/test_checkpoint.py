@@ -48,3 +48,12 @@ def test_pickle_that_would_run_code_is_refused(tmp_path):
     bad.write_bytes(b"\x00garbage")
     with pytest.raises(CheckpointError, match="cannot read prototypes"):
         PrototypeStore.load(bad)
+
+
+def test_checkpoint_of_another_protocol_or_backbone_is_refused_with_the_reason(tmp_path):
+    save_model(_model(), tmp_path / "m.safetensors", {"protocol": "med-disjoint", "backbone": "unet", "seen": [0, 1, 2]})
+    with pytest.raises(CheckpointError, match="made for protocol 'med-disjoint', but this run has protocol 'natural'"):
+        load_model(_model(), tmp_path / "m.safetensors", {"protocol": "natural", "backbone": "unet"})
+    with pytest.raises(CheckpointError, match="made for backbone 'unet', but this run has backbone 'swinunetr'"):
+        load_model(_model(), tmp_path / "m.safetensors", {"protocol": "med-disjoint", "backbone": "swinunetr"})
+    assert load_model(_model(), tmp_path / "m.safetensors", {"protocol": "med-disjoint", "seen": (0, 1, 2)})["backbone"] == "unet"

@@ -233,3 +233,19 @@ def test_best_anchor_similarity_matches_a_direct_computation_in_blocks(monkeypat
         got = pas.best_anchor_similarity(features, anchors, pred)
         assert torch.allclose(got, expected, atol=1e-6, equal_nan=True)
     assert torch.isnan(got[pred == 2]).all() and not torch.isnan(got[pred != 2]).any()
+
+
+def test_select_anchors_keeps_a_spread_out_subset():
+    from jascl.methods.pas import select_anchors
+
+    # unit vectors at 0, 10, 20, 90 and 180 degrees: the mean points near 20-40 degrees
+    angles = torch.tensor([0.0, 10.0, 20.0, 90.0, 180.0]) * math.pi / 180
+    anchors = torch.stack([torch.cos(angles), torch.sin(angles)], dim=1)
+    assert select_anchors(anchors, 5) is anchors and select_anchors(anchors, 0) is anchors
+    # the mean points at about 38 deg: start at 20 deg (nearest), add 180 (farthest from 20), then 90
+    # (70 deg from its nearest chosen anchor; 0 and 10 are within 20 deg of 20)
+    picked = select_anchors(anchors, 3)
+    assert torch.equal(picked, anchors[[2, 3, 4]])
+    store = PrototypeStore()
+    m = prototype_matrix([0], current={0: anchors}, store=store, dim=2, max_anchors=2)
+    assert m.shape == (1, 2, 2)

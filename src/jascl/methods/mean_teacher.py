@@ -106,6 +106,8 @@ class MeanTeacherPlugin(Plugin):
         start_epoch, every: unlabelled-phase schedule (authors' medical code: every 25 epochs).
         batch_size: unlabelled batch size (default: the labelled one).
         normalize_pixels: session prototypes from L2-normalised pixel features (False: eq. 2's plain mean).
+        max_anchors: at most this many per-sample anchors per class (a spread-out subset,
+            :func:`jascl.methods.pas.select_anchors`; 0 = all): every pixel is compared with each.
         anchors: "mean" (eq. 2: one prototype per class) or "per-sample" (eq. 2's summands, one
             anchor per labelled sample of the class; a pixel's sim is its best-matching anchor's).
     """
@@ -117,12 +119,13 @@ class MeanTeacherPlugin(Plugin):
 
     def __init__(self, filter: str = "pas", tau_conf: float = 0.7, tau_sim: float = 0.7, weight: float = 0.05,
                  ema_decay: float = 0.99, start_epoch: int = 25, every: int = 25, batch_size: int | None = None,
-                 normalize_pixels: bool = True, anchors: str = "per-sample") -> None:
+                 normalize_pixels: bool = True, anchors: str = "per-sample", max_anchors: int = 16) -> None:
         if filter not in ("pas", "confidence"):
             raise ValueError(f"filter must be 'pas' or 'confidence', got {filter!r}")
         if anchors not in ("mean", "per-sample"):
             raise ValueError(f"anchors must be 'mean' or 'per-sample', got {anchors!r}")
         self.anchors = anchors
+        self.max_anchors = max_anchors
         self.filter = filter
         self.tau_conf, self.tau_sim = tau_conf, tau_sim
         self.weight = weight
@@ -176,7 +179,7 @@ class MeanTeacherPlugin(Plugin):
             current = state.compute_prototypes([0, *state.session.classes], normalize_pixels=self.normalize_pixels,
                                                per_sample=self.anchors == "per-sample")
             self._protos = prototype_matrix(state.seen, current, state.prototypes,
-                                            state.model.backbone.feature_channels).to(state.device)
+                                            state.model.backbone.feature_channels, self.max_anchors).to(state.device)
         if self.eps0 is None:  # the student trained on labelled data only so far
             self.eps0 = self.pool_error(state, state.model)
         self.phases += 1

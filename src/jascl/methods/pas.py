@@ -37,13 +37,35 @@ class PseudoLabels:
     valid: torch.Tensor
 
 
+def select_anchors(anchors: torch.Tensor, limit: int) -> torch.Tensor:
+    """At most ``limit`` of ``anchors`` (N, D), spread out: farthest-point selection by cosine.
+
+    Starts from the anchor closest to the mean direction, then repeatedly adds
+    the anchor least similar to those already chosen; deterministic. PAS's cost
+    grows with the number of anchors (every pixel is compared with all of
+    them), so a session with many labelled samples keeps a diverse subset.
+    Returns ``anchors`` itself when it has at most ``limit`` rows.
+    """
+    if limit <= 0 or anchors.shape[0] <= limit:
+        return anchors
+    unit = F.normalize(anchors.float(), dim=1)
+    chosen = [int((unit @ F.normalize(unit.mean(0), dim=0)).argmax())]
+    closest = unit @ unit[chosen[0]]  # similarity of every anchor to its nearest chosen one
+    while len(chosen) < limit:
+        nxt = int(closest.argmin())
+        chosen.append(nxt)
+        closest = torch.maximum(closest, unit @ unit[nxt])
+    return anchors[sorted(chosen)]
+
+
 def prototype_matrix(seen: list[int], current: dict[int, torch.Tensor], store: PrototypeStore,
-                     dim: int) -> torch.Tensor:
+                     dim: int, max_anchors: int = 0) -> torch.Tensor:
     """(K, A, D) anchors aligned with the classifier rows ``seen`` (looked up by class id).
 
     The session's own prototypes (``current``: class id -> (D,) or (A_c, D), e.g.
     the per-sample prototypes of eq. 2) take precedence; otherwise the newest
-    stored one. A = the largest anchor count; shorter rows are padded with NaN
+    stored one. A = the largest anchor count (at most ``max_anchors`` per class when
+    > 0, chosen by :func:`select_anchors`); shorter rows are padded with NaN
     anchors, and classes with no prototype get only NaN anchors (their
     similarity is NaN and their pixels invalid).
     """
@@ -52,7 +74,8 @@ def prototype_matrix(seen: list[int], current: dict[int, torch.Tensor], store: P
         p = current.get(c)
         if p is None:
             p = store.latest(c)
-        rows.append(p.float().reshape(-1, dim) if p is not None else torch.full((1, dim), float("nan")))
+        rows.append(select_anchors(p.float().reshape(-1, dim), max_anchors) if p is not None
+                    else torch.full((1, dim), float("nan")))
     out = torch.full((len(rows), max(r.shape[0] for r in rows), dim), float("nan"))
     for k, r in enumerate(rows):
         out[k, : r.shape[0]] = r
@@ -74,26 +97,38 @@ def best_anchor_similarity(features: torch.Tensor, prototypes: torch.Tensor, pre
     Returns:
         (B, *spatial) similarities; NaN where the predicted class has no anchor.
 
-    The dot products with all anchors are 1x1 products over D (blocks of anchors
-    at a time, bounded by :data:`ANCHOR_BLOCK_ELEMENTS`), gathered at the predicted
-    class and divided by the pixel's norm: no (B, *spatial, D) copy is made.
+    Dot products are 1x1 products over D, divided by the pixel's norm at the end,
+    so no (B, *spatial, D) copy is made. Classes are grouped by their number of
+    anchors (typically the old classes have one stored prototype each and the
+    session's classes several), so padding anchors cost nothing, and each group is
+    processed in blocks of anchors bounded by :data:`ANCHOR_BLOCK_ELEMENTS`.
     """
     p = F.normalize(prototypes.to(features), dim=-1)  # NaN anchors stay NaN
     if p.dim() == 2:
         p = p[:, None]
-    k, a, _ = p.shape
+    k, _, d = p.shape
     real = ~torch.isnan(p).any(-1)  # (K, A)
-    p = p.nan_to_num(0.0)
-    norms = torch.linalg.vector_norm(features, dim=1).clamp_min(1e-12)  # F.normalize's epsilon
-    best = torch.full_like(norms, float("-inf"))
-    step = max(1, ANCHOR_BLOCK_ELEMENTS // max(k * pred.numel(), 1))
-    for a0 in range(0, a, step):
-        dots = torch.einsum("bd...,kcd->bkc...", features, p[:, a0:a0 + step])  # (B, K, c, *spatial)
-        index = pred.unsqueeze(1).unsqueeze(1).expand(-1, 1, dots.shape[2], *pred.shape[1:])
-        picked = dots.gather(1, index).squeeze(1)  # (B, c, *spatial): the predicted class's anchors
-        picked = picked.masked_fill(~real[:, a0:a0 + step][pred].movedim(-1, 1), float("-inf"))
-        best = torch.maximum(best, picked.amax(1))
-    return (best / norms).masked_fill(best == float("-inf"), float("nan"))
+    flat = features.flatten(2)  # (B, D, N)
+    batch, n = flat.shape[0], flat.shape[2]
+    norms = torch.linalg.vector_norm(flat, dim=1).clamp_min(1e-12)  # (B, N); F.normalize's epsilon
+    per_class = flat.new_full((batch, k, n), float("-inf"))  # best dot product with each class's anchors
+    counts = real.sum(1).tolist()  # on the host: the prototypes were built there
+    for size in sorted(set(counts) - {0}):
+        rows = [c for c in range(k) if counts[c] == size]
+        if not all(bool(real[c, :size].all()) for c in rows):
+            raise ValueError("prototypes: every row's real anchors must come before its NaN padding")
+        group = p[rows][:, :size]  # (k_g, size, D), all real
+        best = None
+        step = max(1, ANCHOR_BLOCK_ELEMENTS // max(len(rows) * batch * n, 1))
+        for a0 in range(0, size, step):
+            block = group[:, a0:a0 + step]
+            dots = torch.matmul(block.reshape(-1, d), flat)  # (B, k_g * c, N), contiguous
+            dots = dots.view(batch, len(rows), block.shape[1], n).amax(2)
+            best = dots if best is None else torch.maximum(best, dots)
+        per_class[:, rows] = best
+    picked = per_class.gather(1, pred.reshape(batch, 1, n)).squeeze(1)
+    sim = (picked / norms).masked_fill(picked == float("-inf"), float("nan"))
+    return sim.view_as(pred)
 
 
 def pas_filter(logits: torch.Tensor, features: torch.Tensor, prototypes: torch.Tensor | None, tau_conf: float,

@@ -31,7 +31,7 @@ def _mean_teacher(config: "RunConfig", filter: str) -> MeanTeacherPlugin:
     p = config.pas
     return MeanTeacherPlugin(filter=filter, tau_conf=p.tau_conf, tau_sim=p.tau_sim, weight=p.weight,
                              ema_decay=p.ema_decay, start_epoch=p.start_epoch, every=p.every, batch_size=p.batch_size,
-                             normalize_pixels=p.normalize_pixels, anchors=p.anchors)
+                             normalize_pixels=p.normalize_pixels, anchors=p.anchors, max_anchors=p.max_anchors)
 
 
 @METHODS.register("jascl", doc="GAS + prototype replay + PAS mean teacher on unlabelled pools (--ablate gas,pas,proto)")

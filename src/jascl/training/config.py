@@ -51,7 +51,9 @@ class PASConfig:
     features (the authors' ``get_prototype``); False: eq. 2's plain feature mean.
     ``anchors``: "per-sample" (every labelled sample's prototype, the summands of
     eq. 2; the best-matching one counts) or "mean" (eq. 2's class prototype).
-    ``normalize_pixels=false, anchors=mean`` is eq. 2 literally.
+    ``normalize_pixels=false, anchors=mean`` is eq. 2 literally. ``max_anchors``: per class at
+    most this many per-sample anchors, a spread-out subset (0 = all); PAS compares every
+    pixel with each, so its cost grows with them.
     """
 
     tau_conf: float = 0.7
@@ -63,6 +65,7 @@ class PASConfig:
     batch_size: int | None = None
     normalize_pixels: bool = True
     anchors: str = "per-sample"
+    max_anchors: int = 16
 
 
 @dataclass
@@ -106,7 +109,8 @@ class RunConfig:
             statistics to ``<run>/tensorboard/<method>/`` (``jascl.results.tensorboard``).
         precision: "auto" (bf16 autocast on a GPU that supports it, else fp32), "fp32" or "bf16".
         channels_last: channels-last memory format for the model and its training inputs (GPU convolutions).
-        compile: ``torch.compile`` the backbone (the classifier grows and carries GAS, so it stays eager).
+        compile: experimental: ``torch.compile`` the backbone (the classifier grows and carries GAS, so it
+            stays eager); see the README for a known Inductor failure with MONAI's BasicUNet on CPU.
         num_workers: data-loading worker processes per rank (-1 = auto: 4 on CUDA, 0 on CPU).
         pin_memory: page-locked host batches (null = on CUDA only).
         checkpoint_every: write a resumable in-session checkpoint every N epochs (0 = only whole
@@ -185,6 +189,8 @@ class RunConfig:
                 raise bad(f"pas.{key}", f"must be in [0, 1] (got {getattr(self.pas, key)})")
         if not 0.0 <= self.pas.ema_decay < 1.0:
             raise bad("pas.ema_decay", f"must be in [0, 1) (got {self.pas.ema_decay})")
+        if self.pas.max_anchors < 0:
+            raise bad("pas.max_anchors", f"must be >= 0 (0 = all; got {self.pas.max_anchors})")
         if self.pas.anchors not in ("mean", "per-sample"):
             raise bad("pas.anchors", f"must be 'mean' or 'per-sample' (got {self.pas.anchors!r})")
         if self.pas.weight < 0 or self.pas.start_epoch < 0 or self.pas.every < 1:

@@ -141,7 +141,9 @@ class ContinualTrainer:
         if self.memory_format is not None:
             model = model.to(memory_format=self.memory_format)
         if cfg.compile:
-            model.backbone.compile()  # in place: parameter names (and checkpoints) stay the same
+            # in place, so parameter names (and checkpoints) stay the same; static shapes: one graph per input
+            # shape (batch remainders, evaluation sizes) is more robust than symbolic shapes
+            model.backbone.compile(dynamic=False)
         return model
 
     def initial_model(self, num_classes: int) -> Segmenter:
