@@ -15,7 +15,7 @@ from jascl.data.datasets import repeat_loader
 from jascl.data.sampling import derive_seed, seeded_loader, split_key
 from jascl.methods.base import Plugin
 from jascl.methods.gas import clean_state_dict
-from jascl.methods.pas import (EMAPairs, FilterCounters, asymptotic_error, consistency_loss, pas_filter,
+from jascl.methods.pas import (AnchorGroups, EMAPairs, FilterCounters, asymptotic_error, consistency_loss, pas_filter,
                                prototype_matrix)
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ class MeanTeacherPlugin(Plugin):
         self.teacher = None
         self._batches: Iterator | None = None
         self._loader: DataLoader | None = None
-        self._protos: torch.Tensor | None = None
+        self._anchors: AnchorGroups | None = None
         self._phase = False
 
     # ---------------------------------------------------------------- events
@@ -178,8 +178,9 @@ class MeanTeacherPlugin(Plugin):
         if self.filter == "pas":
             current = state.compute_prototypes([0, *state.session.classes], normalize_pixels=self.normalize_pixels,
                                                per_sample=self.anchors == "per-sample")
-            self._protos = prototype_matrix(state.seen, current, state.prototypes,
-                                            state.model.backbone.feature_channels, self.max_anchors).to(state.device)
+            self._anchors = AnchorGroups(prototype_matrix(state.seen, current, state.prototypes,
+                                                          state.model.backbone.feature_channels, self.max_anchors),
+                                         state.device)
         if self.eps0 is None:  # the student trained on labelled data only so far
             self.eps0 = self.pool_error(state, state.model)
         self.phases += 1
@@ -196,7 +197,7 @@ class MeanTeacherPlugin(Plugin):
         out_s = state.model.forward_features(x_s)
         with torch.no_grad():
             out_t = self.teacher.forward_features(x_t)
-        protos = self._protos if self.filter == "pas" else None
+        protos = self._anchors if self.filter == "pas" else None
         s = pas_filter(out_s.logits.detach(), out_s.features.detach(), protos, self.tau_conf, self.tau_sim)
         t = pas_filter(out_t.logits, out_t.features, protos, self.tau_conf, self.tau_sim)
         valid = s.valid & t.valid

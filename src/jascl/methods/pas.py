@@ -86,52 +86,74 @@ def prototype_matrix(seen: list[int], current: dict[int, torch.Tensor], store: P
 ANCHOR_BLOCK_ELEMENTS = 2 ** 26
 
 
-def best_anchor_similarity(features: torch.Tensor, prototypes: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+class AnchorGroups:
+    """Anchors of every classifier row, grouped by how many each row has, ready for :func:`best_anchor_similarity`.
+
+    Built once (e.g. per unlabelled phase) from (K, D) prototypes or (K, A, D)
+    anchors whose NaN rows are padding after the real ones; the grouping is read on
+    the host here, so that the per-step similarity never waits for a GPU.
+
+    Args:
+        prototypes: (K, D) or (K, A, D) tensor.
+        device: where the grouped anchors go.
+    """
+
+    def __init__(self, prototypes: torch.Tensor, device: torch.device | str | None = None) -> None:
+        p = F.normalize(prototypes.detach().float().cpu(), dim=-1)  # NaN anchors stay NaN
+        if p.dim() == 2:
+            p = p[:, None]
+        self.k, _, self.dim = p.shape
+        real = ~torch.isnan(p).any(-1)  # (K, A)
+        counts = real.sum(1).tolist()
+        device = device if device is not None else prototypes.device
+        #: (rows, anchors (len(rows), size, D), size) per group of rows with ``size`` real anchors
+        self.groups: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        for size in sorted(set(counts) - {0}):
+            rows = [c for c in range(self.k) if counts[c] == size]
+            if not all(bool(real[c, :size].all()) for c in rows):
+                raise ValueError("prototypes: every row's real anchors must come before its NaN padding")
+            self.groups.append((torch.tensor(rows, device=device), p[rows][:, :size].contiguous().to(device), size))
+
+
+def best_anchor_similarity(features: torch.Tensor, anchors: "AnchorGroups | torch.Tensor",
+                           pred: torch.Tensor) -> torch.Tensor:
     """Cosine similarity of every pixel's feature to the best-matching anchor of its predicted class.
 
     Args:
         features: (B, D, *spatial) pixel features.
-        prototypes: (K, D) one anchor per classifier row, or (K, A, D) anchors (NaN anchors are padding).
+        anchors: :class:`AnchorGroups`, or a (K, D) / (K, A, D) tensor (grouped here; NaN anchors are padding).
         pred: (B, *spatial) predicted classifier rows.
 
     Returns:
         (B, *spatial) similarities; NaN where the predicted class has no anchor.
 
-    Dot products are 1x1 products over D, divided by the pixel's norm at the end,
-    so no (B, *spatial, D) copy is made. Classes are grouped by their number of
-    anchors (typically the old classes have one stored prototype each and the
-    session's classes several), so padding anchors cost nothing, and each group is
+    Dot products are matrix products over D, divided by the pixel's norm at the
+    end, so no (B, *spatial, D) copy is made. Classes are grouped by their number
+    of anchors (typically the old classes have one stored prototype each and the
+    session's classes several), so padding anchors cost nothing; each group is
     processed in blocks of anchors bounded by :data:`ANCHOR_BLOCK_ELEMENTS`.
     """
-    p = F.normalize(prototypes.to(features), dim=-1)  # NaN anchors stay NaN
-    if p.dim() == 2:
-        p = p[:, None]
-    k, _, d = p.shape
-    real = ~torch.isnan(p).any(-1)  # (K, A)
+    if not isinstance(anchors, AnchorGroups):
+        anchors = AnchorGroups(anchors, features.device)
     flat = features.flatten(2)  # (B, D, N)
     batch, n = flat.shape[0], flat.shape[2]
     norms = torch.linalg.vector_norm(flat, dim=1).clamp_min(1e-12)  # (B, N); F.normalize's epsilon
-    per_class = flat.new_full((batch, k, n), float("-inf"))  # best dot product with each class's anchors
-    counts = real.sum(1).tolist()  # on the host: the prototypes were built there
-    for size in sorted(set(counts) - {0}):
-        rows = [c for c in range(k) if counts[c] == size]
-        if not all(bool(real[c, :size].all()) for c in rows):
-            raise ValueError("prototypes: every row's real anchors must come before its NaN padding")
-        group = p[rows][:, :size]  # (k_g, size, D), all real
+    per_class = flat.new_full((batch, anchors.k, n), float("-inf"))  # best dot product with each class's anchors
+    for rows, group, size in anchors.groups:
         best = None
         step = max(1, ANCHOR_BLOCK_ELEMENTS // max(len(rows) * batch * n, 1))
         for a0 in range(0, size, step):
-            block = group[:, a0:a0 + step]
-            dots = torch.matmul(block.reshape(-1, d), flat)  # (B, k_g * c, N), contiguous
+            block = group[:, a0:a0 + step].to(flat.dtype)
+            dots = torch.matmul(block.reshape(-1, anchors.dim), flat)  # (B, k_g * c, N), contiguous
             dots = dots.view(batch, len(rows), block.shape[1], n).amax(2)
             best = dots if best is None else torch.maximum(best, dots)
-        per_class[:, rows] = best
+        per_class.index_copy_(1, rows, best.to(per_class.dtype))
     picked = per_class.gather(1, pred.reshape(batch, 1, n)).squeeze(1)
     sim = (picked / norms).masked_fill(picked == float("-inf"), float("nan"))
     return sim.view_as(pred)
 
 
-def pas_filter(logits: torch.Tensor, features: torch.Tensor, prototypes: torch.Tensor | None, tau_conf: float,
+def pas_filter(logits: torch.Tensor, features: torch.Tensor, prototypes: "AnchorGroups | torch.Tensor | None", tau_conf: float,
                tau_sim: float) -> PseudoLabels:
     """The PAS validity test (eqs. 3-4) for one model.
 
@@ -140,7 +162,8 @@ def pas_filter(logits: torch.Tensor, features: torch.Tensor, prototypes: torch.T
         features: (B, D, *spatial') features before the classifier (resized to
             the logits' size if they differ).
         prototypes: (K, D) prototype per classifier row, or (K, A, D) anchors per
-            row (NaN anchors are ignored; sim is the best-matching anchor's), or
+            row (NaN anchors are ignored; sim is the best-matching anchor's), or those
+            as :class:`AnchorGroups` (built once, no host synchronisation per call), or
             None for the confidence-only filter (sim is then +1 everywhere).
         tau_conf, tau_sim: thresholds; a pixel is valid iff conf > tau_conf and sim > tau_sim.
     """
