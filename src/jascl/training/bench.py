@@ -141,6 +141,19 @@ def _session_model(trainer, t: int):
     return model, store
 
 
+def _grown_model(spec: dict):
+    """(protocol, config, data, trainer, model at the start of session t grown to its classes, t) for the plain cases."""
+    from jascl.methods.base import Method
+    from jascl.training.trainer import ContinualTrainer
+
+    protocol, config, data = _setup(spec)
+    trainer = ContinualTrainer(protocol, config, Method("plain"), data, progress=False)
+    t = spec["session"]
+    model, _ = _session_model(trainer, t)
+    trainer._grow(model, t)
+    return protocol, config, data, trainer, model, t
+
+
 def _jascl_case(case: str, spec: dict, device: torch.device) -> dict:
     from jascl.methods import create_method
     from jascl.methods.base import Method
@@ -169,15 +182,10 @@ def _plain_case(case: str, spec: dict, device: torch.device) -> dict:
     from torch.utils.data import DataLoader
 
     from jascl.data.datasets import LabelledDataset
-    from jascl.methods.base import Method
     from jascl.methods.mean_teacher import UnlabelledDataset, view_transform
-    from jascl.training.trainer import ContinualTrainer, resolve_precision
+    from jascl.training.trainer import resolve_precision
 
-    protocol, config, data = _setup(spec)
-    trainer = ContinualTrainer(protocol, config, Method("plain"), data, progress=False)
-    t = spec["session"]
-    model, _ = _session_model(trainer, t)
-    trainer._grow(model, t)
+    protocol, config, data, trainer, model, t = _grown_model(spec)
     session = protocol.sessions[t]
     if config.freeze_incremental == "all_but_classifier":
         model.backbone.requires_grad_(False)
@@ -245,14 +253,8 @@ def _eval_case(case: str, spec: dict, device: torch.device) -> dict:
     from monai.inferers import sliding_window_inference
 
     from jascl.evaluation.evaluator import evaluate
-    from jascl.methods.base import Method
-    from jascl.training.trainer import ContinualTrainer
 
-    protocol, config, data = _setup(spec)
-    trainer = ContinualTrainer(protocol, config, Method("eval"), data, progress=False)
-    t = spec["session"]
-    model, _ = _session_model(trainer, t)
-    trainer._grow(model, t)
+    protocol, config, data, trainer, model, t = _grown_model(spec)
     model.eval()
     splits = [d.test for d in data[: t + 1]]
     spatial = splits[0].images.shape[2:]
