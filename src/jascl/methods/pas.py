@@ -285,14 +285,14 @@ class EMAPairs:
         self.student = [student_state[k] for k, t in own.items() if t.dtype.is_floating_point]
         self.teacher_other = [t for t in own.values() if not t.dtype.is_floating_point]
         self.student_other = [student_state[k] for k, t in own.items() if not t.dtype.is_floating_point]
+        self._cast = any(s.dtype != t.dtype for s, t in zip(self.student, self.teacher))
 
     @torch.no_grad()
     def step(self, decay: float) -> None:
         """teacher <- decay * teacher + (1 - decay) * student; integer buffers are copied."""
         if self.teacher:
-            torch._foreach_lerp_(self.teacher, [s.to(t) for s, t in zip(self.student, self.teacher)]
-                                 if any(s.dtype != t.dtype for s, t in zip(self.student, self.teacher))
-                                 else self.student, 1.0 - decay)
+            student = [s.to(t) for s, t in zip(self.student, self.teacher)] if self._cast else self.student
+            torch._foreach_lerp_(self.teacher, student, 1.0 - decay)
         for t, s in zip(self.teacher_other, self.student_other):
             t.copy_(s)
 
