@@ -258,7 +258,7 @@ class _Shard:
         return len(self.indices)
 
 
-def _shape_groups(split, batch_size: int) -> Iterator[tuple[list[int], list[np.ndarray], list[np.ndarray]]]:
+def _shape_groups(split: "_Shard", batch_size: int) -> Iterator[tuple[list[int], list[np.ndarray], list[np.ndarray]]]:
     """Consecutive samples of one shape, at most ``batch_size`` at a time, with their indices in the split.
 
     Samples are fetched one by one (``split.images[i]``), so a lazily loading
@@ -273,7 +273,7 @@ def _shape_groups(split, batch_size: int) -> Iterator[tuple[list[int], list[np.n
         if images and (len(images) == batch_size or image.shape != images[0].shape):
             yield indices, images, labels
             indices, images, labels = [], [], []
-        indices.append(split.indices[i] if hasattr(split, "indices") else i)
+        indices.append(split.indices[i])
         images.append(image)
         labels.append(label)
     if images:

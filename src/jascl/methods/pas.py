@@ -153,8 +153,8 @@ def best_anchor_similarity(features: torch.Tensor, anchors: "AnchorGroups | torc
     return sim.view_as(pred)
 
 
-def pas_filter(logits: torch.Tensor, features: torch.Tensor, prototypes: "AnchorGroups | torch.Tensor | None", tau_conf: float,
-               tau_sim: float) -> PseudoLabels:
+def pas_filter(logits: torch.Tensor, features: torch.Tensor, prototypes: "AnchorGroups | torch.Tensor | None",
+               tau_conf: float, tau_sim: float) -> PseudoLabels:
     """The PAS validity test (eqs. 3-4) for one model.
 
     Args:

@@ -207,8 +207,7 @@ def _plain_case(case: str, spec: dict, device: torch.device) -> dict:
         views = (view_transform(1), view_transform(2))
         unlabelled = DataLoader(UnlabelledDataset(data[t].unlabelled, views, seed=0), batch_size=config.batch_size,
                                 shuffle=True, **opts)
-        pairs = zip(list(model.parameters()), list(teacher.parameters()))
-        student_params, teacher_params = (list(x) for x in zip(*pairs))
+        student_params, teacher_params = list(model.parameters()), list(teacher.parameters())
 
     clock = _Clock(device)
     unlabelled_iter = None
