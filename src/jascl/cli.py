@@ -282,13 +282,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     spec = summary["spec"]
     table = Table(title=f"jascl bench: {spec['protocol']} session {spec['session']}, {summary['device']}, "
                         f"{spec['epochs'] - 1} timed epochs x {args.rounds} rounds (median)")
-    for h in ("case", "throughput", "range", "peak MiB", "between epochs (s)"):
+    for h in ("case", "throughput", "range", "peak MiB", "between epochs (s)", "ops/step (not views)"):
         table.add_column(h)
     for r in case_rows:
         table.add_row(*r)
     console.print(table)
     ratios = Table(title="ratios of throughput (targets from issue 7)")
-    for h in ("ratio", "value", "target", "met", "what"):
+    for h in ("ratio", "value", "target", "met", "added", "what"):
         ratios.add_column(h)
     for r in ratio_rows:
         ratios.add_row(*r)

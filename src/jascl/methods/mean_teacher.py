@@ -15,8 +15,8 @@ from jascl.data.datasets import repeat_loader
 from jascl.data.sampling import derive_seed, seeded_loader, split_key
 from jascl.methods.base import Plugin
 from jascl.methods.gas import clean_state_dict
-from jascl.methods.pas import (AnchorGroups, EMAPairs, FilterCounters, asymptotic_error, consistency_loss, pas_filter,
-                               prototype_matrix)
+from jascl.methods.pas import (AnchorGroups, EMAPairs, FilterCounters, asymptotic_error, consistency_loss_probs,
+                               pas_filter, prototype_matrix)
 
 if TYPE_CHECKING:
     from jascl.data.synthetic import Split
@@ -114,6 +114,8 @@ class MeanTeacherPlugin(Plugin):
 
     name = "cons"
     loss_terms = ("cons",)
+    #: the filters counted in :attr:`counters`, in order
+    COUNTED = ("filter", "confidence", "filter_foreground", "confidence_foreground")
     #: views of the teacher's and the student's own tensors: restored with the models, not again
     snapshot_exclude = ("_ema",)
 
@@ -155,10 +157,10 @@ class MeanTeacherPlugin(Plugin):
         self._loader = seeded_loader(UnlabelledDataset(pool, views, derive_seed(state.seed, "views", t)),
                                      self.batch_size or state.config.batch_size,
                                      derive_seed(state.seed, "unlabelled", t), **state.loader_options)
-        self.counters = FilterCounters()
-        self.conf_counters = FilterCounters()  # confidence-only filter on the same predictions, for comparison
-        self.fg_counters = FilterCounters()  # the same two, restricted to foreground pseudo-labels
-        self.fg_conf_counters = FilterCounters()
+        self._seen = torch.as_tensor(state.seen, device=state.device)  # classifier row -> global class id
+        # counted side by side on the same predictions: PAS (the filter in use), confidence-only (for
+        # comparison), and the same two restricted to foreground pseudo-labels
+        self.counters = FilterCounters(filters=len(self.COUNTED))
         self.eps0: float | None = None
         self.phases = 0
 
@@ -198,19 +200,16 @@ class MeanTeacherPlugin(Plugin):
         with torch.no_grad():
             out_t = self.teacher.forward_features(x_t)
         protos = self._anchors if self.filter == "pas" else None
-        s = pas_filter(out_s.logits.detach(), out_s.features.detach(), protos, self.tau_conf, self.tau_sim)
-        t = pas_filter(out_t.logits, out_t.features, protos, self.tau_conf, self.tau_sim)
+        p_s = torch.softmax(out_s.logits.float(), dim=1)  # shared by the filter and the loss
+        p_t = torch.softmax(out_t.logits.float(), dim=1)
+        s = pas_filter(out_s.logits, out_s.features.detach(), protos, self.tau_conf, self.tau_sim, probs=p_s.detach())
+        t = pas_filter(out_t.logits, out_t.features, protos, self.tau_conf, self.tau_sim, probs=p_t)
         valid = s.valid & t.valid
-        state.losses[self.name] = self.weight * consistency_loss(out_s.logits, out_t.logits, valid)
-        seen = torch.as_tensor(state.seen, device=state.device)
-        truth = batch["truth"].to(state.device)
-        pred_ids = seen[t.pred]
+        state.losses[self.name] = self.weight * consistency_loss_probs(p_s, p_t, valid)
+        pred_ids = self._seen[t.pred]
         conf_only = (s.conf > self.tau_conf) & (t.conf > self.tau_conf)
-        self.counters.update(valid, pred_ids, truth)
-        self.conf_counters.update(conf_only, pred_ids, truth)
-        foreground = pred_ids != 0
-        self.fg_counters.update(valid & foreground, pred_ids, truth)
-        self.fg_conf_counters.update(conf_only & foreground, pred_ids, truth)
+        both = torch.stack([valid, conf_only])
+        self.counters.update(torch.cat([both, both & (pred_ids != 0)]), pred_ids, batch["truth"].to(state.device))
 
     def after_update(self, state: "LoopState") -> None:
         if self.teacher is not None:
@@ -237,21 +236,20 @@ class MeanTeacherPlugin(Plugin):
     def after_training(self, state: "LoopState") -> None:
         if self.teacher is None:
             return
-        for counters in (self.counters, self.conf_counters, self.fg_counters, self.fg_conf_counters):
-            counters.all_reduce()
-        c = self.counters
+        self.counters.all_reduce()
+        c, conf, fg, fg_conf = (self.counters.stats(f) for f in range(len(self.COUNTED)))
         gamma = self.weight / (1.0 + self.weight)
         eps_final = self.pool_error(state, self.teacher)
         eps0 = self.eps0 if self.eps0 is not None else eps_final
         stats = {
             "filter": self.filter, "phases": self.phases, "coverage": c.coverage, "precision": c.precision,
-            "confidence_only_coverage": self.conf_counters.coverage,
-            "confidence_only_precision": self.conf_counters.precision,
-            "foreground_precision": self.fg_counters.precision,
-            "confidence_only_foreground_precision": self.fg_conf_counters.precision,
+            "confidence_only_coverage": conf.coverage,
+            "confidence_only_precision": conf.precision,
+            "foreground_precision": fg.precision,
+            "confidence_only_foreground_precision": fg_conf.precision,
             "per_class": {str(k): {"kept": n, "precision": r} for k, (n, r) in c.per_class().items()},
             "confidence_only_per_class": {str(k): {"kept": n, "precision": r}
-                                          for k, (n, r) in self.conf_counters.per_class().items()},
+                                          for k, (n, r) in conf.per_class().items()},
             "gamma": gamma, "eps0": eps0,
             "eps_inf_predicted": asymptotic_error(c.coverage, c.precision, gamma, eps0) if c.kept else eps0,
             "teacher_error_final": eps_final,

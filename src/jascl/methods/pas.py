@@ -106,13 +106,26 @@ class AnchorGroups:
         real = ~torch.isnan(p).any(-1)  # (K, A)
         counts = real.sum(1).tolist()
         device = device if device is not None else prototypes.device
-        #: (rows, anchors (len(rows), size, D), size) per group of rows with ``size`` real anchors
-        self.groups: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        #: (anchors (rows, size, D), size) per group of rows with ``size`` real anchors, in row order per group
+        self.groups: list[tuple[torch.Tensor, int]] = []
+        position = [0] * self.k  # classifier row -> its index in the groups' concatenated rows
+        placed = 0
         for size in sorted(set(counts) - {0}):
             rows = [c for c in range(self.k) if counts[c] == size]
             if not all(bool(real[c, :size].all()) for c in rows):
                 raise ValueError("prototypes: every row's real anchors must come before its NaN padding")
-            self.groups.append((torch.tensor(rows, device=device), p[rows][:, :size].contiguous().to(device), size))
+            self.groups.append((p[rows][:, :size].contiguous().to(device), size))
+            for i, c in enumerate(rows):
+                position[c] = placed + i
+            placed += len(rows)
+        #: rows without any anchor point at one extra all-NaN row after the groups' rows
+        self.missing = placed < self.k
+        for c in range(self.k):
+            if counts[c] == 0:
+                position[c] = placed
+        #: None when every row keeps its own index (one group, no row without anchors): no remapping per call
+        self.position = (None if position == list(range(self.k))
+                         else torch.tensor(position, dtype=torch.long, device=device))
 
 
 def best_anchor_similarity(features: torch.Tensor, anchors: "AnchorGroups | torch.Tensor",
@@ -131,30 +144,38 @@ def best_anchor_similarity(features: torch.Tensor, anchors: "AnchorGroups | torc
     end, so no (B, *spatial, D) copy is made. Classes are grouped by their number
     of anchors (typically the old classes have one stored prototype each and the
     session's classes several), so padding anchors cost nothing; each group is
-    processed in blocks of anchors bounded by :data:`ANCHOR_BLOCK_ELEMENTS`.
+    processed in blocks of anchors bounded by :data:`ANCHOR_BLOCK_ELEMENTS`. The
+    groups' best dot products are concatenated and each pixel picks its class's
+    row (a fixed remapping of the classifier rows, built with the groups), so a
+    call launches a fixed, small number of kernels and reads nothing back to the host.
     """
     if not isinstance(anchors, AnchorGroups):
         anchors = AnchorGroups(anchors, features.device)
     flat = features.flatten(2)  # (B, D, N)
     batch, n = flat.shape[0], flat.shape[2]
     norms = torch.linalg.vector_norm(flat, dim=1).clamp_min(1e-12)  # (B, N); F.normalize's epsilon
-    per_class = flat.new_full((batch, anchors.k, n), float("-inf"))  # best dot product with each class's anchors
-    for rows, group, size in anchors.groups:
+    per_group = []  # best dot product with each class's anchors, (B, rows of the group, N)
+    for group, size in anchors.groups:
         best = None
-        step = max(1, ANCHOR_BLOCK_ELEMENTS // max(len(rows) * batch * n, 1))
+        step = max(1, ANCHOR_BLOCK_ELEMENTS // max(group.shape[0] * batch * n, 1))
         for a0 in range(0, size, step):
             block = group[:, a0:a0 + step].to(flat.dtype)
             dots = torch.matmul(block.reshape(-1, anchors.dim), flat)  # (B, k_g * c, N), contiguous
-            dots = dots.view(batch, len(rows), block.shape[1], n).amax(2)
+            dots = dots.view(batch, group.shape[0], block.shape[1], n).amax(2)
             best = dots if best is None else torch.maximum(best, dots)
-        per_class.index_copy_(1, rows, best.to(per_class.dtype))
-    picked = per_class.gather(1, pred.reshape(batch, 1, n)).squeeze(1)
-    sim = (picked / norms).masked_fill(picked == float("-inf"), float("nan"))
+        per_group.append(best)
+    if anchors.missing:
+        per_group.append(flat.new_full((batch, 1, n), float("nan")))
+    per_class = per_group[0] if len(per_group) == 1 else torch.cat(per_group, 1)
+    index = pred.reshape(batch, 1, n)
+    if anchors.position is not None:
+        index = anchors.position[index]
+    sim = per_class.gather(1, index).squeeze(1) / norms  # NaN for a class without anchors
     return sim.view_as(pred)
 
 
 def pas_filter(logits: torch.Tensor, features: torch.Tensor, prototypes: "AnchorGroups | torch.Tensor | None",
-               tau_conf: float, tau_sim: float) -> PseudoLabels:
+               tau_conf: float, tau_sim: float, probs: torch.Tensor | None = None) -> PseudoLabels:
     """The PAS validity test (eqs. 3-4) for one model.
 
     Args:
@@ -166,8 +187,10 @@ def pas_filter(logits: torch.Tensor, features: torch.Tensor, prototypes: "Anchor
             as :class:`AnchorGroups` (built once, no host synchronisation per call), or
             None for the confidence-only filter (sim is then +1 everywhere).
         tau_conf, tau_sim: thresholds; a pixel is valid iff conf > tau_conf and sim > tau_sim.
+        probs: ``softmax(logits.float(), 1)`` if the caller has it already (e.g. for the consistency loss).
     """
-    probs = torch.softmax(logits.float(), dim=1)
+    if probs is None:
+        probs = torch.softmax(logits.float(), dim=1)
     conf, pred = probs.max(dim=1)
     if prototypes is None:
         sim = torch.ones_like(conf)
@@ -190,69 +213,136 @@ def consistency_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
         student_logits, teacher_logits: (B, K, *spatial).
         valid: (B, *spatial) bool, pixels valid for both models.
     """
-    p_s = torch.softmax(student_logits.float(), dim=1)
-    p_t = torch.softmax(teacher_logits.detach().float(), dim=1)
-    per_pixel = ((p_s - p_t) ** 2).sum(dim=1)
+    return consistency_loss_probs(torch.softmax(student_logits.float(), dim=1),
+                                  torch.softmax(teacher_logits.detach().float(), dim=1), valid)
+
+
+def consistency_loss_probs(student_probs: torch.Tensor, teacher_probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """:func:`consistency_loss` from the two softmax outputs, (B, K, *spatial) each (the teacher's is detached)."""
+    per_pixel = ((student_probs - teacher_probs.detach()) ** 2).sum(dim=1)
     # no branch on the count: testing it would wait for the GPU at every step
     return (per_pixel * valid).sum() / valid.sum().clamp_min(1)
+
+
+@dataclass(frozen=True)
+class FilterStats:
+    """Host-side counts of one filter, read from :class:`FilterCounters`.
+
+    ``by_class[c]`` = (kept pixels with unknown truth, kept and wrong, kept and right)
+    for pseudo-label class c (global id).
+    """
+
+    total: int
+    by_class: tuple[tuple[int, int, int], ...]
+
+    @property
+    def kept(self) -> int:
+        return sum(sum(row) for row in self.by_class)
+
+    @property
+    def evaluated(self) -> int:
+        """Kept pixels with known ground truth."""
+        return sum(row[1] + row[2] for row in self.by_class)
+
+    @property
+    def correct(self) -> int:
+        return sum(row[2] for row in self.by_class)
+
+    @property
+    def coverage(self) -> float:
+        return self.kept / self.total if self.total else float("nan")
+
+    @property
+    def precision(self) -> float:
+        return self.correct / self.evaluated if self.evaluated else float("nan")
+
+    def per_class(self) -> dict[int, tuple[int, float]]:
+        """Pseudo-label class -> (kept pixels with known truth, precision among them)."""
+        return {c: (row[1] + row[2], row[2] / (row[1] + row[2])) for c, row in enumerate(self.by_class)
+                if row[1] + row[2]}
 
 
 @dataclass
 class FilterCounters:
     """Counts for coverage f and precision rho of kept pseudo-labels against hidden ground truth.
 
-    Counts accumulate on the predictions' device (no host synchronisation per
-    step); the properties read them. Per pseudo-label class (global ids < 256)
-    they are kept as two (256,) count vectors.
+    Holds ``filters`` filters applied to the same predictions (e.g. PAS and the
+    confidence-only test, each also restricted to foreground), counted together:
+    one (filters, 256 classes, 3) integer tensor on the predictions' device, where the
+    3 counts of a pseudo-label class are kept pixels whose truth is unknown, kept and
+    wrong, kept and right. An update is one scatter-add for all filters and never
+    waits for the device; :meth:`stats` (and the properties, for filter 0) read it.
+
+    Args:
+        filters: number of filters counted side by side.
     """
 
-    total: int | torch.Tensor = 0
-    kept: int | torch.Tensor = 0
-    correct: int | torch.Tensor = 0
-    evaluated: int | torch.Tensor = 0  # kept pixels with known ground truth
-    evaluated_by_class: torch.Tensor | None = None  # the same two, per pseudo-label class
-    correct_by_class: torch.Tensor | None = None
+    filters: int = 1
+    total: int = 0  # pixels seen, per filter
+    counts: torch.Tensor | None = None  # (filters, 256 * 3) int64
 
     def update(self, valid: torch.Tensor, pred_ids: torch.Tensor, truth: torch.Tensor | None) -> None:
-        """``pred_ids`` and ``truth`` hold global class ids; truth 255 = unknown."""
-        self.total += valid.numel()
-        self.kept = self.kept + valid.sum()
-        if truth is not None:
-            known = valid & (truth != 255)
-            hit = known & (pred_ids == truth)
-            self.evaluated = self.evaluated + known.sum()
-            self.correct = self.correct + hit.sum()
-            if self.evaluated_by_class is None:
-                self.evaluated_by_class = torch.zeros(256, dtype=torch.long, device=pred_ids.device)
-                self.correct_by_class = torch.zeros(256, dtype=torch.long, device=pred_ids.device)
-            ids = pred_ids.reshape(-1).long()
-            self.evaluated_by_class.scatter_add_(0, ids, known.reshape(-1).long())
-            self.correct_by_class.scatter_add_(0, ids, hit.reshape(-1).long())
+        """Count one batch.
 
-    def per_class(self) -> dict[int, tuple[int, float]]:
-        """Pseudo-label class -> (kept pixels with known truth, precision among them)."""
-        if self.evaluated_by_class is None:
-            return {}
-        n, right = self.evaluated_by_class.tolist(), self.correct_by_class.tolist()
-        return {c: (n[c], right[c] / n[c]) for c in range(len(n)) if n[c]}
+        Args:
+            valid: (*P) bool kept-mask for one filter, or (filters, *P) for all of them.
+            pred_ids: (*P) pseudo-labels as global class ids (< 255).
+            truth: (*P) global class ids, 255 = unknown; None = all unknown.
+        """
+        n = pred_ids.numel()
+        if valid.numel() != self.filters * n:
+            raise ValueError(f"valid has {valid.numel()} elements; expected {self.filters} filter(s) x {n} pixels")
+        self.total += n
+        if self.counts is None:
+            self.counts = torch.zeros(self.filters, 256 * 3, dtype=torch.long, device=pred_ids.device)
+        elif self.counts.device != pred_ids.device:  # e.g. restored from a checkpoint onto the CPU
+            self.counts = self.counts.to(pred_ids.device)
+        index = pred_ids.reshape(-1).long() * 3
+        if truth is not None:
+            truth = truth.reshape(-1)
+            index = index + (truth != 255) + (pred_ids.reshape(-1) == truth)  # 0 unknown, 1 wrong, 2 right
+        self.counts.scatter_add_(1, index.expand(self.filters, n), valid.reshape(self.filters, n).long())
+
+    def stats(self, f: int = 0) -> FilterStats:
+        """Filter ``f``'s counts on the host (one device read)."""
+        if self.counts is None:
+            return FilterStats(int(self.total), ())
+        rows = self.counts[f].view(256, 3).tolist()
+        return FilterStats(int(self.total), tuple(tuple(r) for r in rows))
 
     def all_reduce(self) -> None:
         """Sum the counts of all ranks; no-op in one process."""
-        from jascl.distributed import all_reduce_sum
+        from jascl.distributed import active, all_reduce_sum
 
-        counts = torch.tensor([int(self.total), int(self.kept), int(self.correct), int(self.evaluated)])
-        self.total, self.kept, self.correct, self.evaluated = (int(v) for v in all_reduce_sum(counts))
-        if self.evaluated_by_class is not None:
-            self.evaluated_by_class = all_reduce_sum(self.evaluated_by_class)
-            self.correct_by_class = all_reduce_sum(self.correct_by_class)
+        if not active():
+            return
+        self.total = int(all_reduce_sum(torch.tensor([int(self.total)]))[0])
+        counts = self.counts if self.counts is not None else torch.zeros(self.filters, 256 * 3, dtype=torch.long)
+        self.counts = all_reduce_sum(counts)
+
+    # filter 0, for the common single-filter use
+    @property
+    def kept(self) -> int:
+        return self.stats().kept
+
+    @property
+    def evaluated(self) -> int:
+        return self.stats().evaluated
+
+    @property
+    def correct(self) -> int:
+        return self.stats().correct
 
     @property
     def coverage(self) -> float:
-        return int(self.kept) / int(self.total) if self.total else float("nan")
+        return self.stats().coverage
 
     @property
     def precision(self) -> float:
-        return int(self.correct) / int(self.evaluated) if self.evaluated else float("nan")
+        return self.stats().precision
+
+    def per_class(self) -> dict[int, tuple[int, float]]:
+        return self.stats().per_class()
 
 
 def asymptotic_error(f: float, rho: float, gamma: float, eps0: float) -> float:
@@ -293,8 +383,8 @@ class EMAPairs:
         if self.teacher:
             student = [s.to(t) for s, t in zip(self.student, self.teacher)] if self._cast else self.student
             torch._foreach_lerp_(self.teacher, student, 1.0 - decay)
-        for t, s in zip(self.teacher_other, self.student_other):
-            t.copy_(s)
+        if self.teacher_other:
+            torch._foreach_copy_(self.teacher_other, self.student_other)
 
 
 @torch.no_grad()

@@ -52,10 +52,16 @@ class PixelClassifier(nn.Module):
     def num_classes(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, unit: bool = False) -> torch.Tensor:
+        """Logits of ``features``; ``unit=True`` says they are already ``F.normalize(features, dim=1)``.
+
+        The cosine classifier then skips normalising them (constant inputs such as
+        replayed prototypes are normalised once, not at every step); the linear one ignores it.
+        """
         weight = self.weight  # read once: under GAS every read draws fresh noise
         if self.cosine:
-            return self.temperature * _apply_rows(F.normalize(features, dim=1), F.normalize(weight, dim=1))
+            unit_features = features if unit else F.normalize(features, dim=1)
+            return self.temperature * _apply_rows(unit_features, F.normalize(weight, dim=1))
         logits = _apply_rows(features, weight)
         shape = (1, -1) + (1,) * (logits.dim() - 2)
         return logits + self.bias.view(shape)

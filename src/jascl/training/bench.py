@@ -19,7 +19,12 @@ session data with the same batch size, device and precision:
 Training throughput is steps per second over the training steps of every
 epoch after the first (warm-up); the work jascl does between epochs (the PAS
 prototype pass at the start of an unlabelled phase, logging, checkpoints) is
-reported separately as seconds per epoch. Each case runs in a fresh process
+reported separately as seconds per epoch. The warm-up epoch also counts the
+operators the main process dispatches per training step, outside data loading
+(:class:`OpCounter`): all of them, and those that are not views (on a GPU, roughly
+the kernels launched). These counts do not depend on the machine; on a GPU running a
+small model, where a step's time is mostly launches, they predict the ratios.
+Each case runs in a fresh process
 (``python -m jascl.training.bench``), the cases are interleaved over
 ``rounds`` and the median is reported; peak memory is the CUDA allocator's
 peak on a GPU, and the process's peak resident set size on a CPU.
@@ -52,6 +57,62 @@ RATIOS = (("vanilla", "plain", 0.95, "framework overhead: jascl vanilla / plain 
           ("eval", "eval-plain", 0.95, "jascl evaluator / plain sliding-window loop"))
 
 
+class OpCounter:
+    """Counts the operators dispatched in this thread (and autograd's backward) while active, outside data loading.
+
+    ``ops``: every ATen operator; ``kernels``: those that are not views (a view
+    returns an alias of an input and launches nothing). Data loading
+    (``DataLoader`` iteration) is excluded: on a GPU it runs in worker processes.
+    """
+
+    def __init__(self) -> None:
+        self.ops = self.kernels = 0
+        self._mode = None
+        self._restore = None
+
+    def __enter__(self) -> "OpCounter":
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.data import dataloader
+
+        counter = self
+        paused = [0]
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not paused[0]:
+                    counter.ops += 1
+                    if not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+                        counter.kernels += 1
+                return func(*args, **(kwargs or {}))
+
+        base = dataloader._BaseDataLoaderIter
+        originals = {name: getattr(base, name) for name in ("__init__", "__next__")}
+
+        def uncounted(method):
+            def wrapper(*args, **kwargs):
+                paused[0] += 1
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    paused[0] -= 1
+            return wrapper
+
+        for name, method in originals.items():  # iterators' set-up (base seed) and batches
+            setattr(base, name, uncounted(method))
+        self._restore = lambda: [setattr(base, name, method) for name, method in originals.items()]
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self._restore()
+
+    def per_step(self, steps: int) -> dict:
+        steps = max(steps, 1)
+        return {"ops_per_step": self.ops / steps, "kernels_per_step": self.kernels / steps}
+
+
 class _Done(Exception):
     """Ends a timed jascl session before its evaluation and checkpoint."""
 
@@ -62,18 +123,22 @@ def _sync(device: torch.device) -> None:
 
 
 class _Clock:
-    """Times the training steps of epochs >= 1 (epoch 0 warms up); counts seconds between epochs apart."""
+    """Times the training steps of epochs >= 1 (epoch 0 warms up and counts operators); seconds between epochs apart."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, count_ops: bool = True) -> None:
         self.device = device
         self.step_seconds = 0.0
         self.steps = 0
         self.between_seconds = 0.0
         self._t = None
         self._end = None
+        self._counter = OpCounter() if count_ops else None
+        self.op_counts: dict = {}
 
     def start_epoch(self, epoch: int) -> None:
         _sync(self.device)
+        if epoch == 0 and self._counter is not None:
+            self._counter.__enter__()
         now = time.perf_counter()
         if epoch >= 1 and self._end is not None:
             self.between_seconds += now - self._end
@@ -83,6 +148,9 @@ class _Clock:
 
     def end_epoch(self, epoch: int, steps: int) -> None:
         _sync(self.device)
+        if epoch == 0 and self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self.op_counts = self._counter.per_step(steps)
         self._end = time.perf_counter()
         if epoch >= 1:
             self.step_seconds += self._end - self._t
@@ -173,7 +241,7 @@ def _jascl_case(case: str, spec: dict, device: torch.device) -> dict:
         except _Done:
             pass
     return {"steps": clock.steps, "seconds": clock.step_seconds,
-            "between_epoch_seconds": clock.between_seconds / max(spec["epochs"] - 1, 1)}
+            "between_epoch_seconds": clock.between_seconds / max(spec["epochs"] - 1, 1), **clock.op_counts}
 
 
 def _plain_case(case: str, spec: dict, device: torch.device) -> dict:
@@ -245,7 +313,7 @@ def _plain_case(case: str, spec: dict, device: torch.device) -> dict:
                     torch._foreach_lerp_(teacher_params, student_params, 1.0 - config.pas.ema_decay)
             steps += 1
         clock.end_epoch(epoch, steps)
-    return {"steps": clock.steps, "seconds": clock.step_seconds, "between_epoch_seconds": None}
+    return {"steps": clock.steps, "seconds": clock.step_seconds, "between_epoch_seconds": None, **clock.op_counts}
 
 
 def _eval_case(case: str, spec: dict, device: torch.device) -> dict:
@@ -364,12 +432,20 @@ def summarise(runs: dict[str, list[dict]], spec: dict) -> dict:
                       "peak_mib": max(r["peak_mib"] for r in results), "memory": results[0]["memory"],
                       "between_epoch_seconds": statistics.median(between) if between else None,
                       "rounds": len(results)}
+        for key in ("ops_per_step", "kernels_per_step"):  # the same in every round
+            values = [r[key] for r in results if r.get(key) is not None]
+            rows[case][key] = statistics.median(values) if values else None
     ratios = []
     for case, base, target, what in RATIOS:
         if case in rows and base in rows:
             value = rows[case]["rate"] / rows[base]["rate"]
+            unit = "sample" if case in EVAL_CASES else "step"
+            added_ms = 1000.0 / rows[case]["rate"] - 1000.0 / rows[base]["rate"]
+            kernels = (rows[case]["kernels_per_step"] - rows[base]["kernels_per_step"]
+                       if rows[case].get("kernels_per_step") is not None
+                       and rows[base].get("kernels_per_step") is not None else None)
             ratios.append({"ratio": f"{case} / {base}", "value": value, "target": target, "met": value >= target,
-                           "what": what})
+                           "what": what, "added_ms": added_ms, "unit": unit, "added_kernels": kernels})
     device = next(iter(runs.values()))[0]["device"] if runs else "?"
     return {"spec": spec, "device": device, "cases": rows, "ratios": ratios}
 
@@ -379,9 +455,12 @@ def tables(summary: dict) -> tuple[list[list[str]], list[list[str]]]:
     case_rows = []
     for case, row in summary["cases"].items():
         between = row["between_epoch_seconds"]
+        ops = "-" if row.get("ops_per_step") is None else f"{row['ops_per_step']:.0f} ({row['kernels_per_step']:.0f})"
         case_rows.append([case, f"{row['rate']:.2f} {row['unit']}", f"{row['rate_min']:.2f}-{row['rate_max']:.2f}",
-                          f"{row['peak_mib']:.0f}", "-" if between is None else f"{between:.3f}"])
-    ratio_rows = [[r["ratio"], f"{r['value']:.3f}", f">= {r['target']:.2f}", "yes" if r["met"] else "NO", r["what"]]
+                          f"{row['peak_mib']:.0f}", "-" if between is None else f"{between:.3f}", ops])
+    ratio_rows = [[r["ratio"], f"{r['value']:.3f}", f">= {r['target']:.2f}", "yes" if r["met"] else "NO",
+                   f"{r.get('added_ms', math.nan):+.2f} ms/{r.get('unit', 'step')}"
+                   + ("" if r.get("added_kernels") is None else f", {r['added_kernels']:+.0f} kernels"), r["what"]]
                   for r in summary["ratios"]]
     return case_rows, ratio_rows
 
@@ -393,10 +472,11 @@ def to_markdown(summary: dict) -> str:
     lines = [f"jascl bench · protocol {spec['protocol']} session {spec['session']} · {summary['device']} · "
              f"{spec['epochs'] - 1} timed epochs x {next(iter(summary['cases'].values()))['rounds']} rounds · "
              f"overrides: {' '.join(spec['overrides']) or 'none'}", "",
-             f"| case | throughput (median) | range | peak memory (MiB, {mem}) | between epochs (s) |",
-             "|---|---|---|---|---|"]
+             f"| case | throughput (median) | range | peak memory (MiB, {mem}) | between epochs (s) "
+             "| ops/step (not views) |",
+             "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in case_rows]
-    lines += ["", "| ratio | value | target | met | what |", "|---|---|---|---|---|"]
+    lines += ["", "| ratio | value | target | met | added per step | what |", "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in ratio_rows]
     return "\n".join(lines) + "\n"
 
