@@ -500,7 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="training steps/s and peak memory of a plain PyTorch/MONAI loop vs jascl "
                                          "(vanilla, GAS + replay, PAS) and of sliding-window evaluation, with ratios")
-    bench.add_argument("--protocol", default="bench-2d", help="workload (default bench-2d; bench-3d for volumes)")
+    bench.add_argument("--protocol", default="bench-2d", help="workload (default bench-2d; bench-3d for volumes; bench-natural and "
+                       "bench-med: the paper's models and sizes, for a GPU)")
     bench.add_argument("--session", type=int, default=1, help="incremental session to time (default 1)")
     bench.add_argument("--epochs", type=int, default=4, help="epochs per case; the first warms up (default 4)")
     bench.add_argument("--rounds", type=int, default=3, help="repetitions of every case, interleaved (default 3)")
