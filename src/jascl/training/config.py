@@ -19,6 +19,8 @@ from jascl.errors import ConfigError
 
 FREEZE_POLICIES = ("all_but_classifier", "none")
 EVAL_MODES = ("sliding-window", "authors")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULES = ("constant", "poly")
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
@@ -90,8 +92,15 @@ class RunConfig:
         temperature: cosine classifier logit scale.
         epochs_base / epochs_incremental: epochs of session 0 / later sessions.
         batch_size: training batch size.
-        lr_base / lr_incremental: SGD learning rates.
-        momentum, weight_decay, nesterov: SGD options (authors: 0.9, 1e-4, True).
+        lr_base / lr_incremental: learning rates of session 0 / later sessions.
+        optimizer: "sgd" (authors' medical code), "adam" (authors' natural semi-supervised code:
+            Adam 1e-3, weight decay 4e-5) or "adamw"; a method may bring its own.
+        lr_schedule: "constant", or "poly": the learning rate of epoch e of an E-epoch session is
+            lr * (1 - e / E) ** lr_power (authors' natural code: poly 0.9); applied to every
+            parameter group of any optimiser, from its rate at creation.
+        lr_power: exponent of the poly schedule.
+        momentum, weight_decay, nesterov: SGD options (authors: 0.9, 1e-4, True); weight_decay
+            also applies to Adam/AdamW.
         lambda_ce / lambda_dice: weights of MONAI's DiceCE loss terms.
         freeze_incremental: "all_but_classifier" (paper's medical setting) or "none" (natural).
         patch_size: training crop (None = whole image/volume); also the sliding-window ROI.
@@ -129,6 +138,9 @@ class RunConfig:
     batch_size: int = 8
     lr_base: float = 0.01
     lr_incremental: float = 0.01
+    optimizer: str = "sgd"
+    lr_schedule: str = "constant"
+    lr_power: float = 0.9
     momentum: float = 0.9
     weight_decay: float = 1e-4
     nesterov: bool = True
@@ -168,6 +180,12 @@ class RunConfig:
         for key in ("lr_base", "lr_incremental", "temperature"):
             if getattr(self, key) <= 0:
                 raise bad(key, f"must be > 0 (got {getattr(self, key)})")
+        if self.optimizer not in OPTIMIZERS:
+            raise bad("optimizer", f"must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise bad("lr_schedule", f"must be one of {', '.join(LR_SCHEDULES)} (got {self.lr_schedule!r})")
+        if self.lr_power <= 0:
+            raise bad("lr_power", f"must be > 0 (got {self.lr_power})")
         if self.classifier not in ("cosine", "linear"):
             raise bad("classifier", f"must be 'cosine' or 'linear' (got {self.classifier!r})")
         if self.freeze_incremental not in FREEZE_POLICIES:

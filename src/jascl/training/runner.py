@@ -194,12 +194,15 @@ def check_reusable(out: Path, config: RunConfig, protocol: Protocol) -> None:
     Reusing a session trained under other settings would silently mix results.
     ``device`` and ``threads`` may differ; ``method_args`` may too (they only
     concern the methods they name, and a changed method should get a new folder).
+    A key the folder's configuration lacks (added to jascl later) matches its default value.
     """
     previous = out / "config.yaml"
     if previous.exists():
         old = yaml.safe_load(previous.read_text()) or {}
         new = config.to_dict()
-        changed = sorted(k for k in set(old) | set(new) if k not in _NEUTRAL_KEYS and old.get(k) != new.get(k))
+        default = RunConfig().to_dict()
+        changed = sorted(k for k in set(old) | set(new) if k not in _NEUTRAL_KEYS
+                         and old.get(k, default.get(k)) != new.get(k))
         if changed:
             raise ConfigError(f"{out}: this run folder was made with a different configuration ({', '.join(changed)}); "
                               "use a new --out, or rerun with the same settings to resume")

@@ -74,6 +74,30 @@ class _TrainForward(nn.Module):
         return out.logits, out.features
 
 
+def make_optimizer(cfg: RunConfig, params: list, lr: float) -> torch.optim.Optimizer:
+    """The run configuration's optimiser (``optimizer``: sgd, adam or adamw) over ``params``."""
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                           nesterov=cfg.nesterov and cfg.momentum > 0)
+
+
+def schedule_lr(optimizer: torch.optim.Optimizer, cfg: RunConfig, epoch: int, epochs: int) -> None:
+    """Set every parameter group's rate for ``epoch`` of ``epochs`` (``lr_schedule``; constant: untouched).
+
+    poly: ``initial_lr * (1 - epoch / epochs) ** lr_power``. A pure function of the epoch and of the
+    rate each group had at creation (kept in the group, hence in the optimiser's checkpoint), so a
+    resumed session continues the schedule exactly.
+    """
+    if cfg.lr_schedule != "poly":
+        return
+    factor = (1.0 - epoch / max(epochs, 1)) ** cfg.lr_power
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] * factor
+
+
 class ContinualTrainer:
     """Runs a protocol's sessions in order for one method.
 
@@ -252,8 +276,9 @@ class ContinualTrainer:
         lr = cfg.lr_base if t == 0 else cfg.lr_incremental
         state.optimizer = self.method.make_optimizer(state, params, lr)
         if state.optimizer is None:
-            state.optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                                              nesterov=cfg.nesterov and cfg.momentum > 0)
+            state.optimizer = make_optimizer(cfg, params, lr)
+        for group in state.optimizer.param_groups:  # the schedule scales each group's rate at creation
+            group.setdefault("initial_lr", group["lr"])
         if params and distributed.active():
             ddp = distributed.wrap(_TrainForward(model), self.device, cfg.find_unused_parameters)
             state.forward = lambda x: SegmenterOutput(*ddp(x))
@@ -271,6 +296,7 @@ class ContinualTrainer:
                    leave=False, position=1, disable=not (self.progress and distributed.is_main()))
         for epoch in bar:
             state.epoch = epoch
+            schedule_lr(state.optimizer, cfg, epoch, epochs)
             model.train()
             for module in frozen:
                 module.eval()
