@@ -110,3 +110,33 @@ def test_the_write_audit_catches_a_write_from_rank_1(tmp_path):
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     writes = json.loads((tmp_path / "rank1.json").read_text())
     assert [w[0] for w in writes] == ["open", "os.rename"] or [w[0] for w in writes] == ["open", "os.replace"]
+
+
+def test_sync_batchnorm_converts_in_place_only_with_several_gpu_processes(monkeypatch):
+    """SyncBatchNorm replaces BatchNorm (names and values kept) when several GPU processes run; else nothing."""
+    import torch
+    from torch import nn
+
+    from jascl import distributed
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)),
+                             nn.InstanceNorm2d(4, affine=True))
+
+    m = model()
+    assert distributed.sync_batchnorm(m, torch.device("cuda")) == 0  # one process: untouched
+    assert isinstance(m[1], nn.BatchNorm2d) and not isinstance(m[1], nn.SyncBatchNorm)
+    monkeypatch.setattr(distributed, "active", lambda: True)
+    assert distributed.sync_batchnorm(m, torch.device("cpu")) == 0  # gloo on CPUs: PyTorch has no SyncBatchNorm
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    top = m
+    assert distributed.sync_batchnorm(m, torch.device("cuda")) == 2
+    assert m is top and isinstance(m[1], nn.SyncBatchNorm) and isinstance(m[2][1], nn.SyncBatchNorm)
+    assert isinstance(m[3], nn.InstanceNorm2d)  # only BatchNorm layers
+    after = m.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert distributed.sync_batchnorm(m, torch.device("cuda")) == 0  # already converted
+    x = torch.randn(2, 1, 8, 8)
+    reference = model().eval()
+    assert torch.equal(m.eval()(x), reference(x))  # evaluation (no synchronisation) is unchanged

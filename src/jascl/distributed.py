@@ -142,6 +142,26 @@ def wrap(module: torch.nn.Module, device: torch.device, find_unused_parameters: 
     return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=find_unused_parameters)
 
 
+def sync_batchnorm(model: torch.nn.Module, device: torch.device) -> int:
+    """Replace ``model``'s BatchNorm layers by SyncBatchNorm, in place, when several GPU processes run.
+
+    Each rank then normalises with the statistics of the whole global batch, as a
+    one-process run does (with per-rank statistics, 4 GPUs at a global batch of 8
+    normalise over 2 images each). Parameter and buffer names are unchanged, so
+    checkpoints are interchangeable. PyTorch's SyncBatchNorm needs GPUs: on the CPU
+    (gloo) and in one process nothing changes. Returns the number of layers replaced.
+    """
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    if not active() or device.type == "cpu":
+        return 0
+    count = sum(isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
+    if count:
+        for name, child in list(model.named_children()):  # the top module keeps its identity
+            model.add_module(name, torch.nn.SyncBatchNorm.convert_sync_batchnorm(child))
+    return count
+
+
 def launch(argv: Sequence[str], nproc: int) -> int:
     """Re-run ``jascl <argv>`` as ``nproc`` processes on this machine under torchrun; returns its exit code."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",

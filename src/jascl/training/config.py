@@ -126,6 +126,8 @@ class RunConfig:
             sessions are saved); the last epoch of a session is always checkpointed.
         find_unused_parameters: DistributedDataParallel's option, for methods whose trainable
             parameters do not all receive a gradient every step (several processes only).
+        sync_batchnorm: with several GPU processes, BatchNorm layers use the whole global batch's
+            statistics (SyncBatchNorm), as one process does; needs GPUs (no effect on the CPU).
     """
 
     backbone: str = "unet"
@@ -169,6 +171,7 @@ class RunConfig:
     pin_memory: bool | None = None
     checkpoint_every: int = 1
     find_unused_parameters: bool = False
+    sync_batchnorm: bool = False
 
     def validate(self, source: str = "config") -> None:
         def bad(key: str, msg: str) -> ConfigError:

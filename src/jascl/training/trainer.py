@@ -162,6 +162,8 @@ class ContinualTrainer:
         else:
             model.backbone.check_input_size(tuple(self.data[0].train.images.shape[2:]), "image size (patch_size=null)")
         model = model.to(self.device)
+        if cfg.sync_batchnorm:
+            distributed.sync_batchnorm(model, self.device)
         if self.memory_format is not None:
             model = model.to(memory_format=self.memory_format)
         if cfg.compile:
