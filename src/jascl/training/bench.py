@@ -22,7 +22,8 @@ prototype pass at the start of an unlabelled phase, logging, checkpoints) is
 reported separately as seconds per epoch. The warm-up epoch also counts the
 operators the main process dispatches per training step, outside data loading
 (:class:`OpCounter`): all of them, and those that are not views (on a GPU, roughly
-the kernels launched). These counts do not depend on the machine; on a GPU running a
+the kernels launched). These counts do not depend on the machine (they are
+skipped with ``compile=true``, where a dispatch mode would change what is compiled); on a GPU running a
 small model, where a step's time is mostly launches, they predict the ratios.
 Each case runs in a fresh process
 (``python -m jascl.training.bench``), the cases are interleaved over
@@ -230,7 +231,7 @@ def _jascl_case(case: str, spec: dict, device: torch.device) -> dict:
     protocol, config, data = _setup(spec)
     name = {"vanilla": "vanilla", "gas+replay": "jascl-no-unlabelled", "pas": "jascl"}[case]
     method = create_method(name, config)
-    clock = _Clock(device)
+    clock = _Clock(device, count_ops=not config.compile)  # a dispatch mode would change what is compiled
     method = Method(method.name, [*method.plugins, _clock_plugin(clock, spec["epochs"])])
     trainer = ContinualTrainer(protocol, config, method, data, progress=False)
     t = spec["session"]
@@ -277,7 +278,7 @@ def _plain_case(case: str, spec: dict, device: torch.device) -> dict:
                                 shuffle=True, **opts)
         student_params, teacher_params = list(model.parameters()), list(teacher.parameters())
 
-    clock = _Clock(device)
+    clock = _Clock(device, count_ops=not config.compile)  # a dispatch mode would change what is compiled
     unlabelled_iter = None
     for epoch in range(spec["epochs"]):
         model.train()
