@@ -249,3 +249,20 @@ def test_select_anchors_keeps_a_spread_out_subset():
     store = PrototypeStore()
     m = prototype_matrix([0], current={0: anchors}, store=store, dim=2, max_anchors=2)
     assert m.shape == (1, 2, 2)
+
+
+def test_counters_several_filters_match_one_counter_each():
+    valid = torch.tensor([[True, True, True, False, False, True], [False, True, True, True, True, False]])
+    pred = torch.tensor([1, 2, 0, 0, 5, 3])
+    truth = torch.tensor([1, 2, 1, 0, 5, 255])
+    both = FilterCounters(filters=2)
+    both.update(valid, pred, truth)
+    for f in range(2):
+        one = FilterCounters()
+        one.update(valid[f], pred, truth)
+        assert both.stats(f) == one.stats()
+    second = both.stats(1)  # kept by hand: pixel 1 (class 2, right), 2 (0, truth 1: wrong), 3 (0, right), 4 (5, right)
+    assert (second.kept, second.evaluated, second.correct, second.coverage) == (4, 4, 3, pytest.approx(4 / 6))
+    assert second.per_class() == {0: (2, 0.5), 2: (1, 1.0), 5: (1, 1.0)}
+    with pytest.raises(ValueError, match="2 filter"):
+        both.update(valid[0], pred, truth)
