@@ -5,7 +5,7 @@ classes of session ``--session``, with the same freezing policy) on the same
 session data with the same batch size, device and precision:
 
 =================  =====================================================================
-``plain``          a plain PyTorch/MONAI loop: DataLoader, ``DiceCELoss``, SGD
+``plain``          a plain PyTorch/MONAI loop: DataLoader, ``DiceCELoss``, the configured optimiser
 ``vanilla``        jascl's loop with no method plugins (``vanilla``)
 ``gas+replay``     jascl with GAS and prototype replay (``jascl-no-unlabelled``)
 ``plain-mt``       a plain mean-teacher loop: each step adds an unlabelled batch (two
@@ -252,15 +252,14 @@ def _plain_case(case: str, spec: dict, device: torch.device) -> dict:
 
     from jascl.data.datasets import LabelledDataset
     from jascl.methods.mean_teacher import UnlabelledDataset, view_transform
-    from jascl.training.trainer import resolve_precision
+    from jascl.training.trainer import make_optimizer, resolve_precision
 
     protocol, config, data, trainer, model, t = _grown_model(spec)
     session = protocol.sessions[t]
     if config.freeze_incremental == "all_but_classifier":
         model.backbone.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=config.lr_incremental, momentum=config.momentum,
-                          weight_decay=config.weight_decay, nesterov=config.nesterov)
+    opt = make_optimizer(config, params, config.lr_incremental)  # the run configuration's, as jascl's loop
     loss_fn = DiceCELoss(to_onehot_y=True, softmax=True, lambda_ce=config.lambda_ce, lambda_dice=config.lambda_dice)
     lut = torch.zeros(256, dtype=torch.long)
     lut[torch.tensor(protocol.seen_classes(t))] = torch.arange(len(protocol.seen_classes(t)))
