@@ -174,12 +174,12 @@ def test_counters_coverage_and_precision():
     pred = torch.tensor([1, 2, 0, 0, 5, 3])
     truth = torch.tensor([1, 2, 1, 0, 5, 255])  # last pixel: unknown ground truth
     c.update(valid, pred, truth)
-    assert c.coverage == pytest.approx(4 / 6)
-    assert c.precision == pytest.approx(2 / 3)  # of 3 kept pixels with known truth, 2 correct
+    assert c.stats().coverage == pytest.approx(4 / 6)
+    assert c.stats().precision == pytest.approx(2 / 3)  # of 3 kept pixels with known truth, 2 correct
     # per pseudo-label class: class 1 kept once and right, 2 once and right, 0 once and wrong
-    assert c.per_class() == {0: (1, 0.0), 1: (1, 1.0), 2: (1, 1.0)}
+    assert c.stats().per_class() == {0: (1, 0.0), 1: (1, 1.0), 2: (1, 1.0)}
     c.update(torch.tensor([True, True]), torch.tensor([0, 0]), torch.tensor([0, 0]))
-    assert c.per_class()[0] == (3, pytest.approx(2 / 3))
+    assert c.stats().per_class()[0] == (3, pytest.approx(2 / 3))
 
 
 def test_asymptotic_error_theorem_edge_cases():

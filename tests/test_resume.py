@@ -176,4 +176,4 @@ def test_capture_restores_generators_counters_and_modules_in_place():
     restore_object(b, unpack(json.loads(json.dumps(pack(snap, "p", tensors := {}))), tensors))
     assert b.teacher is teacher and torch.equal(b.teacher.weight, a.teacher.weight)
     assert torch.equal(torch.rand(2, generator=b.g), expected[0]) and b.rng.random() == expected[1]
-    assert (b.counts.kept, b.counts.correct, b.counts.total) == (1, 1, 2)
+    assert (b.counts.stats().kept, b.counts.stats().correct, b.counts.total) == (1, 1, 2)

@@ -271,7 +271,7 @@ class FilterCounters:
     one (filters, 256 classes, 3) integer tensor on the predictions' device, where the
     3 counts of a pseudo-label class are kept pixels whose truth is unknown, kept and
     wrong, kept and right. An update is one scatter-add for all filters and never
-    waits for the device; :meth:`stats` (and the properties, for filter 0) read it.
+    waits for the device; :meth:`stats` reads one filter's counts.
 
     Args:
         filters: number of filters counted side by side.
@@ -319,30 +319,6 @@ class FilterCounters:
         self.total = int(all_reduce_sum(torch.tensor([int(self.total)]))[0])
         counts = self.counts if self.counts is not None else torch.zeros(self.filters, 256 * 3, dtype=torch.long)
         self.counts = all_reduce_sum(counts)
-
-    # filter 0, for the common single-filter use
-    @property
-    def kept(self) -> int:
-        return self.stats().kept
-
-    @property
-    def evaluated(self) -> int:
-        return self.stats().evaluated
-
-    @property
-    def correct(self) -> int:
-        return self.stats().correct
-
-    @property
-    def coverage(self) -> float:
-        return self.stats().coverage
-
-    @property
-    def precision(self) -> float:
-        return self.stats().precision
-
-    def per_class(self) -> dict[int, tuple[int, float]]:
-        return self.stats().per_class()
 
 
 def asymptotic_error(f: float, rho: float, gamma: float, eps0: float) -> float:

@@ -407,8 +407,9 @@ class UaDCEPlugin(PoolPhasesPlugin):
         counters = FilterCounters()
         chosen = self.pseudo != IGNORE
         counters.update(chosen, seen[self.pseudo.clamp(max=len(seen) - 1)], truth)
-        state.metrics["pseudo_labels"] = {"method": "uad-ce", "rounds": self.rounds, "coverage": counters.coverage,
-                                          "precision": counters.precision}
+        stats = counters.stats()
+        state.metrics["pseudo_labels"] = {"method": "uad-ce", "rounds": self.rounds, "coverage": stats.coverage,
+                                          "precision": stats.precision}
 
     def after_session(self, state: "LoopState") -> None:
         super().after_session(state)
@@ -683,8 +684,9 @@ class CSLPlugin(PoolPhasesPlugin):
 
     def after_training(self, state: "LoopState") -> None:
         if self._loader is not None and self.counters.total:
-            state.metrics["pseudo_labels"] = {"method": "csl", "coverage": self.counters.coverage,
-                                              "precision": self.counters.precision}
+            stats = self.counters.stats()
+            state.metrics["pseudo_labels"] = {"method": "csl", "coverage": stats.coverage,
+                                              "precision": stats.precision}
 
 
 # ============================================================== RETRIEVE
