@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from jascl.cli import main
+from jascl.training.checkpoint import load_progress
 
 from conftest import toy_protocol_dict
 
@@ -38,16 +39,27 @@ def setup(tmp_path_factory):
     return root, args, (reference / "results.json").read_text()
 
 
-# steps: session 0 has 2 steps per epoch (8 images, batch 4) and 2 epochs; vanilla's session 1 follows
-@pytest.mark.parametrize("point", ["step:3", "step:7", "write:progress.safetensors:2", "write:model.safetensors:2",
-                                   "session:1", "session:2"])
-def test_killed_run_resumes_to_identical_results(point, setup, tmp_path):
+STEPS = ["--set", "checkpoint_steps=1"]
+
+
+# steps: session 0 has 2 steps per epoch (8 images, batch 4) and 2 epochs; vanilla's session 1 follows.
+# With checkpoint_steps=1 the first step of each epoch is checkpointed too: killed in step 4 (the last of
+# epoch 1), the run resumes inside epoch 1; killed writing the 3rd progress file (that one), after epoch 0.
+@pytest.mark.parametrize("point, extra, where", [
+    ("step:3", [], None), ("step:7", [], None), ("write:progress.safetensors:2", [], None),
+    ("write:model.safetensors:2", [], None), ("session:1", [], None), ("session:2", [], None),
+    ("step:4", STEPS, (1, 1)), ("write:progress.safetensors:3", STEPS, (0, None))])
+def test_killed_run_resumes_to_identical_results(point, extra, where, setup, tmp_path):
     root, args, expected = setup
     out = tmp_path / "run"
-    killed = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_run.py"), point, *args, "--out", str(out)],
-                            env=ENV, capture_output=True, text=True)
+    killed = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_run.py"), point, *args, *extra, "--out",
+                             str(out)], env=ENV, capture_output=True, text=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (out / "results.json").exists()
+    if where is not None:  # (epoch, step inside it) of the checkpoint the run resumes from
+        (progress,) = out.rglob("progress.safetensors")
+        meta, _ = load_progress(progress)
+        assert (meta["epoch"], meta.get("step")) == where
     resumed = subprocess.run([sys.executable, "-m", "jascl", "run", "--resume", str(out), "--no-progress"], env=ENV,
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
@@ -77,6 +89,7 @@ def test_devices_must_be_positive(capsys):
     (["run", "--bogus"], "jascl: error: unrecognized arguments: --bogus; see 'jascl --help'"),
     (["run", "--seed", "abc"], "jascl run: error: argument --seed: invalid int value: 'abc'; see 'jascl run --help'"),
     (["run", "--set", "epochs_base=-1"], "jascl: error: --set: epochs_base: must be >= 0 (got -1)"),
+    (["run", "--set", "checkpoint_steps=-2"], "jascl: error: --set: checkpoint_steps: must be >= 0 steps (got -2)"),
     (["run", "--set", "precision=fp16"], "jascl: error: --set: precision: must be one of auto, fp32, bf16 (got 'fp16')"),
     (["run", "--set", "checkpoint_every=x"], "jascl: error: --set: checkpoint_every: must be a number (got 'x')"),
     (["bench", "--epochs", "1"], "jascl: error: --epochs 1 --rounds 3: need epochs >= 2 (the first warms up) and "

@@ -77,8 +77,9 @@ def test_two_processes_match_one_and_only_rank0_writes(tmp_path):
             "--device", "cpu", "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
     one = subprocess.run([*args, "--out", str(tmp_path / "one")], env=env, capture_output=True, text=True)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([*args, "--devices", "2", "--out", str(tmp_path / "two")], env=env, capture_output=True,
-                         text=True)
+    # checkpoints inside epochs too: every rank checks the loss there (a collective), rank 0 alone writes
+    two = subprocess.run([*args, "--devices", "2", "--set", "checkpoint_steps=1", "--out", str(tmp_path / "two")],
+                         env=env, capture_output=True, text=True)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 processes" in " ".join(two.stdout.split())  # rich wraps lines
 

@@ -2,6 +2,7 @@
 ends bit-identically to an uninterrupted one, for every registered method (so every plugin's state is
 in the checkpoint); progress checkpoints are safetensors and refuse other runs' or pickled files."""
 
+import dataclasses
 import json
 import pickle
 import shutil
@@ -86,6 +87,144 @@ def test_interrupted_session_resumes_bit_identically(name, toy_resume, tmp_path,
     assert not progress.exists(), "a complete session keeps no progress checkpoint"
 
 
+class StopAtStep(Plugin):
+    """Interrupts session ``session`` in its ``step``-th optimiser step of epoch ``epoch`` (before that step is
+    checkpointed)."""
+
+    name = "stop-step"
+
+    def __init__(self, session: int, epoch: int, step: int):
+        self.session, self.epoch, self.step, self.seen = session, epoch, step, 0
+
+    def after_update(self, state):
+        if state.session.index == self.session and state.epoch == self.epoch:
+            self.seen += 1
+            if self.seen == self.step:
+                raise Stop
+
+
+@pytest.fixture(scope="module")
+def toy_steps(tmp_path_factory):
+    """The resume protocol with one sample per batch: session 1's epochs have several steps."""
+    spec = toy_protocol_dict(2)
+    spec["sessions"][1]["unlabelled"] = 4
+    spec["training"].update(epochs_incremental=3, augment=True, batch_size=1)
+    protocol = parse_protocol(spec, source="toy-steps.yaml")
+    config = resolve_config(protocol.training, "toy-steps.yaml", overrides=["pas.start_epoch=0", "pas.every=1"])
+    root = tmp_path_factory.mktemp("steps")
+    data = load_data(protocol, root / "cache", echo=lambda *a: None)
+    ensure_base(protocol, config, data, root / "base", progress=False, echo=lambda *a: None)
+    return protocol, config, root
+
+
+@pytest.mark.parametrize("name", METHODS.list())
+def test_session_interrupted_inside_an_epoch_resumes_there_bit_identically(name, toy_steps, tmp_path, monkeypatch):
+    protocol, config, root = toy_steps
+    stepped = dataclasses.replace(config, checkpoint_steps=1)
+    reference, broken = tmp_path / "reference", tmp_path / "broken"
+    for out in (reference, broken):
+        shutil.copytree(root / "base", out / "base")
+    expected = _run(protocol, config, name, reference, root)  # no checkpoints inside epochs
+
+    original = METHODS.get(name)
+    monkeypatch.setitem(METHODS._entries, name,
+                        lambda config: Method(name, [*original(config).plugins, StopAtStep(1, 1, 3)]))
+    with pytest.raises(Stop):
+        _run(protocol, stepped, name, broken, root)
+    meta, _ = load_progress(broken / name / "s1-inc" / "progress.safetensors")
+    if original(config).mid_epoch_blockers():
+        assert (meta["epoch"], meta.get("step")) == (0, None)  # this method keeps to epoch ends
+    else:
+        assert (meta["epoch"], meta.get("step")) == (1, 2)
+
+    monkeypatch.setitem(METHODS._entries, name, original)
+    resumed = _run(protocol, stepped, name, broken, root)
+    assert json.dumps(resumed, sort_keys=True) == json.dumps(expected, sort_keys=True)
+    a = load_file(reference / name / "s1-inc" / "model.safetensors")
+    b = load_file(broken / name / "s1-inc" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_no_registered_method_keeps_to_epoch_ends(toy_steps):
+    """Every built-in plugin that sets an epoch up declares that its set-up is checkpointed (a new one that does not
+    silently loses mid-epoch checkpoints: this test names it)."""
+    _, config, _ = toy_steps
+    assert {name: METHODS.get(name)(config).mid_epoch_blockers() for name in METHODS.list()
+            if METHODS.get(name)(config).mid_epoch_blockers()} == {}
+
+
+class EpochCache(Plugin):
+    """Sets something up per epoch that no checkpoint holds (does not declare mid_epoch_resume)."""
+
+    name = "epoch-cache"
+
+    def before_epoch(self, state):
+        self.cache = iter(range(3))
+
+
+def test_a_plugin_that_cannot_resume_inside_an_epoch_keeps_checkpoints_at_epoch_ends(toy_steps, tmp_path, monkeypatch,
+                                                                                     caplog):
+    protocol, config, root = toy_steps
+    stepped = dataclasses.replace(config, checkpoint_steps=1)
+    out = tmp_path / "run"
+    shutil.copytree(root / "base", out / "base")
+    monkeypatch.setitem(METHODS._entries, "vanilla",
+                        lambda config: Method("vanilla", [EpochCache(), StopAtStep(1, 1, 3)]))
+    with pytest.raises(Stop):
+        _run(protocol, stepped, "vanilla", out, root)
+    assert "vanilla session 1: checkpoint_steps=1 ignored, checkpoints at epoch ends only: plugin(s) epoch-cache " \
+           "cannot resume inside an epoch" in caplog.text
+    meta, _ = load_progress(out / "vanilla" / "s1-inc" / "progress.safetensors")
+    assert (meta["epoch"], meta.get("step")) == (0, None)
+
+
+def test_a_checkpoint_inside_an_epoch_is_refused_by_a_method_that_cannot_resume_there(toy_steps, tmp_path,
+                                                                                      monkeypatch):
+    protocol, config, root = toy_steps
+    stepped = dataclasses.replace(config, checkpoint_steps=1)
+    out = tmp_path / "run"
+    shutil.copytree(root / "base", out / "base")
+    monkeypatch.setitem(METHODS._entries, "vanilla", lambda config: Method("vanilla", [StopAtStep(1, 1, 3)]))
+    with pytest.raises(Stop):
+        _run(protocol, stepped, "vanilla", out, root)
+    progress = out / "vanilla" / "s1-inc" / "progress.safetensors"
+    assert load_progress(progress)[0]["step"] == 2
+    monkeypatch.setitem(METHODS._entries, "vanilla", lambda config: Method("vanilla", [EpochCache()]))
+    with pytest.raises(CheckpointError, match=r"progress.safetensors: taken inside epoch 1, but plugin\(s\) "
+                                              r"epoch-cache of vanilla cannot resume there; delete it"):
+        _run(protocol, stepped, "vanilla", out, root)
+    assert progress.exists(), "the refused checkpoint is kept"
+
+
+def test_a_step_checkpoint_due_at_an_epoch_end_is_written_as_that_epoch_s(toy_steps, tmp_path, monkeypatch):
+    protocol, config, root = toy_steps
+
+    class Count(Plugin):
+        name = "count"
+        steps = {}
+
+        def after_update(self, state):
+            if state.session.index == 1:
+                Count.steps[state.epoch] = Count.steps.get(state.epoch, 0) + 1
+
+    out = tmp_path / "count"
+    shutil.copytree(root / "base", out / "base")
+    monkeypatch.setitem(METHODS._entries, "vanilla", lambda config: Method("vanilla", [Count()]))
+    _run(protocol, config, "vanilla", out, root)
+    n = Count.steps[0]
+    assert n >= 3 and set(Count.steps.values()) == {n}
+
+    # checkpoint_every=0: no epoch checkpoints of their own; the n-th step, the epoch's last, is due
+    stepped = dataclasses.replace(config, checkpoint_every=0, checkpoint_steps=n)
+    out = tmp_path / "run"
+    shutil.copytree(root / "base", out / "base")
+    monkeypatch.setitem(METHODS._entries, "vanilla", lambda config: Method("vanilla", [StopAtStep(1, 1, 2)]))
+    with pytest.raises(Stop):
+        _run(protocol, stepped, "vanilla", out, root)
+    meta, _ = load_progress(out / "vanilla" / "s1-inc" / "progress.safetensors")
+    assert (meta["epoch"], meta.get("step")) == (0, None)
+
+
 def test_non_finite_loss_stops_the_session_and_keeps_the_last_good_checkpoint(toy_resume, tmp_path, monkeypatch):
     protocol, config, root = toy_resume
 
@@ -106,6 +245,31 @@ def test_non_finite_loss_stops_the_session_and_keeps_the_last_good_checkpoint(to
     assert meta["epoch"] == 1
     assert all(torch.isfinite(v).all() for v in payload["model"].values())
     assert TrainingError.exit_code == 3
+
+
+def test_non_finite_loss_inside_an_epoch_is_never_checkpointed(toy_steps, tmp_path, monkeypatch):
+    protocol, config, root = toy_steps
+
+    class PoisonStep(Plugin):
+        name = "poison"
+        seen = 0
+
+        def after_forward(self, state):
+            if state.session.index == 1 and state.epoch == 1:
+                self.seen += 1
+                if self.seen == 2:
+                    state.losses["poison"] = torch.tensor(float("inf"))
+
+    monkeypatch.setitem(METHODS._entries, "vanilla", lambda config: Method("vanilla", [PoisonStep()]))
+    out = tmp_path / "run"
+    shutil.copytree(root / "base", out / "base")
+    with pytest.raises(TrainingError, match=r"vanilla session 1 \(inc\) epoch 1: the training loss became inf; the "
+                                            r"session stopped and its last good checkpoint \(inside epoch 1, after "
+                                            r"step 1\) is kept"):
+        _run(protocol, dataclasses.replace(config, checkpoint_steps=1), "vanilla", out, root)
+    meta, payload = load_progress(out / "vanilla" / "s1-inc" / "progress.safetensors")
+    assert (meta["epoch"], meta["step"]) == (1, 1)
+    assert all(torch.isfinite(v).all() for v in payload["model"].values())
 
 
 def test_progress_checkpoint_from_another_run_is_refused(tmp_path):

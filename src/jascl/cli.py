@@ -91,7 +91,7 @@ def _resume_setup(args: argparse.Namespace):
     if given:
         raise ConfigError(f"--resume {args.resume}: the run folder fixes the protocol, methods and settings; "
                           f"drop {', '.join(given)} (only --device, --devices, --set of device/threads/"
-                          "num_workers/pin_memory/checkpoint_every, --cache-dir and --no-progress apply)")
+                          "num_workers/pin_memory/checkpoint_every/checkpoint_steps, --cache-dir and --no-progress apply)")
     out = Path(args.resume)
     record = read_run_file(out)
     source = out / record["protocol_file"] if record.get("protocol_file") else record["protocol"]

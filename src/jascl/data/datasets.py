@@ -10,7 +10,7 @@ import torch
 from monai.transforms import Compose, MapTransform, RandFlipd, Randomizable, RandSpatialCropd, SpatialPadd
 from torch.utils.data import DataLoader, Dataset
 
-from jascl.data.sampling import derive_seed, split_key
+from jascl.data.sampling import SeededBatchSampler, derive_seed, split_key
 from jascl.data.synthetic import Split
 
 IGNORE_INDEX = 255
@@ -19,24 +19,132 @@ IGNORE_INDEX = 255
 FOREGROUND_CROP_PROB = 0.5
 
 
-def repeat_loader(loader: DataLoader) -> Iterator[dict]:
-    """Iterate ``loader`` again and again (a fresh shuffle and augmentation on every pass)."""
-    while True:
-        yield from loader
+def loader_position(loader: DataLoader) -> dict:
+    """Where ``loader``'s next pass starts: its seeded sampler's pass count and its own generator's state.
+
+    Together with the batches taken from a pass, this locates a loader exactly
+    (:class:`jascl.data.sampling.SeededBatchSampler` draws from ``(seed, pass)``; a
+    plain shuffling loader draws from its ``generator``).
+    """
+    sampler = loader.batch_sampler
+    return {"passes": sampler.passes if isinstance(sampler, SeededBatchSampler) else None,
+            "generator": loader.generator.get_state() if loader.generator is not None else None}
 
 
-def iterate_steps(loader: DataLoader, n_steps: int) -> Iterator[dict]:
+def set_loader_position(loader: DataLoader, position: dict) -> None:
+    """Inverse of :func:`loader_position`."""
+    if position.get("passes") is not None:
+        loader.batch_sampler.passes = int(position["passes"])
+    if position.get("generator") is not None and loader.generator is not None:
+        loader.generator.set_state(position["generator"])
+
+
+def open_pass(loader: DataLoader, skip: int = 0) -> Iterator[dict]:
+    """An iterator over one pass of ``loader``, without its first ``skip`` batches.
+
+    Every pass of a loader without its own ``generator`` takes exactly one draw
+    from the global random generator, the one a fresh DataLoader iterator takes
+    for its workers' base seed, whatever the worker setting: a DataLoader with persistent workers reuses its iterator and
+    would otherwise draw on its first pass only, and every later random draw of
+    the run (GAS noise, dropout) would depend on ``num_workers``.
+
+    ``skip > 0`` re-opens a pass that was opened, and ``skip`` batches taken from,
+    before an in-session checkpoint: its draw is already in the checkpoint's
+    random state, so none is taken. A seeded sampler leaves the skipped batches
+    out without loading them; any other loader loads and drops them (its sampler
+    must draw from the loader's own ``generator``).
+    """
+    sampler = loader.batch_sampler
+    seeded = isinstance(sampler, SeededBatchSampler)
+    if seeded and skip > 0:
+        sampler.skip = skip
+    with torch.random.fork_rng(devices=[]):
+        it = iter(loader)
+        if skip > 0 and not seeded:
+            for _ in itertools.islice(it, skip):
+                pass
+    if skip <= 0 and loader.generator is None:  # (a loader's own generator is not the global one: left as it is)
+        torch.empty((), dtype=torch.int64).random_()
+    return it
+
+
+def iterate_steps(loader: DataLoader, n_steps: int, start: int = 0) -> Iterator[dict]:
     """``n_steps`` batches from ``loader``: whole passes first, each run to exhaustion, then a partial pass.
 
     Running every whole pass to its end keeps the sampler's random stream the
     same as a plain ``for batch in loader`` epoch, so an epoch of exactly
     ``len(loader)`` steps is bit-identical to one.
+
+    ``start``: resume an epoch after its first ``start`` steps (a seeded loader, set
+    back to its position at the epoch's start with :func:`set_loader_position`):
+    yields exactly the batches an uninterrupted epoch yields from step ``start`` on.
     """
-    full, rest = divmod(n_steps, max(len(loader), 1))
-    for _ in range(full):
-        yield from loader
-    if rest:
-        yield from itertools.islice(loader, rest)
+    length = max(len(loader), 1)
+    full, rest = divmod(n_steps, length)
+    done, offset = divmod(start, length)
+    if start:
+        if not isinstance(loader.batch_sampler, SeededBatchSampler):
+            raise ValueError("resuming inside an epoch needs a loader with a SeededBatchSampler")
+        loader.batch_sampler.passes += done
+    for p in range(done, full):
+        yield from open_pass(loader, offset if p == done else 0)
+    if rest and done <= full:
+        skip = offset if done == full else 0
+        yield from itertools.islice(open_pass(loader, skip), rest - skip)
+
+
+class BatchStream:
+    """Endless batches from ``loader``, pass after pass (a fresh shuffle and augmentation each pass).
+
+    Its position (where the current pass started, how many of its batches were
+    taken) is part of a plugin's in-session checkpoint (:meth:`state_dict`), so a
+    session resumed inside an epoch draws the very batches it would have drawn.
+    """
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+        self._it: Iterator | None = None
+        self._start: dict | None = None
+        self._taken = 0
+        self._resume: tuple[dict, int] | None = None
+
+    def __iter__(self) -> "BatchStream":
+        return self
+
+    def __next__(self) -> dict:
+        for _ in range(2):  # the current pass may be exhausted: then one fresh pass
+            if self._it is None:
+                skip = 0
+                if self._resume is not None:
+                    position, skip = self._resume
+                    self._resume = None
+                    set_loader_position(self.loader, position)
+                self._start = loader_position(self.loader)
+                self._it = open_pass(self.loader, skip)
+                self._taken = skip
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                self._it = None
+                continue
+            self._taken += 1
+            return batch
+        raise RuntimeError("the loader yields no batches")
+
+    def state_dict(self) -> dict:
+        """The position: ``open`` (a pass is under way), its start ``position`` and the batches ``taken``."""
+        if self._resume is not None:
+            position, taken = self._resume
+        elif self._it is not None:
+            position, taken = self._start, self._taken
+        else:
+            return {"open": False}
+        return {"open": True, "position": position, "taken": taken}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`'s position (applied when the next batch is drawn)."""
+        self._it = None
+        self._resume = (state["position"], int(state["taken"])) if state["open"] else None
 
 
 def training_labels(labels: np.ndarray, taught: Sequence[int], other_classes: str = "background") -> np.ndarray:

@@ -60,6 +60,8 @@ class SeededBatchSampler(Sampler[list[tuple[int, int]]]):
         self.rank = distributed.rank() if rank is None else rank
         self.world = distributed.world_size() if world is None else world
         self.passes = 0
+        #: global batches to leave out at the start of the next pass (set to resume inside a pass; then reset)
+        self.skip = 0
 
     def __len__(self) -> int:
         return math.ceil(self.n / self.batch_size)
@@ -81,8 +83,9 @@ class SeededBatchSampler(Sampler[list[tuple[int, int]]]):
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         pass_index = self.passes
         self.passes += 1
+        first, self.skip = self.skip * self.batch_size, 0
         perm = self.permutation(pass_index)
-        for start in range(0, self.n, self.batch_size):
+        for start in range(first, self.n, self.batch_size):
             yield [(pass_index, i) for i in self.local(perm[start:start + self.batch_size])]
 
     def state_dict(self) -> dict:

@@ -5,7 +5,7 @@ for every session::
 
     before_session
       before_epoch   (an epoch runs max(len(labelled loader), any plugin's epoch_iterations) steps,
-                      cycling the labelled loader)
+                      cycling the labelled loader; resume_epoch instead for an epoch resumed inside)
         before_iteration -> after_forward (add loss terms) -> before_backward
         -> after_backward -> before_update -> after_update
       after_epoch
@@ -26,10 +26,16 @@ updates), and keep tensors across sessions that are saved with each session's
 checkpoint (:meth:`Plugin.extra_state` / :meth:`Plugin.load_extra_state`).
 
 Within a session, the trainer checkpoints every plugin's mutable state at epoch
-ends (:meth:`Plugin.state_dict`), so that a killed run resumes exactly where it
-stopped. The default captures every data-like attribute (tensors, modules,
-counters, random generators, loaders' positions; :mod:`jascl.training.snapshot`);
-a plugin whose state lives elsewhere overrides the pair.
+ends, and with ``checkpoint_steps`` also inside epochs (:meth:`Plugin.state_dict`),
+so that a killed run resumes exactly where it stopped. The default captures every
+data-like attribute (tensors, modules, counters, random generators, loaders' and
+batch streams' positions; :mod:`jascl.training.snapshot`); a plugin whose state
+lives elsewhere overrides the pair. A session resumed *inside* an epoch fires
+``resume_epoch`` instead of that epoch's ``before_epoch``: what ``before_epoch``
+set up (prototypes, a batch stream's position) comes back from the checkpoint.
+A plugin that overrides ``before_epoch`` states whether that holds for it
+(:attr:`Plugin.mid_epoch_resume`); if not, its methods are checkpointed at epoch
+ends only.
 
 A plugin overrides the events it needs; each receives the loop state. Loss
 terms are added in ``after_forward`` to ``state.losses`` under a name, so they
@@ -51,7 +57,7 @@ if TYPE_CHECKING:
     from jascl.training.config import RunConfig
 
 EVENTS = (
-    "before_session", "before_epoch", "before_iteration", "after_forward", "before_backward", "after_backward",
+    "before_session", "before_epoch", "resume_epoch", "before_iteration", "after_forward", "before_backward", "after_backward",
     "before_update", "after_update", "after_epoch", "after_training", "before_eval", "before_eval_split",
     "after_eval", "after_session", "session_restored",
 )
@@ -77,6 +83,16 @@ class Plugin:
     loss_terms: tuple[str, ...] = ()
     #: attributes the default :meth:`state_dict` leaves out (e.g. views of tensors restored elsewhere)
     snapshot_exclude: tuple[str, ...] = ()
+    #: whether a session can be checkpointed inside an epoch and resumed there: everything
+    #: :meth:`before_epoch` sets up is in :meth:`state_dict` (or redone by :meth:`resume_epoch`).
+    #: None: True exactly when the plugin does not override ``before_epoch``.
+    mid_epoch_resume: bool | None = None
+
+    def resumes_mid_epoch(self) -> bool:
+        """:attr:`mid_epoch_resume`, with its default resolved."""
+        if self.mid_epoch_resume is not None:
+            return self.mid_epoch_resume
+        return type(self).before_epoch is Plugin.before_epoch
 
     def make_optimizer(self, state: "LoopState", params: list, lr: float) -> "torch.optim.Optimizer | None":
         """The optimiser of the coming session (None = the loop's SGD from the run configuration)."""
@@ -107,6 +123,10 @@ class Plugin:
 
     def before_session(self, state: "LoopState") -> None: ...
     def before_epoch(self, state: "LoopState") -> None: ...
+
+    def resume_epoch(self, state: "LoopState") -> None:
+        """Fired instead of ``before_epoch`` for the epoch a session resumes inside, after :meth:`load_state_dict`."""
+
     def before_iteration(self, state: "LoopState") -> None: ...
     def after_forward(self, state: "LoopState") -> None: ...
     def before_backward(self, state: "LoopState") -> None: ...
@@ -137,6 +157,10 @@ class Method:
     def epoch_iterations(self, state: "LoopState") -> int:
         """The largest number of iterations any plugin asks for in the coming epoch (0 = none)."""
         return max([p.epoch_iterations(state) or 0 for p in self.plugins], default=0)
+
+    def mid_epoch_blockers(self) -> list[str]:
+        """Names of the plugins that cannot resume inside an epoch (:attr:`Plugin.mid_epoch_resume`)."""
+        return [p.name for p in self.plugins if not p.resumes_mid_epoch()]
 
     def freeze_policy(self, default: str) -> str:
         """The incremental-session freezing policy: the plugins' (they must agree) or ``default``."""

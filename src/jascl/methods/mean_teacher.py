@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -11,7 +11,7 @@ from monai.transforms import Compose, RandAdjustContrast, RandGaussianNoise, Ran
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from jascl import distributed
-from jascl.data.datasets import repeat_loader
+from jascl.data.datasets import BatchStream
 from jascl.data.sampling import derive_seed, seeded_loader, split_key
 from jascl.methods.base import Plugin
 from jascl.methods.gas import clean_state_dict
@@ -118,6 +118,8 @@ class MeanTeacherPlugin(Plugin):
     COUNTED = ("filter", "confidence", "filter_foreground", "confidence_foreground")
     #: views of the teacher's and the student's own tensors: restored with the models, not again
     snapshot_exclude = ("_ema",)
+    #: a phase's set-up is in the checkpoint: the stream's position, the anchors' source tensor
+    mid_epoch_resume = True
 
     def __init__(self, filter: str = "pas", tau_conf: float = 0.7, tau_sim: float = 0.7, weight: float = 0.05,
                  ema_decay: float = 0.99, start_epoch: int = 25, every: int = 25, batch_size: int | None = None,
@@ -136,8 +138,9 @@ class MeanTeacherPlugin(Plugin):
         self.batch_size = batch_size
         self.normalize_pixels = normalize_pixels
         self.teacher = None
-        self._batches: Iterator | None = None
+        self._batches: BatchStream | None = None
         self._loader: DataLoader | None = None
+        self._anchor_source: torch.Tensor | None = None  # (K, A, D) anchors of the phase, kept for checkpoints
         self._anchors: AnchorGroups | None = None
         self._phase = False
 
@@ -157,6 +160,7 @@ class MeanTeacherPlugin(Plugin):
         self._loader = seeded_loader(UnlabelledDataset(pool, views, derive_seed(state.seed, "views", t)),
                                      self.batch_size or state.config.batch_size,
                                      derive_seed(state.seed, "unlabelled", t), **state.loader_options)
+        self._batches = BatchStream(self._loader)
         self._seen = torch.as_tensor(state.seen, device=state.device)  # classifier row -> global class id
         # counted side by side on the same predictions: PAS (the filter in use), confidence-only (for
         # comparison), and the same two restricted to foreground pseudo-labels
@@ -176,16 +180,20 @@ class MeanTeacherPlugin(Plugin):
         self._phase = self.teacher is not None and self._is_phase(state.epoch)
         if not self._phase:
             return
-        self._batches = repeat_loader(self._loader)
+        self._batches = BatchStream(self._loader)
         if self.filter == "pas":
             current = state.compute_prototypes([0, *state.session.classes], normalize_pixels=self.normalize_pixels,
                                                per_sample=self.anchors == "per-sample")
-            self._anchors = AnchorGroups(prototype_matrix(state.seen, current, state.prototypes,
-                                                          state.model.backbone.feature_channels, self.max_anchors),
-                                         state.device)
+            self._anchor_source = prototype_matrix(state.seen, current, state.prototypes,
+                                                   state.model.backbone.feature_channels, self.max_anchors)
+            self._anchors = AnchorGroups(self._anchor_source, state.device)
         if self.eps0 is None:  # the student trained on labelled data only so far
             self.eps0 = self.pool_error(state, state.model)
         self.phases += 1
+
+    def resume_epoch(self, state: "LoopState") -> None:
+        if self._phase and self.filter == "pas" and self._anchor_source is not None:
+            self._anchors = AnchorGroups(self._anchor_source, state.device)
 
     def _student_teacher_views(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The student's and the teacher's view of an unlabelled batch, each (B, C, *spatial)."""
@@ -264,3 +272,4 @@ class MeanTeacherPlugin(Plugin):
         self._ema = None
         self._loader = None
         self._batches = None
+        self._anchor_source, self._anchors = None, None

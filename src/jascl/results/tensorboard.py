@@ -148,6 +148,9 @@ class TensorBoardPlugin(Plugin):
 
     # ---------------------------------------------------------------- events
 
+    #: the epoch's running loss sum and step count are in the checkpoint
+    mid_epoch_resume = True
+
     def before_epoch(self, state: "LoopState") -> None:
         self._epoch_total, self._epoch_steps = 0.0, 0
 

@@ -191,7 +191,7 @@ def _setup(spec: dict):
     from jascl.training.runner import load_data
 
     protocol = get_protocol(spec["protocol"])
-    overrides = [f"epochs_incremental={spec['epochs']}", "checkpoint_every=0", *spec["overrides"]]
+    overrides = [f"epochs_incremental={spec['epochs']}", "checkpoint_every=0", "checkpoint_steps=0", *spec["overrides"]]
     config = resolve_config(protocol.training, protocol.path, None, overrides)
     data = load_data(protocol, spec.get("cache_dir"), echo=lambda *a: None, config=config)
     return protocol, config, data

@@ -124,6 +124,9 @@ class RunConfig:
         pin_memory: page-locked host batches (null = on CUDA only).
         checkpoint_every: write a resumable in-session checkpoint every N epochs (0 = only whole
             sessions are saved); the last epoch of a session is always checkpointed.
+        checkpoint_steps: also write it every N training steps inside an epoch (0 = at epoch ends only),
+            for long epochs; a method with a plugin that cannot resume inside an epoch
+            (``Plugin.mid_epoch_resume``) keeps to epoch ends, with a warning.
         find_unused_parameters: DistributedDataParallel's option, for methods whose trainable
             parameters do not all receive a gradient every step (several processes only).
         sync_batchnorm: with several GPU processes, BatchNorm layers use the whole global batch's
@@ -170,6 +173,7 @@ class RunConfig:
     num_workers: int = -1
     pin_memory: bool | None = None
     checkpoint_every: int = 1
+    checkpoint_steps: int = 0
     find_unused_parameters: bool = False
     sync_batchnorm: bool = False
 
@@ -230,6 +234,8 @@ class RunConfig:
             raise bad("pin_memory", f"must be true, false or null (got {self.pin_memory!r})")
         if self.checkpoint_every < 0:
             raise bad("checkpoint_every", f"must be >= 0 epochs (got {self.checkpoint_every})")
+        if self.checkpoint_steps < 0:
+            raise bad("checkpoint_steps", f"must be >= 0 steps (got {self.checkpoint_steps})")
         if self.patch_size is not None and (not isinstance(self.patch_size, list) or
                                             not all(isinstance(v, int) and v > 0 for v in self.patch_size)):
             raise bad("patch_size", f"must be a list of positive integers or null (got {self.patch_size!r})")

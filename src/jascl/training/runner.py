@@ -185,7 +185,8 @@ def apply_unlabelled_noise(protocol: Protocol, data: Sequence[SessionData]) -> l
 
 
 #: configuration keys that may differ between a run folder's runs without changing results
-_NEUTRAL_KEYS = ("device", "threads", "method_args", "tensorboard", "num_workers", "pin_memory", "checkpoint_every")
+_NEUTRAL_KEYS = ("device", "threads", "method_args", "tensorboard", "num_workers", "pin_memory", "checkpoint_every",
+                "checkpoint_steps")
 
 
 def check_reusable(out: Path, config: RunConfig, protocol: Protocol) -> None:

@@ -7,7 +7,8 @@ so it is never used. Instead :func:`pack` turns nested data (dicts, lists,
 tuples, numbers, strings, tensors) into a JSON skeleton plus named tensors for
 safetensors, and :func:`capture` / :func:`restore` do the same for plugin
 attributes, recognising the stateful objects plugins hold (modules, torch and
-numpy generators, MONAI random transforms, data loaders, dataclasses).
+numpy generators, MONAI random transforms, data loaders and batch streams,
+dataclasses).
 
 Restoring writes *into* the objects a freshly set-up session already holds
 (the resumed session repeats its deterministic set-up first), so references
@@ -106,6 +107,8 @@ def capture(value: Any) -> Any:
     from monai.transforms import Randomizable
     from torch.utils.data import DataLoader
 
+    from jascl.data.datasets import BatchStream
+
     if isinstance(value, (torch.Tensor, np.ndarray)) or value is None or isinstance(value, (bool, int, float, str)):
         return {"v": value}
     if isinstance(value, nn.Module):
@@ -119,6 +122,8 @@ def capture(value: Any) -> Any:
     if isinstance(value, Randomizable):
         return {"monai": [list(t.R.get_state()) if isinstance(getattr(t, "R", None), np.random.RandomState) else None
                           for t in _randomizables(value)]}
+    if isinstance(value, BatchStream):
+        return {"stream": value.state_dict()}
     if isinstance(value, DataLoader):
         sampler = value.batch_sampler
         return {"loader": {"generator": value.generator.get_state() if value.generator is not None else None,
@@ -163,6 +168,10 @@ def restore(current: Any, snap: Any) -> Any:
         for t, s in zip(_randomizables(current), data):
             if s is not None:
                 t.R.set_state(tuple(s))
+        return current
+    if kind == "stream":  # written into the stream the session set up (none set up: nothing to continue)
+        if current is not None and hasattr(current, "load_state_dict"):
+            current.load_state_dict(data)
         return current
     if kind == "loader":  # a loader the session rebuilt differently (e.g. per phase) is left as it is
         if data["generator"] is not None and getattr(current, "generator", None) is not None:

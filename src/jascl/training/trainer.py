@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager
 
@@ -17,10 +18,11 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from jascl import distributed
-from jascl.data.datasets import IGNORE_INDEX, LabelledDataset, iterate_steps
+from jascl.data.datasets import (IGNORE_INDEX, LabelledDataset, iterate_steps, loader_position,
+                                 set_loader_position)
 from jascl.data.sampling import derive_seed, loader_options, seeded_loader
 from jascl.data.synthetic import SessionData
-from jascl.errors import ConfigError, TrainingError
+from jascl.errors import CheckpointError, ConfigError, TrainingError
 from jascl.evaluation.evaluator import evaluate
 from jascl.evaluation.metrics import summarise
 from jascl.methods.base import Method
@@ -39,6 +41,24 @@ log = logging.getLogger("jascl")
 
 #: the in-session checkpoint of a session folder (removed once the session is complete)
 PROGRESS = "progress.safetensors"
+
+
+@dataclass
+class _Resume:
+    """Where an in-session checkpoint was taken: after ``epoch``, or (``step`` set) inside it after that many steps."""
+
+    epoch: int
+    step: int | None = None
+    running: torch.Tensor | None = None  # the epoch's loss sum so far
+    loader_start: dict | None = None  # the labelled loader's position at the epoch's start
+
+    @property
+    def inside(self) -> bool:
+        return self.step is not None
+
+    @property
+    def where(self) -> str:
+        return f"inside epoch {self.epoch}, after step {self.step}" if self.inside else f"after epoch {self.epoch}"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -257,7 +277,8 @@ class ContinualTrainer:
                     on_epoch: Callable[[int, float], None] | None = None) -> dict:
         """Train, evaluate and checkpoint session ``t``; returns its metrics record.
 
-        Every ``checkpoint_every`` epochs (and after the last) the session's whole
+        Every ``checkpoint_every`` epochs (and after the last), and every
+        ``checkpoint_steps`` training steps inside epochs, the session's whole
         training state is written atomically to ``out_dir/progress.safetensors``;
         if that file exists when the session starts, the session is set up as
         usual and then continues from it, with bit-identical results on the same
@@ -287,13 +308,14 @@ class ContinualTrainer:
         loader = seeded_loader(self._labelled_dataset(t, augment=cfg.augment, crop=True), cfg.batch_size,
                                derive_seed(self.seed, "labelled", t), **self.loader_options)
         epochs = cfg.epochs_base if t == 0 else cfg.epochs_incremental
+        step_checkpoints = self._step_checkpoints(t)
         progress_path = out_dir / PROGRESS
-        first_epoch, saved_epoch = 0, None
+        resume, saved = None, None
         if progress_path.exists():
-            saved_epoch = self._restore_progress(progress_path, t, state, loader)
-            first_epoch = saved_epoch + 1
-            log.info("%s session %d: resuming after epoch %d from %s", self.method.name, t, first_epoch - 1,
-                     progress_path)
+            resume = self._restore_progress(progress_path, t, state, loader)
+            saved = resume.where
+            log.info("%s session %d: resuming %s from %s", self.method.name, t, resume.where, progress_path)
+        first_epoch = 0 if resume is None else resume.epoch + (0 if resume.inside else 1)
         bar = tqdm(range(first_epoch, epochs), desc=f"{self.method.name} s{t} {session.name}", unit="ep",
                    leave=False, position=1, disable=not (self.progress and distributed.is_main()))
         for epoch in bar:
@@ -302,11 +324,19 @@ class ContinualTrainer:
             model.train()
             for module in frozen:
                 module.eval()
-            self.method.fire("before_epoch", state)
             running = torch.zeros((), device=self.device)
-            steps = 0
+            steps, due = 0, False
+            if resume is not None and resume.inside and epoch == resume.epoch:
+                # the epoch's set-up (plugins' before_epoch, the loader's position) comes from the checkpoint
+                self.method.fire("resume_epoch", state)
+                set_loader_position(loader, resume.loader_start)
+                running += resume.running.to(self.device)
+                steps = resume.step
+            else:
+                self.method.fire("before_epoch", state)
+            epoch_start = loader_position(loader)
             n_steps = max(len(loader), self.method.epoch_iterations(state))
-            for batch in iterate_steps(loader, n_steps):
+            for batch in iterate_steps(loader, n_steps, start=steps):
                 state.batch = batch
                 self.method.fire("before_iteration", state)
                 total = state.closure()
@@ -320,25 +350,23 @@ class ContinualTrainer:
                 state.iteration += 1
                 running += total.detach().float()
                 steps += 1
+                due = step_checkpoints and state.iteration % cfg.checkpoint_steps == 0
+                if due and steps < n_steps:  # (due at the epoch's last step: the epoch-end checkpoint below)
+                    self._check_loss(running, steps, t, epoch, saved, progress_path, lr)
+                    self._save_progress(progress_path, t, epoch, state, loader,
+                                        inside={"step": steps, "running": running, "loader_start": epoch_start})
+                    saved = f"inside epoch {epoch}, after step {steps}"
             self.method.fire("after_epoch", state)
-            # one host synchronisation per epoch; a non-finite loss on any rank stops every rank
-            mean_loss = float(distributed.all_reduce_sum(running)) / max(steps * distributed.world_size(), 1)
-            if not math.isfinite(mean_loss):
-                kept = (f"its last good checkpoint (after epoch {saved_epoch}) is kept in {progress_path}"
-                        if saved_epoch is not None else "no checkpoint of it had been written yet")
-                raise TrainingError(f"{self.method.name} session {t} ({session.name}) epoch {epoch}: the training loss "
-                                    f"became {mean_loss}; the session stopped and {kept}; lower the learning rate "
-                                    f"({'lr_base' if t == 0 else 'lr_incremental'}={lr}) or check the data, then "
-                                    "rerun to resume")
+            mean_loss = self._check_loss(running, steps, t, epoch, saved, progress_path, lr)
             bar.set_postfix(loss=f"{mean_loss:.3f}")
             log.info("%s session %d epoch %d: loss %.4f (%s)", self.method.name, t, epoch, mean_loss,
                      ", ".join(f"{k} {float(v.detach()):.4f}" for k, v in state.losses.items()))
             if on_epoch:
                 on_epoch(epoch, mean_loss)
             last = epoch == epochs - 1
-            if last or (cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0):
+            if last or due or (cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0):
                 self._save_progress(progress_path, t, epoch, state, loader)
-                saved_epoch = epoch
+                saved = f"after epoch {epoch}"
         bar.close()
         self.method.fire("after_training", state)
 
@@ -375,21 +403,63 @@ class ContinualTrainer:
 
     # ------------------------------------------------------------------ in-session checkpoints
 
-    def _save_progress(self, path: Path, t: int, epoch: int, state: LoopState, loader: DataLoader) -> None:
-        """Everything the rest of session ``t`` depends on, after ``epoch`` (rank 0 writes; nothing is pickled)."""
+    def _step_checkpoints(self, t: int) -> bool:
+        """Whether session ``t`` is also checkpointed inside epochs (``checkpoint_steps``, if the method can resume there)."""
+        if not self.config.checkpoint_steps:
+            return False
+        blockers = self.method.mid_epoch_blockers()
+        if blockers:
+            log.warning("%s session %d: checkpoint_steps=%d ignored, checkpoints at epoch ends only: plugin(s) %s "
+                        "cannot resume inside an epoch", self.method.name, t, self.config.checkpoint_steps,
+                        ", ".join(blockers))
+            return False
+        return True
+
+    def _check_loss(self, running: torch.Tensor, steps: int, t: int, epoch: int, saved: str | None,
+                    progress_path: Path, lr: float) -> float:
+        """The mean training loss so far in ``epoch``; a non-finite one (on any rank) stops the session.
+
+        One host synchronisation; every rank calls it at the same steps.
+        """
+        mean_loss = float(distributed.all_reduce_sum(running)) / max(steps * distributed.world_size(), 1)
+        if not math.isfinite(mean_loss):
+            session = self.protocol.sessions[t]
+            kept = (f"its last good checkpoint ({saved}) is kept in {progress_path}"
+                    if saved is not None else "no checkpoint of it had been written yet")
+            raise TrainingError(f"{self.method.name} session {t} ({session.name}) epoch {epoch}: the training loss "
+                                f"became {mean_loss}; the session stopped and {kept}; lower the learning rate "
+                                f"({'lr_base' if t == 0 else 'lr_incremental'}={lr}) or check the data, then "
+                                "rerun to resume")
+        return mean_loss
+
+    def _save_progress(self, path: Path, t: int, epoch: int, state: LoopState, loader: DataLoader,
+                       inside: dict | None = None) -> None:
+        """Everything the rest of session ``t`` depends on (rank 0 writes; nothing is pickled).
+
+        After ``epoch``, or with ``inside`` (``step``, ``running`` loss sum, ``loader_start``:
+        the loader's position at the epoch's start) after that many steps of it.
+        """
         if not distributed.is_main():
             return
         metrics = {k: v for k, v in state.metrics.items() if isinstance(v, (int, float, str, bool))}
         payload = {"epoch": epoch, "iteration": state.iteration, "model": module_state(state.model),
                    "optimizer": state.optimizer.state_dict(), "plugins": self.method.state_dict(),
                    "loader": loader.batch_sampler.state_dict(), "rng": rng_state(), "metrics": metrics}
+        meta = {**self.checkpoint_meta(t), "session": t, "method": self.method.name, "epoch": epoch}
+        if inside is not None:
+            payload["inside"] = inside
+            meta["step"] = inside["step"]
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_progress(path, {**self.checkpoint_meta(t), "session": t, "method": self.method.name, "epoch": epoch},
-                      payload)
+        save_progress(path, meta, payload)
 
-    def _restore_progress(self, path: Path, t: int, state: LoopState, loader: DataLoader) -> int:
-        """Load an in-session checkpoint into a freshly set-up session; returns the epoch it was taken after."""
+    def _restore_progress(self, path: Path, t: int, state: LoopState, loader: DataLoader) -> "_Resume":
+        """Load an in-session checkpoint into a freshly set-up session; returns where it was taken."""
         _, payload = load_progress(path, {**self.checkpoint_meta(t), "session": t, "method": self.method.name})
+        inside = payload.get("inside")
+        if inside is not None and self.method.mid_epoch_blockers():
+            raise CheckpointError(f"{path}: taken inside epoch {payload['epoch']}, but plugin(s) "
+                                  f"{', '.join(self.method.mid_epoch_blockers())} of {self.method.name} cannot resume "
+                                  "there; delete it to restart this session from its beginning")
         load_module_state(state.model, payload["model"])
         state.optimizer.load_state_dict(payload["optimizer"])
         self.method.load_state_dict(payload["plugins"])
@@ -397,7 +467,9 @@ class ContinualTrainer:
         set_rng_state(payload["rng"])
         state.iteration = int(payload["iteration"])
         state.metrics.update(payload["metrics"])
-        return int(payload["epoch"])
+        if inside is None:
+            return _Resume(int(payload["epoch"]))
+        return _Resume(int(payload["epoch"]), int(inside["step"]), inside["running"], inside["loader_start"])
 
     def loop_state(self, t: int, model: Segmenter, prototypes: PrototypeStore) -> LoopState:
         """The state plugins see in session ``t`` (the batch and loss fields are filled by the loop)."""

@@ -357,6 +357,12 @@ class GAPSPlugin(Plugin):
         return torch.optim.SGD([g for g in groups if g["params"]], lr=lr, momentum=cfg.momentum,
                                weight_decay=cfg.weight_decay, nesterov=cfg.nesterov and cfg.momentum > 0)
 
+    #: before_epoch only puts BatchNorm layers back in eval mode: redone by resume_epoch
+    mid_epoch_resume = True
+
+    def resume_epoch(self, state: "LoopState") -> None:
+        self.before_epoch(state)
+
     def before_epoch(self, state: "LoopState") -> None:
         if self._active and self.options.freeze_bn:
             for m in state.model.modules():

@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from torch.utils.data import DataLoader, Subset
 
-from jascl.data.datasets import LabelledDataset, repeat_loader
+from jascl.data.datasets import BatchStream, LabelledDataset
 from jascl.errors import ConfigError
 from jascl.methods.base import METHODS, Method, Plugin
 from jascl.methods.gas import clean_state_dict
@@ -99,12 +99,15 @@ class PoolPhasesPlugin(Plugin):
     batch with :meth:`_pool_batch` in ``after_forward`` while ``self._phase``.
     """
 
+    #: a phase's set-up (the pool stream's position, pseudo-labels chosen at its start) is in the checkpoint
+    mid_epoch_resume = True
+
     def __init__(self, start_epoch: int = 25, every: int = 25, batch_size: int | None = None) -> None:
         if start_epoch < 0 or every < 1:
             raise ConfigError(f"unlabelled phases need start_epoch >= 0 and every >= 1 (got {start_epoch}, {every})")
         self.start_epoch, self.every, self.batch_size = start_epoch, every, batch_size
         self._loader: DataLoader | None = None
-        self._batches: Iterator | None = None
+        self._batches: BatchStream | None = None
         self._phase = False
 
     def _setup_pool(self, state: "LoopState", salt: int) -> bool:
@@ -116,6 +119,7 @@ class PoolPhasesPlugin(Plugin):
         generator = torch.Generator().manual_seed(state.seed * 7919 + state.session.index * 31 + salt)
         self._loader = DataLoader(UnlabelledDataset(pool), batch_size=self.batch_size or state.config.batch_size,
                                   shuffle=True, generator=generator)
+        self._batches = BatchStream(self._loader)
         return True
 
     def _is_phase(self, epoch: int) -> bool:
@@ -127,7 +131,7 @@ class PoolPhasesPlugin(Plugin):
     def before_epoch(self, state: "LoopState") -> None:
         self._phase = self._is_phase(state.epoch)
         if self._phase:
-            self._batches = repeat_loader(self._loader)
+            self._batches = BatchStream(self._loader)
 
     def _pool_batch(self) -> dict:
         return next(self._batches)
@@ -794,14 +798,26 @@ class RetrievePlugin(MeanTeacherPlugin):
             self._select_rng = torch.Generator().manual_seed(state.seed * 104729 + state.session.index)
             self._views = (view_transform(state.seed + 1), view_transform(state.seed + 2))
 
+    def _coreset_loader(self, state: "LoopState", coreset: list[int]) -> DataLoader:
+        return DataLoader(Subset(UnlabelledDataset(state.data.unlabelled), coreset),
+                          batch_size=self.batch_size or state.config.batch_size, shuffle=True,
+                          generator=self._generator)
+
     def before_epoch(self, state: "LoopState") -> None:
         if self.teacher is not None and self._is_phase(state.epoch):
             chosen = self.select(state)
             self.coresets.append(sorted(chosen))
-            self._loader = DataLoader(Subset(UnlabelledDataset(state.data.unlabelled), sorted(chosen)),
-                                      batch_size=self.batch_size or state.config.batch_size, shuffle=True,
-                                      generator=self._generator)
+            self._loader = self._coreset_loader(state, self.coresets[-1])
         super().before_epoch(state)
+
+    def resume_epoch(self, state: "LoopState") -> None:
+        """The phase's coreset loader again (the coreset and its stream's position are in the checkpoint)."""
+        if self._phase:
+            position = self._batches.state_dict()
+            self._loader = self._coreset_loader(state, self.coresets[-1])
+            self._batches = BatchStream(self._loader)
+            self._batches.load_state_dict(position)
+        super().resume_epoch(state)
 
     def _view(self, images: torch.Tensor, which: int) -> torch.Tensor:
         t = self._views[which]
