@@ -5,7 +5,9 @@ Usage: ``python tests/kill_run.py POINT jascl-args...`` where POINT is
 * ``step:N``          right after the N-th optimiser step of the run (mid-epoch),
 * ``write:NAME:N``    in the middle of the N-th safetensors write of a file called NAME
                       (half of the temporary file is on disk, the rename has not happened),
-* ``session:N``       right after the N-th session of the run was completed and saved (between sessions).
+* ``session:N``       right after the N-th session of the run was completed and saved (between sessions),
+* ``signal:N:NAME``   sends itself signal NAME (e.g. SIGTERM) right after the N-th optimiser step, and lets
+                      jascl handle it (a clean stop, not a kill).
 
 Nothing in jascl knows about this: the points are reached by wrapping its functions from outside.
 """
@@ -40,6 +42,20 @@ def main() -> int:
                     die()
 
         Method.fire = fire_and_maybe_die
+    elif kind == "signal":
+        from jascl.methods.base import Method
+
+        n, name = rest.split(":")
+        fire = Method.fire
+
+        def fire_and_maybe_signal(self, event, state):
+            fire(self, event, state)
+            if event == "after_update":
+                count["n"] += 1
+                if count["n"] == int(n):
+                    os.kill(os.getpid(), getattr(signal, name))
+
+        Method.fire = fire_and_maybe_signal
     elif kind == "write":
         import jascl.training.checkpoint as checkpoint
 

@@ -67,6 +67,28 @@ def test_killed_run_resumes_to_identical_results(point, extra, where, setup, tmp
     assert not list(out.rglob("progress.safetensors")), "finished sessions keep no progress checkpoint"
 
 
+# SIGTERM in step 3 (the first of base epoch 1): stops right after it, inside epoch 1; SIGUSR1 in step 4 (the
+# epoch's last): the epoch's own checkpoint
+@pytest.mark.parametrize("point, code, where", [("signal:3:SIGTERM", 143, (1, 1)), ("signal:4:SIGUSR1", 138, (1, None))])
+def test_a_stop_signal_checkpoints_after_the_step_and_exits_resumable(point, code, where, setup, tmp_path):
+    root, args, expected = setup
+    out = tmp_path / "run"
+    stopped = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_run.py"), point, *args, "--out", str(out)],
+                             env=ENV, capture_output=True, text=True)
+    assert stopped.returncode == code, stopped.stderr
+    name = point.rsplit(":", 1)[1]
+    text = " ".join(stopped.stdout.split())  # rich wraps lines
+    assert f"stopped on {name} in base session 0 (base): its training state " in text
+    assert f"continue with: jascl run --resume {out}" in text
+    (progress,) = out.rglob("progress.safetensors")
+    meta, _ = load_progress(progress)
+    assert (meta["epoch"], meta.get("step")) == where
+    resumed = subprocess.run([sys.executable, "-m", "jascl", "run", "--resume", str(out), "--no-progress"], env=ENV,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert (out / "results.json").read_text() == expected
+
+
 def test_resume_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert main(["run", "--resume", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()

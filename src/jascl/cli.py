@@ -158,10 +158,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         ranks = f", {distributed.world_size()} processes" if distributed.active() else ""
         console.print(f"jascl {__version__}: protocol [bold]{protocol.name}[/] (seed {protocol.seed}), "
                       f"methods {', '.join(methods)}, backbone {config.backbone}{ranks}, output {out}")
+    from jascl.training.stop import REQUEST, Stopped
+
     started = time.time()
     try:
-        results = run_benchmark(protocol, config, methods, out, cache_dir=args.cache_dir,
-                                progress=not args.no_progress and main, echo=echo, **data_args)
+        with REQUEST.installed():  # SIGTERM / SIGUSR1: finish the step, checkpoint, exit resumable
+            results = run_benchmark(protocol, config, methods, out, cache_dir=args.cache_dir,
+                                    progress=not args.no_progress and main, echo=echo, **data_args)
+    except Stopped as exc:
+        if main:
+            console.print(f"{exc}; continue with: jascl run --resume {out}")
+        return exc.exit_code
     except KeyboardInterrupt:
         if main:
             console.print(f"interrupted; finished sessions and the last epoch checkpoint are saved in {out}; "

@@ -162,10 +162,35 @@ def sync_batchnorm(model: torch.nn.Module, device: torch.device) -> int:
     return count
 
 
+#: stop signals passed on to torchrun, which passes them on to its workers (``jascl.training.stop``)
+FORWARDED_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
 def launch(argv: Sequence[str], nproc: int) -> int:
-    """Re-run ``jascl <argv>`` as ``nproc`` processes on this machine under torchrun; returns its exit code."""
+    """Re-run ``jascl <argv>`` as ``nproc`` processes on this machine under torchrun; returns its exit code.
+
+    SIGTERM and SIGUSR1 sent to this process go to torchrun, which sends them to
+    every worker (torchrun handles SIGTERM itself; SIGUSR1 is added to the signals
+    it handles), so ``kill`` or a scheduler's warning signal stops the run cleanly.
+    """
+    import signal
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "jascl", *argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // nproc, 1)))
-    return subprocess.call(cmd, env=env)
+    env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    with subprocess.Popen(cmd, env=env) as proc:
+        previous = {}
+        for name in FORWARDED_SIGNALS:
+            number = getattr(signal, name, None)
+            if number is not None:
+                previous[number] = signal.signal(number, lambda signum, frame: proc.send_signal(signum))
+        try:
+            return proc.wait()
+        except BaseException:  # e.g. Ctrl-C: the terminal sent it to torchrun too; do not leave it behind
+            proc.kill()
+            raise
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)

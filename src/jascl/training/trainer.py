@@ -35,6 +35,7 @@ from jascl.training.snapshot import load_module_state, module_state, rng_state, 
 from jascl.training.config import RunConfig
 from jascl.training.losses import SegmentationLoss
 from jascl.training.state import LoopState
+from jascl.training.stop import REQUEST
 
 log = logging.getLogger("jascl")
 
@@ -287,6 +288,9 @@ class ContinualTrainer:
         cfg, protocol = self.config, self.protocol
         session = protocol.sessions[t]
         started = time.time()
+        if self._stop_requested():
+            raise REQUEST.stopped(f"before {self.method.name} session {t} ({session.name}); the sessions before it "
+                                  "are saved")
         torch.manual_seed(self.seed * 1000 + t)
         if t > 0:
             self._grow(model, t)
@@ -309,6 +313,8 @@ class ContinualTrainer:
                                derive_seed(self.seed, "labelled", t), **self.loader_options)
         epochs = cfg.epochs_base if t == 0 else cfg.epochs_incremental
         step_checkpoints = self._step_checkpoints(t)
+        resumable_inside = not self.method.mid_epoch_blockers()
+        alone = not distributed.active()  # one process acts on a stop signal at once, several at sync points
         progress_path = out_dir / PROGRESS
         resume, saved = None, None
         if progress_path.exists():
@@ -351,22 +357,27 @@ class ContinualTrainer:
                 running += total.detach().float()
                 steps += 1
                 due = step_checkpoints and state.iteration % cfg.checkpoint_steps == 0
-                if due and steps < n_steps:  # (due at the epoch's last step: the epoch-end checkpoint below)
-                    self._check_loss(running, steps, t, epoch, saved, progress_path, lr)
+                stop_now = alone and REQUEST.requested and resumable_inside
+                if (due or stop_now) and steps < n_steps:  # (at the epoch's last step: the epoch-end checkpoint)
+                    _, stop = self._sync(running, steps, t, epoch, saved, progress_path, lr)
                     self._save_progress(progress_path, t, epoch, state, loader,
                                         inside={"step": steps, "running": running, "loader_start": epoch_start})
                     saved = f"inside epoch {epoch}, after step {steps}"
+                    if stop:
+                        raise self._stopped(t, saved, progress_path)
             self.method.fire("after_epoch", state)
-            mean_loss = self._check_loss(running, steps, t, epoch, saved, progress_path, lr)
+            mean_loss, stop = self._sync(running, steps, t, epoch, saved, progress_path, lr)
             bar.set_postfix(loss=f"{mean_loss:.3f}")
             log.info("%s session %d epoch %d: loss %.4f (%s)", self.method.name, t, epoch, mean_loss,
                      ", ".join(f"{k} {float(v.detach()):.4f}" for k, v in state.losses.items()))
             if on_epoch:
                 on_epoch(epoch, mean_loss)
             last = epoch == epochs - 1
-            if last or due or (cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0):
+            if last or due or stop or (cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0):
                 self._save_progress(progress_path, t, epoch, state, loader)
                 saved = f"after epoch {epoch}"
+            if stop:
+                raise self._stopped(t, saved, progress_path)
         bar.close()
         self.method.fire("after_training", state)
 
@@ -415,13 +426,17 @@ class ContinualTrainer:
             return False
         return True
 
-    def _check_loss(self, running: torch.Tensor, steps: int, t: int, epoch: int, saved: str | None,
-                    progress_path: Path, lr: float) -> float:
-        """The mean training loss so far in ``epoch``; a non-finite one (on any rank) stops the session.
+    def _sync(self, running: torch.Tensor, steps: int, t: int, epoch: int, saved: str | None,
+              progress_path: Path, lr: float) -> tuple[float, bool]:
+        """(mean training loss so far in ``epoch``, whether any rank was asked to stop); a non-finite loss stops
+        the session (:class:`TrainingError`).
 
-        One host synchronisation; every rank calls it at the same steps.
+        One host synchronisation, and with several processes one collective: every rank calls it at the same
+        steps, and the stop signal travels with the loss.
         """
-        mean_loss = float(distributed.all_reduce_sum(running)) / max(steps * distributed.world_size(), 1)
+        flag = torch.full((), float(REQUEST.requested), device=running.device)
+        loss_sum, stops = distributed.all_reduce_sum(torch.stack([running.float(), flag])).tolist()
+        mean_loss = loss_sum / max(steps * distributed.world_size(), 1)
         if not math.isfinite(mean_loss):
             session = self.protocol.sessions[t]
             kept = (f"its last good checkpoint ({saved}) is kept in {progress_path}"
@@ -430,7 +445,19 @@ class ContinualTrainer:
                                 f"became {mean_loss}; the session stopped and {kept}; lower the learning rate "
                                 f"({'lr_base' if t == 0 else 'lr_incremental'}={lr}) or check the data, then "
                                 "rerun to resume")
-        return mean_loss
+        return mean_loss, stops > 0
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank was asked to stop (a collective with several processes)."""
+        if not distributed.active():
+            return REQUEST.requested
+        flag = torch.full((1,), float(REQUEST.requested), device=self.device)
+        return bool(distributed.all_reduce_sum(flag).item() > 0)
+
+    def _stopped(self, t: int, saved: str, progress_path: Path) -> Exception:
+        session = self.protocol.sessions[t]
+        return REQUEST.stopped(f"in {self.method.name} session {t} ({session.name}): its training state {saved} is "
+                               f"saved in {progress_path}")
 
     def _save_progress(self, path: Path, t: int, epoch: int, state: LoopState, loader: DataLoader,
                        inside: dict | None = None) -> None:

@@ -1,0 +1,126 @@
+"""A stop signal (SIGTERM, SIGUSR1) ends a run cleanly: handlers only record it, the trainer checkpoints at a safe
+step and raises Stopped (exit code 128 + signal); with several processes every rank stops at the same step.
+(One-process runs stopped by a real signal and resumed: tests/test_crash_resume.py.)"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jascl.training.checkpoint import load_progress
+from jascl.training.stop import REQUEST, StopRequest
+
+from conftest import toy_protocol_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_handlers_record_the_first_signal_and_are_removed_after_the_block():
+    before = signal.getsignal(signal.SIGTERM)
+    request = StopRequest()
+    with request.installed():
+        assert not request.requested
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded, the process lives on
+        assert request.requested and request.name == "SIGUSR1"
+        stopped = request.stopped("after epoch 2")
+        assert str(stopped) == "stopped on SIGUSR1 after epoch 2" and stopped.exit_code == 128 + 10
+    assert not request.requested
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_rank_stopped_for_another_reports_sigterm():
+    stopped = StopRequest().stopped("inside epoch 1, after step 3")
+    assert str(stopped) == "stopped (another process received a stop signal) inside epoch 1, after step 3"
+    assert stopped.exit_code == 143
+
+
+def test_no_handlers_outside_jascl_run():
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and not REQUEST.requested
+
+
+#: makes rank 1 of a torchrun launch send itself SIGTERM right after its JASCL_SIGNAL_STEP-th optimiser step
+SITECUSTOMIZE = '''
+import os
+if os.environ.get("RANK") == "1" and os.environ.get("JASCL_SIGNAL_STEP"):
+    import signal
+    from jascl.methods.base import Method
+    fire, count = Method.fire, [0]
+
+    def fire_and_maybe_signal(self, event, state):
+        fire(self, event, state)
+        if event == "after_update":
+            count[0] += 1
+            if count[0] == int(os.environ["JASCL_SIGNAL_STEP"]):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    Method.fire = fire_and_maybe_signal
+'''
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_checkpoint(tmp_path):
+    spec = toy_protocol_dict(2)
+    spec["training"].update(epochs_base=2, epochs_incremental=2, batch_size=4, threads=1)
+    protocol = tmp_path / "toy.yaml"
+    protocol.write_text(yaml.safe_dump(spec))
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT / "src")]),
+           "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "jascl", "run", "--protocol", str(protocol), "--methods", "vanilla", "--device",
+            "cpu", "--devices", "2", "--set", "checkpoint_steps=1", "--cache-dir", str(tmp_path / "cache"),
+            "--no-progress"]
+    whole = subprocess.run([*args, "--out", str(tmp_path / "whole")], env=env, capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    out = tmp_path / "stopped"
+    # 8 base images at a global batch of 4: step 3 is the first of base epoch 1; rank 1 alone gets the signal
+    stopped = subprocess.run([*args, "--out", str(out)], env={**env, "JASCL_SIGNAL_STEP": "3"}, capture_output=True,
+                             text=True)
+    assert stopped.returncode != 0
+    text = " ".join(stopped.stdout.split())
+    assert "stopped (another process received a stop signal) in base session 0 (base): its training state inside " \
+           "epoch 1, after step 1 is saved in" in text, stopped.stdout + stopped.stderr[-3000:]
+    meta, _ = load_progress(out / "base" / "progress.safetensors")
+    assert (meta["epoch"], meta["step"]) == (1, 1)
+    assert not (out / "results.json").exists()
+
+    resumed = subprocess.run([sys.executable, "-m", "jascl", "run", "--resume", str(out), "--devices", "2",
+                              "--no-progress"], env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (json.loads((out / "results.json").read_text())["methods"]
+            == json.loads((tmp_path / "whole" / "results.json").read_text())["methods"])
+
+
+@pytest.mark.slow
+def test_jascl_run_devices_passes_sigterm_on_to_its_workers(tmp_path):
+    """``kill`` of the ``jascl run --devices 2`` process reaches both ranks through torchrun: they stop cleanly
+    (wherever the signal lands: between sessions or after a step; resuming such a stop is tested above)."""
+    spec = toy_protocol_dict(2)
+    spec["training"].update(epochs_base=2, epochs_incremental=2, batch_size=4, threads=1)
+    protocol = tmp_path / "toy.yaml"
+    protocol.write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen([sys.executable, "-m", "jascl", "run", "--protocol", str(protocol), "--methods",
+                             "vanilla,jascl", "--device", "cpu", "--devices", "2", "--set", "checkpoint_steps=1",
+                             "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--out", str(out)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "training the shared base model" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    text = " ".join("".join(lines + [rest]).split())
+    assert proc.returncode != 0, text[-3000:]
+    assert "stopped on SIGTERM" in text and f"continue with: jascl run --resume {out}" in text, text[-3000:]
+    assert "SIGKILL" not in text  # the workers stopped by themselves, within torchrun's grace period
+    assert not (out / "results.json").exists()
