@@ -77,7 +77,18 @@ def init(device: str) -> str:
 
 
 def shutdown() -> None:
+    """Leave the process group, after freeing what still refers to it.
+
+    DistributedDataParallel wrappers kept in reference cycles (the loop state's
+    training forward) hold the gloo process group, whose worker threads then
+    outlive ``destroy_process_group`` and abort the process when the interpreter
+    finalises ("terminate called without an active exception"); collecting them
+    first lets the group shut down while Python is still alive.
+    """
     if dist.is_available() and dist.is_initialized():
+        import gc
+
+        gc.collect()
         dist.destroy_process_group()
 
 
