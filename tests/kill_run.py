@@ -29,33 +29,21 @@ def main() -> int:
     kind, _, rest = point.partition(":")
     count = {"n": 0}
 
-    if kind == "step":
+    if kind in ("step", "signal"):
         from jascl.methods.base import Method
 
+        n, _, name = rest.partition(":")
+        act = die if kind == "step" else (lambda: os.kill(os.getpid(), getattr(signal, name)))
         fire = Method.fire
 
-        def fire_and_maybe_die(self, event, state):
-            fire(self, event, state)
-            if event == "after_update":
-                count["n"] += 1
-                if count["n"] == int(rest):
-                    die()
-
-        Method.fire = fire_and_maybe_die
-    elif kind == "signal":
-        from jascl.methods.base import Method
-
-        n, name = rest.split(":")
-        fire = Method.fire
-
-        def fire_and_maybe_signal(self, event, state):
+        def fire_and_maybe_act(self, event, state):
             fire(self, event, state)
             if event == "after_update":
                 count["n"] += 1
                 if count["n"] == int(n):
-                    os.kill(os.getpid(), getattr(signal, name))
+                    act()
 
-        Method.fire = fire_and_maybe_signal
+        Method.fire = fire_and_maybe_act
     elif kind == "write":
         import jascl.training.checkpoint as checkpoint
 

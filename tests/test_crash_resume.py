@@ -42,6 +42,21 @@ def setup(tmp_path_factory):
 STEPS = ["--set", "checkpoint_steps=1"]
 
 
+def _checkpoint_position(out: Path) -> tuple:
+    """(epoch, step inside it or None) of the one in-session checkpoint of run folder ``out``."""
+    (progress,) = out.rglob("progress.safetensors")
+    meta, _ = load_progress(progress)
+    return meta["epoch"], meta.get("step")
+
+
+def _resume_and_compare(out: Path, expected: str) -> None:
+    resumed = subprocess.run([sys.executable, "-m", "jascl", "run", "--resume", str(out), "--no-progress"], env=ENV,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert (out / "results.json").read_text() == expected
+    assert not list(out.rglob("progress.safetensors")), "finished sessions keep no progress checkpoint"
+
+
 # steps: session 0 has 2 steps per epoch (8 images, batch 4) and 2 epochs; vanilla's session 1 follows.
 # With checkpoint_steps=1 the first step of each epoch is checkpointed too: killed in step 4 (the last of
 # epoch 1), the run resumes inside epoch 1; killed writing the 3rd progress file (that one), after epoch 0.
@@ -56,15 +71,9 @@ def test_killed_run_resumes_to_identical_results(point, extra, where, setup, tmp
                              str(out)], env=ENV, capture_output=True, text=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (out / "results.json").exists()
-    if where is not None:  # (epoch, step inside it) of the checkpoint the run resumes from
-        (progress,) = out.rglob("progress.safetensors")
-        meta, _ = load_progress(progress)
-        assert (meta["epoch"], meta.get("step")) == where
-    resumed = subprocess.run([sys.executable, "-m", "jascl", "run", "--resume", str(out), "--no-progress"], env=ENV,
-                             capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
-    assert (out / "results.json").read_text() == expected
-    assert not list(out.rglob("progress.safetensors")), "finished sessions keep no progress checkpoint"
+    if where is not None:
+        assert _checkpoint_position(out) == where
+    _resume_and_compare(out, expected)
 
 
 # SIGTERM in step 3 (the first of base epoch 1): stops right after it, inside epoch 1; SIGUSR1 in step 4 (the
@@ -80,13 +89,8 @@ def test_a_stop_signal_checkpoints_after_the_step_and_exits_resumable(point, cod
     text = " ".join(stopped.stdout.split())  # rich wraps lines
     assert f"stopped on {name} in base session 0 (base): its training state " in text
     assert f"continue with: jascl run --resume {out}" in text
-    (progress,) = out.rglob("progress.safetensors")
-    meta, _ = load_progress(progress)
-    assert (meta["epoch"], meta.get("step")) == where
-    resumed = subprocess.run([sys.executable, "-m", "jascl", "run", "--resume", str(out), "--no-progress"], env=ENV,
-                             capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
-    assert (out / "results.json").read_text() == expected
+    assert _checkpoint_position(out) == where
+    _resume_and_compare(out, expected)
 
 
 def test_resume_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):

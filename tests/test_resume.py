@@ -40,18 +40,22 @@ class StopBefore(Plugin):
             raise Stop
 
 
-@pytest.fixture(scope="module")
-def toy_resume(tmp_path_factory):
+def _toy_with_base(tmp_path_factory, name: str, **training):
+    """The toy protocol with a 4-image pool, 3 incremental epochs, PAS in every epoch, and its base trained once."""
     spec = toy_protocol_dict(2)
     spec["sessions"][1]["unlabelled"] = 4
-    spec["training"]["epochs_incremental"] = 3
-    spec["training"]["augment"] = True
-    protocol = parse_protocol(spec, source="toy-resume.yaml")
-    config = resolve_config(protocol.training, "toy-resume.yaml", overrides=["pas.start_epoch=0", "pas.every=1"])
-    root = tmp_path_factory.mktemp("resume")
+    spec["training"].update(epochs_incremental=3, augment=True, **training)
+    protocol = parse_protocol(spec, source=f"{name}.yaml")
+    config = resolve_config(protocol.training, f"{name}.yaml", overrides=["pas.start_epoch=0", "pas.every=1"])
+    root = tmp_path_factory.mktemp(name)
     data = load_data(protocol, root / "cache", echo=lambda *a: None)
     ensure_base(protocol, config, data, root / "base", progress=False, echo=lambda *a: None)
     return protocol, config, root
+
+
+@pytest.fixture(scope="module")
+def toy_resume(tmp_path_factory):
+    return _toy_with_base(tmp_path_factory, "toy-resume")
 
 
 def _run(protocol, config, name, out, root):
@@ -106,15 +110,7 @@ class StopAtStep(Plugin):
 @pytest.fixture(scope="module")
 def toy_steps(tmp_path_factory):
     """The resume protocol with one sample per batch: session 1's epochs have several steps."""
-    spec = toy_protocol_dict(2)
-    spec["sessions"][1]["unlabelled"] = 4
-    spec["training"].update(epochs_incremental=3, augment=True, batch_size=1)
-    protocol = parse_protocol(spec, source="toy-steps.yaml")
-    config = resolve_config(protocol.training, "toy-steps.yaml", overrides=["pas.start_epoch=0", "pas.every=1"])
-    root = tmp_path_factory.mktemp("steps")
-    data = load_data(protocol, root / "cache", echo=lambda *a: None)
-    ensure_base(protocol, config, data, root / "base", progress=False, echo=lambda *a: None)
-    return protocol, config, root
+    return _toy_with_base(tmp_path_factory, "toy-steps", batch_size=1)
 
 
 @pytest.mark.parametrize("name", METHODS.list())

@@ -312,8 +312,9 @@ class ContinualTrainer:
         loader = seeded_loader(self._labelled_dataset(t, augment=cfg.augment, crop=True), cfg.batch_size,
                                derive_seed(self.seed, "labelled", t), **self.loader_options)
         epochs = cfg.epochs_base if t == 0 else cfg.epochs_incremental
-        step_checkpoints = self._step_checkpoints(t)
-        resumable_inside = not self.method.mid_epoch_blockers()
+        blockers = self.method.mid_epoch_blockers()
+        resumable_inside = not blockers
+        step_checkpoints = self._step_checkpoints(t, blockers)
         alone = not distributed.active()  # one process acts on a stop signal at once, several at sync points
         progress_path = out_dir / PROGRESS
         resume, saved = None, None
@@ -414,11 +415,11 @@ class ContinualTrainer:
 
     # ------------------------------------------------------------------ in-session checkpoints
 
-    def _step_checkpoints(self, t: int) -> bool:
-        """Whether session ``t`` is also checkpointed inside epochs (``checkpoint_steps``, if the method can resume there)."""
+    def _step_checkpoints(self, t: int, blockers: list[str]) -> bool:
+        """Whether session ``t`` is also checkpointed inside epochs (``checkpoint_steps``; ``blockers``: the
+        method's plugins that cannot resume there)."""
         if not self.config.checkpoint_steps:
             return False
-        blockers = self.method.mid_epoch_blockers()
         if blockers:
             log.warning("%s session %d: checkpoint_steps=%d ignored, checkpoints at epoch ends only: plugin(s) %s "
                         "cannot resume inside an epoch", self.method.name, t, self.config.checkpoint_steps,
