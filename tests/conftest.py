@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny two-session toy protocol and a tiny run configuration."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import torch  # noqa: E402
 from jascl.protocols import parse_protocol  # noqa: E402
 from jascl.training.config import resolve_config  # noqa: E402
 
-torch.set_num_threads(2)
+# one thread per pytest-xdist worker (the workers share the cores), else two
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 def toy_protocol_dict(spatial_dims: int = 2) -> dict:

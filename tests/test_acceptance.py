@@ -18,8 +18,10 @@ def test_synthetic_2d_vanilla_forgets_jascl_retains(tmp_path):
     v, j = results["methods"]["vanilla"], results["methods"]["jascl"]
     # vanilla fine-tuning forgets: base classes at the last session <= half of their base-session Dice
     assert v["sessions"][-1]["base"] <= 0.5 * v["sessions"][0]["base"]
-    # JASCL's Total Drop is at least 30% lower (relative) and its last all-class mean is higher
-    assert j["total_drop"] <= 0.7 * v["total_drop"]
+    # JASCL's Total Drop is clearly lower and its last all-class mean is higher. One seed's exact figures move with
+    # the installed versions and thread count (63.7 vs 91.3 on one install, 63.2 vs 92.5 with torch 2.14.1), so
+    # the margin is set well inside the measured gap of about 28 points, not at its edge.
+    assert j["total_drop"] <= v["total_drop"] - 15
     assert j["sessions"][-1]["all"] > v["sessions"][-1]["all"]
 
 

@@ -1,5 +1,14 @@
-"""Two CPU processes (torchrun + gloo via ``jascl run --devices 2``) on the toy protocol: the run completes,
-only rank 0 writes into the run folder, and the results match a one-process run with the same global batch."""
+"""Two CPU processes (torchrun + gloo via ``jascl run --devices 2``) on the toy protocol.
+
+What "two processes train as one" means, checked where it is sharp:
+- every global batch is split between the ranks, disjoint and complete (the sample ids each rank consumed);
+- the parameters after the first steps equal a one-process run's up to float32 reduction order
+  (:func:`rounding_tolerance`), which a shared or un-averaged gradient misses by orders of magnitude.
+The end-to-end run also shows what it shows well: the run completes, only rank 0 writes into the run
+folder, and the metrics (confusion matrices, pseudo-label counters) are reduced over both ranks.
+A Dice after several epochs is not compared tightly: argmax flips on a barely trained model amplify
+rounding differences into Dice differences of 0.01 that depend on the installed versions.
+"""
 
 import json
 import os
@@ -8,9 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
-from jascl.data.sampling import SeededBatchSampler
+from jascl.data.sampling import SeededBatchSampler, derive_seed
+from jascl.networks.base import create_segmenter
+from jascl.protocols import parse_protocol
+from jascl.training.config import resolve_config
 
 from conftest import toy_protocol_dict
 
@@ -44,6 +58,21 @@ if os.environ.get("JASCL_AUDIT_DIR") and os.environ.get("RANK", "0") != "0":
     sys.addaudithook(hook)
     report = os.path.join(os.environ["JASCL_AUDIT_REPORT"], f"rank{os.environ['RANK']}.json")
     atexit.register(lambda: open(report, "w").write(json.dumps(writes)))
+if os.environ.get("JASCL_TRACE_DIR"):  # every batch of sample keys a SeededBatchSampler hands out, per rank
+    import jascl.data.sampling as sampling
+
+    handed = []
+    original = sampling.SeededBatchSampler.__iter__
+
+    def traced(self):
+        for batch in original(self):
+            handed.append([self.seed, [list(k) for k in batch]])
+            yield batch
+
+    sampling.SeededBatchSampler.__iter__ = traced
+    # one file per process (launchers too, whose lists stay empty), named by rank where torchrun set one
+    trace = os.path.join(os.environ["JASCL_TRACE_DIR"], f"rank{os.environ.get('RANK', '0')}-{os.getpid()}.json")
+    atexit.register(lambda: handed and open(trace, "w").write(json.dumps(handed)))
 '''
 
 
@@ -59,41 +88,120 @@ def test_sampler_shares_global_batches_between_ranks():
     assert list(SeededBatchSampler(3, 2, seed=1, shuffle=False)) == [[(0, 0), (0, 1)], [(0, 2)]]
 
 
+#: float32 unit roundoff (2**-23 spacing at 1.0)
+EPS = torch.finfo(torch.float32).eps
+
+
+def rounding_tolerance(after: torch.Tensor, before: torch.Tensor, terms: int, steps: int) -> float:
+    """How far one tensor of two runs that differ only in the order of float32 sums may drift apart.
+
+    A parameter after ``steps`` optimiser steps is ``before`` plus an update made of gradients, each a sum
+    over ``terms`` per-pixel contributions (the global batch's pixels); splitting that sum between ranks
+    reorders it, which changes it by at most about ``terms * EPS`` relative (the bound for recursive
+    summation, Higham's gamma_n). Adding the update to the parameter rounds once per step, to the
+    parameter's own spacing. Hence ``terms * EPS * max|update| + steps * EPS * max|parameter|``.
+    """
+    update = (after.double() - before.double()).abs().max().item()
+    return terms * EPS * update + steps * EPS * after.abs().max().item()
+
+
+def _models_match(one: Path, two: Path, before: tuple[dict, dict], terms: int, steps: int) -> None:
+    """The models ``one`` and ``two`` saved by the two runs, which started from ``before`` (each run's own)."""
+    a, b = load_file(one), load_file(two)
+    assert a.keys() == b.keys() == before[0].keys() == before[1].keys()
+    for key, value in a.items():
+        if not value.is_floating_point():
+            assert torch.equal(value, b[key]), key
+            continue
+        start = before[0][key]
+        parts = [(slice(None), start)]
+        if start.shape != value.shape:  # a grown classifier: old rows go on, new rows start from nothing
+            parts = [(slice(0, len(start)), start), (slice(len(start), None), torch.zeros_like(value[len(start):]))]
+        # the runs' starting points differ already (by rounding, in their earlier sessions)
+        apart = (before[1][key].double() - start.double()).abs().max().item()
+        for rows, prior in parts:
+            tol = apart + rounding_tolerance(value[rows], prior, terms, steps)
+            diff = (b[key][rows].double() - value[rows].double()).abs().max().item()
+            assert diff <= tol, f"{one.parent.name}/{key}: the runs differ by {diff:.3g}, rounding allows {tol:.3g}"
+
+
+def _batches(traces: Path, rank: int) -> dict[int, list[list[tuple[int, int]]]]:
+    """Sampler seed -> the batches of (pass, index) keys it handed out to ``rank``, in order."""
+    (trace,) = traces.glob(f"rank{rank}-*.json")  # the one process of that rank that drew batches
+    out: dict[int, list] = {}
+    for seed, keys in json.loads(trace.read_text()):
+        out.setdefault(seed, []).append([tuple(k) for k in keys])
+    return out
+
+
 @pytest.mark.slow
-def test_two_processes_match_one_and_only_rank0_writes(tmp_path):
+def test_two_processes_train_as_one_and_only_rank0_writes(tmp_path):
     spec = toy_protocol_dict(2)
     spec["sessions"][1]["unlabelled"] = 4
-    spec["training"].update(epochs_base=3, epochs_incremental=3, batch_size=4, threads=1,
+    # one epoch per session: the first steps, where the two runs are still equal up to rounding
+    spec["training"].update(epochs_base=1, epochs_incremental=1, batch_size=4, threads=1,
                             pas={"start_epoch": 0, "every": 1})
     protocol = tmp_path / "toy.yaml"
     protocol.write_text(yaml.safe_dump(spec))
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     reports = tmp_path / "reports"
-    reports.mkdir()
+    for name in ("reports", "trace-one", "trace-two"):
+        (tmp_path / name).mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT / "src")]),
            "OMP_NUM_THREADS": "1", "JASCL_AUDIT_DIR": str(tmp_path / "two"), "JASCL_AUDIT_REPORT": str(reports)}
     args = [sys.executable, "-m", "jascl", "run", "--protocol", str(protocol), "--methods", "vanilla,jascl",
             "--device", "cpu", "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
-    one = subprocess.run([*args, "--out", str(tmp_path / "one")], env=env, capture_output=True, text=True)
+    one = subprocess.run([*args, "--out", str(tmp_path / "one")], capture_output=True, text=True,
+                         env={**env, "JASCL_TRACE_DIR": str(tmp_path / "trace-one")})
     assert one.returncode == 0, one.stderr
     # checkpoints inside epochs too: every rank checks the loss there (a collective), rank 0 alone writes
     two = subprocess.run([*args, "--devices", "2", "--set", "checkpoint_steps=1", "--out", str(tmp_path / "two")],
-                         env=env, capture_output=True, text=True)
+                         env={**env, "JASCL_TRACE_DIR": str(tmp_path / "trace-two")}, capture_output=True, text=True)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 processes" in " ".join(two.stdout.split())  # rich wraps lines
-
     assert json.loads((reports / "rank1.json").read_text()) == []  # rank 1 never wrote into the run folder
+
+    # the sample ids: each global batch of the one-process run, split between the ranks without overlap
+    alone = _batches(tmp_path / "trace-one", 0)
+    ranks = [_batches(tmp_path / "trace-two", r) for r in (0, 1)]
+    assert len(alone) >= 3  # the base and incremental labelled loaders, and the mean teacher's unlabelled pool
+    for seed, batches in alone.items():
+        shares = [r[seed] for r in ranks]
+        assert len(shares[0]) == len(shares[1]) == len(batches), seed  # every rank steps with every batch
+        for batch, first, second in zip(batches, *shares):
+            assert not set(first) & set(second) and sorted(first + second) == sorted(batch), (seed, batch)
+            assert abs(len(first) - len(second)) <= 1
+
+    # the parameters after the first steps: equal up to the order of float32 sums
+    pixels = spec["training"]["batch_size"] * spec["synthetic"]["size"] ** 2
+    p = parse_protocol(spec, source="toy.yaml")
+    cfg = resolve_config(p.training, "toy.yaml")
+    torch.manual_seed(p.seed)  # the session-0 model before training, as the trainer builds it
+    initial = create_segmenter(cfg.backbone, p.spatial_dims, p.in_channels, 3, cosine=cfg.classifier == "cosine",
+                               temperature=cfg.temperature, **cfg.backbone_args).state_dict()
+    base_seed = derive_seed(p.seed, "labelled", 0)
+    _models_match(tmp_path / "one/base/model.safetensors", tmp_path / "two/base/model.safetensors",
+                  (initial, initial), pixels, len(alone[base_seed]))
+    base = tuple(load_file(tmp_path / f"{run}/base/model.safetensors") for run in ("one", "two"))
+    steps = sum(len(b) for seed, b in alone.items() if seed != base_seed)  # an upper bound on either method's
+    for method in ("vanilla", "jascl"):
+        _models_match(tmp_path / f"one/{method}/s1-inc/model.safetensors",
+                      tmp_path / f"two/{method}/s1-inc/model.safetensors", base, pixels, steps)
+
+    # the metrics: with models equal up to rounding, so are the reduced confusion matrices and counters
     a = json.loads((tmp_path / "one" / "results.json").read_text())
     b = json.loads((tmp_path / "two" / "results.json").read_text())
     for method in ("vanilla", "jascl"):
-        for sa, sb in zip(a["methods"][method]["sessions"], b["methods"][method]["sessions"]):
-            assert sb["all"] == pytest.approx(sa["all"], abs=0.005), (method, sa["session"])
-            for c, v in sa["per_class"].items():
-                assert sb["per_class"][c] == pytest.approx(v, abs=0.02, nan_ok=True), (method, sa["session"], c)
-    pl_a = a["methods"]["jascl"]["sessions"][1]["pseudo_labels"]
-    pl_b = b["methods"]["jascl"]["sessions"][1]["pseudo_labels"]
-    assert pl_b["coverage"] == pytest.approx(pl_a["coverage"], abs=0.05)  # counters reduced over both ranks
+        for sa, sb in zip(a["methods"][method]["sessions"], b["methods"][method]["sessions"], strict=True):
+            # (one test pixel whose argmax flips moves a class's Dice by well under 0.01 here; a rank scoring
+            # only its own half of the test split would not)
+            assert sb["per_class"] == pytest.approx(sa["per_class"], abs=0.01, nan_ok=True), (method, sa["session"])
+    kept_a = a["methods"]["jascl"]["sessions"][1]["pseudo_labels"]["confidence_only_per_class"]
+    kept_b = b["methods"]["jascl"]["sessions"][1]["pseudo_labels"]["confidence_only_per_class"]
+    assert kept_a.keys() == kept_b.keys()
+    for c in kept_a:  # pixel counts summed over both ranks (one rank's alone would be about half)
+        assert kept_b[c]["kept"] == pytest.approx(kept_a[c]["kept"], rel=0.01, abs=1), c
     assert (json.loads((tmp_path / "one" / "manifest.json").read_text())
             == json.loads((tmp_path / "two" / "manifest.json").read_text()))
 
@@ -115,7 +223,6 @@ def test_the_write_audit_catches_a_write_from_rank_1(tmp_path):
 
 def test_sync_batchnorm_converts_in_place_only_with_several_gpu_processes(monkeypatch):
     """SyncBatchNorm replaces BatchNorm (names and values kept) when several GPU processes run; else nothing."""
-    import torch
     from torch import nn
 
     from jascl import distributed
