@@ -4,7 +4,7 @@ Helps choose ``checkpoint_steps``: a checkpoint every N steps costs one such
 write every N steps. For each backbone, builds the segmenter (20 classes, no
 pretrained weights), gives the optimizer its per-parameter state (SGD momentum,
 or Adam's two moments with ``--optimizer adam``), and writes the payload the
-trainer writes inside an epoch with :func:`jascl.training.checkpoint.save_progress`
+trainer writes inside an epoch with :func:`jascl.engine.checkpoint.save_progress`
 (atomic: temporary file + rename), ``--repeats`` times; prints the best time.
 
 Usage::
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from jascl.networks.base import create_segmenter
-from jascl.training.checkpoint import save_progress
-from jascl.training.snapshot import module_state, rng_state
+from jascl.engine.checkpoint import save_progress
+from jascl.engine.snapshot import module_state, rng_state
 
 #: (backbone, spatial dims, input channels): the paper's natural and medical backbones
 MODELS = (("deeplabv3plus", 2, 3), ("unet3d-authors", 3, 1), ("medformer", 3, 1))

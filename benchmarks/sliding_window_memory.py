@@ -25,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from jascl.data.synthetic import Split
+from jascl.data.types import Split
 from jascl.evaluation.evaluator import MAX_BLOCK_ELEMENTS, evaluate, plan_blocks, window_starts
 from jascl.networks.base import create_segmenter
 

@@ -12,8 +12,8 @@ if _SRC not in sys.path:
 
 import torch  # noqa: E402
 
+from jascl.engine.config import resolve_config  # noqa: E402
 from jascl.protocols import parse_protocol  # noqa: E402
-from jascl.training.config import resolve_config  # noqa: E402
 
 # one thread per pytest-xdist worker (the workers share the cores), else two
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
@@ -27,16 +27,27 @@ def toy_protocol_dict(spatial_dims: int = 2) -> dict:
         "spatial_dims": spatial_dims,
         "metric": "dice",
         "synthetic": {"size": size, "objects_per_image": [1, 2], "object_radius": [0.2, 0.3], "distractors": 1},
-        "classes": [{"id": 0, "name": "background"}, {"id": 1, "name": "disc", "shape": "disc"},
-                    {"id": 2, "name": "square", "shape": "square"}, {"id": 3, "name": "cross", "shape": "cross"}],
-        "domains": {"a": {"appearance": {"class_intensity": [0.5, 0.9]}},
-                    "b": {"appearance": {"invert": True, "noise": 0.02}}},
+        "classes": [
+            {"id": 0, "name": "background"},
+            {"id": 1, "name": "disc", "shape": "disc"},
+            {"id": 2, "name": "square", "shape": "square"},
+            {"id": 3, "name": "cross", "shape": "cross"},
+        ],
+        "domains": {
+            "a": {"appearance": {"class_intensity": [0.5, 0.9]}},
+            "b": {"appearance": {"invert": True, "noise": 0.02}},
+        },
         "sessions": [
             {"name": "base", "domains": ["a"], "new_classes": [1, 2], "shots": "all", "train": 8, "test": 4},
             {"name": "inc", "domains": ["b"], "new_classes": [3], "recurring_classes": [1], "shots": 2, "test": 4},
         ],
-        "training": {"backbone_args": {"features": [4, 4, 8, 8, 8, 8]}, "epochs_base": 1, "epochs_incremental": 2,
-                     "batch_size": 4, "augment": False},
+        "training": {
+            "backbone_args": {"features": [4, 4, 8, 8, 8, 8]},
+            "epochs_base": 1,
+            "epochs_incremental": 2,
+            "batch_size": 4,
+            "augment": False,
+        },
     }
 
 

@@ -30,11 +30,11 @@ def main() -> int:
     count = {"n": 0}
 
     if kind in ("step", "signal"):
-        from jascl.methods.base import Method
+        from jascl.engine.loop import ContinualTrainer
 
         n, _, name = rest.partition(":")
         act = die if kind == "step" else (lambda: os.kill(os.getpid(), getattr(signal, name)))
-        fire = Method.fire
+        fire = ContinualTrainer.fire
 
         def fire_and_maybe_act(self, event, state):
             fire(self, event, state)
@@ -43,9 +43,9 @@ def main() -> int:
                 if count["n"] == int(n):
                     act()
 
-        Method.fire = fire_and_maybe_act
+        ContinualTrainer.fire = fire_and_maybe_act
     elif kind == "write":
-        import jascl.training.checkpoint as checkpoint
+        import jascl.engine.checkpoint as checkpoint
 
         name, n = rest.rsplit(":", 1)
         save_file = checkpoint.save_file
@@ -62,7 +62,7 @@ def main() -> int:
 
         checkpoint.save_file = save_half_and_die
     elif kind == "session":
-        from jascl.training.trainer import ContinualTrainer
+        from jascl.engine.loop import ContinualTrainer
 
         run_session = ContinualTrainer.run_session
 

@@ -4,17 +4,24 @@ import math
 
 import pytest
 
+from jascl.engine.config import resolve_config
+from jascl.experiments.runner import run_benchmark
 from jascl.protocols import get_protocol
-from jascl.training.config import resolve_config
-from jascl.training.runner import run_benchmark
 
 
 @pytest.mark.slow
 def test_synthetic_2d_vanilla_forgets_jascl_retains(tmp_path):
     protocol = get_protocol("synthetic-2d")
     config = resolve_config(protocol.training, protocol.path)
-    results = run_benchmark(protocol, config, ["vanilla", "jascl"], tmp_path / "run", cache_dir=tmp_path / "cache",
-                            progress=False, echo=lambda m: None)
+    results = run_benchmark(
+        protocol,
+        config,
+        ["vanilla", "jascl"],
+        tmp_path / "run",
+        cache_dir=tmp_path / "cache",
+        progress=False,
+        echo=lambda m: None,
+    )
     v, j = results["methods"]["vanilla"], results["methods"]["jascl"]
     # vanilla fine-tuning forgets: base classes at the last session <= half of their base-session Dice
     assert v["sessions"][-1]["base"] <= 0.5 * v["sessions"][0]["base"]
@@ -29,8 +36,15 @@ def test_synthetic_2d_vanilla_forgets_jascl_retains(tmp_path):
 def test_synthetic_3d_runs_end_to_end_with_the_3d_unet(tmp_path):
     protocol = get_protocol("synthetic-3d")
     config = resolve_config(protocol.training, protocol.path, overrides=["epochs_base=5", "epochs_incremental=5"])
-    results = run_benchmark(protocol, config, ["vanilla", "jascl"], tmp_path / "run", cache_dir=tmp_path / "cache",
-                            progress=False, echo=lambda m: None)
+    results = run_benchmark(
+        protocol,
+        config,
+        ["vanilla", "jascl"],
+        tmp_path / "run",
+        cache_dir=tmp_path / "cache",
+        progress=False,
+        echo=lambda m: None,
+    )
     for name in ("vanilla", "jascl"):
         sessions = results["methods"][name]["sessions"]
         assert [s["session"] for s in sessions] == [0, 1, 2]

@@ -3,34 +3,78 @@
 import pytest
 import torch
 
+from jascl.engine.prototypes import align_labels, class_prototypes
 from jascl.errors import ConfigError
 from jascl.methods.gas import attach_gas, record_sq_grad
-from jascl.methods.prototypes import align_labels, class_prototypes
 from jascl.networks import BACKBONES, create_segmenter
 
 # name -> list of tiny CPU configurations (spatial_dims, in_channels, input size, backbone kwargs)
 TINY = {
     "unet": [(2, 1, (32, 32), {"features": [4, 4, 8, 8, 8, 8]})],
-    "unet3d-authors": [(3, 1, (16, 32, 32), {"base_channels": 4}),
-                       (2, 2, (32, 32), {"base_channels": 4})],
-    "monai-unet": [(2, 1, (32, 32), {"feature_channels": 8, "channels": (4, 8, 16), "strides": (2, 2), "num_res_units": 1}),
-                   (3, 1, (16, 16, 16), {"feature_channels": 8, "channels": (4, 8, 16), "strides": (2, 2),
-                                         "num_res_units": 1})],
-    "swinunetr": [(2, 1, (64, 64), {"feature_size": 12, "depths": (1, 1, 1, 1), "num_heads": (1, 1, 1, 1),
-                                    "window_size": 4})],
-    "medformer": [(2, 1, (32, 32), {"channels": (8, 16, 16, 16, 16, 16, 8, 8), "conv_num": (1, 1, 0, 0, 0, 1, 1, 1),
-                                    "trans_num": (0, 1, 1, 1, 1, 1, 0, 0), "num_heads": (1, 2, 2, 2, 2, 2, 1, 1),
-                                    "map_size": 2, "fusion_depth": 1, "fusion_dim": 16, "fusion_heads": 2}),
-                  (3, 1, (32, 32, 32), {"channels": (8, 16, 16, 16, 16, 16, 8, 8),
-                                        "conv_num": (1, 1, 0, 0, 0, 1, 1, 1), "trans_num": (0, 1, 1, 1, 1, 1, 0, 0),
-                                        "num_heads": (1, 2, 2, 2, 2, 2, 1, 1), "map_size": 2, "fusion_depth": 1,
-                                        "fusion_dim": 16, "fusion_heads": 2})],
+    "unet3d-authors": [(3, 1, (16, 32, 32), {"base_channels": 4}), (2, 2, (32, 32), {"base_channels": 4})],
+    "monai-unet": [
+        (2, 1, (32, 32), {"feature_channels": 8, "channels": (4, 8, 16), "strides": (2, 2), "num_res_units": 1}),
+        (3, 1, (16, 16, 16), {"feature_channels": 8, "channels": (4, 8, 16), "strides": (2, 2), "num_res_units": 1}),
+    ],
+    "swinunetr": [
+        (2, 1, (64, 64), {"feature_size": 12, "depths": (1, 1, 1, 1), "num_heads": (1, 1, 1, 1), "window_size": 4})
+    ],
+    "medformer": [
+        (
+            2,
+            1,
+            (32, 32),
+            {
+                "channels": (8, 16, 16, 16, 16, 16, 8, 8),
+                "conv_num": (1, 1, 0, 0, 0, 1, 1, 1),
+                "trans_num": (0, 1, 1, 1, 1, 1, 0, 0),
+                "num_heads": (1, 2, 2, 2, 2, 2, 1, 1),
+                "map_size": 2,
+                "fusion_depth": 1,
+                "fusion_dim": 16,
+                "fusion_heads": 2,
+            },
+        ),
+        (
+            3,
+            1,
+            (32, 32, 32),
+            {
+                "channels": (8, 16, 16, 16, 16, 16, 8, 8),
+                "conv_num": (1, 1, 0, 0, 0, 1, 1, 1),
+                "trans_num": (0, 1, 1, 1, 1, 1, 0, 0),
+                "num_heads": (1, 2, 2, 2, 2, 2, 1, 1),
+                "map_size": 2,
+                "fusion_depth": 1,
+                "fusion_dim": 16,
+                "fusion_heads": 2,
+            },
+        ),
+    ],
     "deeplabv3plus": [(2, 1, (64, 64), {"encoder_name": "resnet18", "decoder_channels": 32})],
-    "sam-vitb": [(2, 1, (64, 64), {"img_size": 64, "embed_dim": 64, "depth": 2, "num_heads": 2, "window_size": 2,
-                                   "global_attn_indexes": (1,), "proj_channels": 16})],
+    "sam-vitb": [
+        (
+            2,
+            1,
+            (64, 64),
+            {
+                "img_size": 64,
+                "embed_dim": 64,
+                "depth": 2,
+                "num_heads": 2,
+                "window_size": 2,
+                "global_attn_indexes": (1,),
+                "proj_channels": 16,
+            },
+        )
+    ],
 }
-CASES = [pytest.param(name, *cfg, id=f"{name}-{cfg[0]}d") for name in BACKBONES.list() for cfg in TINY.get(name, [None])
-         if cfg is not None]
+CASES = [
+    pytest.param(name, *cfg, id=f"{name}-{cfg[0]}d")
+    for name in BACKBONES.list()
+    for cfg in TINY.get(name, [None])
+    if cfg is not None
+]
 K = 3
 
 
@@ -175,7 +219,9 @@ def test_input_size_checks():
     unet.check_input_size((128, 120, 120), "patch_size")  # the authors' patch is not a multiple of 16: fine here
     with pytest.raises(ConfigError, match="at least"):
         unet.check_input_size((8, 32, 32), "patch_size")
-    swin = create_segmenter("swinunetr", spatial_dims=2, in_channels=1, num_classes=2, **TINY["swinunetr"][0][3]).backbone
+    swin = create_segmenter(
+        "swinunetr", spatial_dims=2, in_channels=1, num_classes=2, **TINY["swinunetr"][0][3]
+    ).backbone
     with pytest.raises(ConfigError, match="multiple of 32"):
         swin.check_input_size((48, 64), "patch_size")
 
@@ -186,27 +232,35 @@ def test_authors_unet_parameter_count_matches_paper():
     assert round(sum(p.numel() for p in model.parameters()) / 1e6, 2) == 16.27
 
 
-RUN_CASES = [pytest.param(name, *cfg, id=f"{name}-{cfg[0]}d") for name in BACKBONES.list()
-             for cfg in TINY.get(name, [])[:1]]
+RUN_CASES = [
+    pytest.param(name, *cfg, id=f"{name}-{cfg[0]}d") for name in BACKBONES.list() for cfg in TINY.get(name, [])[:1]
+]
 
 
 @pytest.mark.parametrize("name,dims,in_ch,size,kwargs", RUN_CASES)
 def test_two_session_synthetic_run(name, dims, in_ch, size, kwargs, tmp_path):
     """One short epoch per session of JASCL (GAS + replay) on a toy protocol of the backbone's size."""
     from conftest import toy_protocol_dict
+    from jascl.engine.config import resolve_config
+    from jascl.experiments.runner import run_benchmark
     from jascl.protocols import parse_protocol
-    from jascl.training.config import resolve_config
-    from jascl.training.runner import run_benchmark
 
     d = toy_protocol_dict(dims)
     d["in_channels"] = in_ch
     d["synthetic"]["size"] = list(size)
-    d["training"] = {"backbone": name, "backbone_args": dict(kwargs), "epochs_base": 1, "epochs_incremental": 1,
-                     "batch_size": 2, "augment": False}
+    d["training"] = {
+        "backbone": name,
+        "backbone_args": dict(kwargs),
+        "epochs_base": 1,
+        "epochs_incremental": 1,
+        "batch_size": 2,
+        "augment": False,
+    }
     protocol = parse_protocol(d, f"toy-{name}.yaml")
     config = resolve_config(protocol.training, protocol.path)
-    results = run_benchmark(protocol, config, ["jascl"], tmp_path / "run", cache_dir=tmp_path / "cache",
-                            progress=False, echo=lambda m: None)
+    results = run_benchmark(
+        protocol, config, ["jascl"], tmp_path / "run", cache_dir=tmp_path / "cache", progress=False, echo=lambda m: None
+    )
     sessions = results["methods"]["jascl"]["sessions"]
     assert [s["session"] for s in sessions] == [0, 1]
     assert set(sessions[1]["per_class"]) == {"0", "1", "2", "3"}

@@ -12,29 +12,50 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import toy_protocol_dict
+from jascl.data.sessions import load_sessions
+from jascl.engine.checkpoint import load_tensors
+from jascl.engine.config import resolve_config
 from jascl.errors import ConfigError
-from jascl.methods import METHODS, Plugin, create_method
-from jascl.methods.base import Method
+from jascl.experiments.runner import ensure_base, run_benchmark
+from jascl.methods import Plugin
 from jascl.methods.baselines.distillation import (
-    FeatureTap, absorbed_rows, background_merged_loss, feature_distillation_loss, frozen_copy, kd_loss,
-    merge_absorbed_probabilities, mib_init_new_rows, unbiased_cross_entropy, unbiased_kd_loss,
+    FeatureTap,
+    absorbed_rows,
+    background_merged_loss,
+    feature_distillation_loss,
+    frozen_copy,
+    kd_loss,
+    merge_absorbed_probabilities,
+    mib_init_new_rows,
+    unbiased_cross_entropy,
+    unbiased_kd_loss,
 )
 from jascl.methods.baselines.plop import (
-    EntropyHistogram, entropy_thresholds, local_pod, merge_new_logits, normalized_entropy, plop_pseudo_labels,
-    pod_distance, weighted_pseudo_label_ce,
+    EntropyHistogram,
+    entropy_thresholds,
+    local_pod,
+    merge_new_logits,
+    normalized_entropy,
+    plop_pseudo_labels,
+    pod_distance,
+    weighted_pseudo_label_ce,
 )
 from jascl.methods.baselines.prototype_replay import (
-    ClassStatistics, FeatureStatistics, ReplayStore, compensate_prototypes, ocfm_loss, replay_balanced_ce,
-    sad_loss, sample_replay_features, uncertainty_constraint_loss,
+    ClassStatistics,
+    FeatureStatistics,
+    ReplayStore,
+    compensate_prototypes,
+    ocfm_loss,
+    replay_balanced_ce,
+    sad_loss,
+    sample_replay_features,
+    uncertainty_constraint_loss,
 )
+from jascl.methods.registry import create_method
 from jascl.networks.base import create_segmenter
 from jascl.networks.classifier import PixelClassifier
 from jascl.protocols import parse_protocol
-from jascl.training.checkpoint import load_tensors
-from jascl.training.config import resolve_config
-from jascl.training.runner import ensure_base, load_data, run_benchmark
-
-from conftest import toy_protocol_dict
 
 LOG = math.log
 OURS = ["lwf", "ilt", "mib", "plop", "saving100x", "adapt-replay"]
@@ -299,8 +320,9 @@ def test_adaptive_deviation_compensation_by_hand():
     noise = torch.full((2, 2), 0.1)
     before = torch.tensor([[2.0, 0.0], [0.0, 0.0]])
     after = torch.tensor([[0.0, 3.0], [0.0, 0.0]])
-    moved, grown = compensate_prototypes(protos, noise, before, after, torch.tensor([5.0, 0.0]),
-                                         torch.tensor([10.0, 10.0]))
+    moved, grown = compensate_prototypes(
+        protos, noise, before, after, torch.tensor([5.0, 0.0]), torch.tensor([10.0, 10.0])
+    )
     assert moved.flatten().tolist() == pytest.approx([0.5, 0.5, 0.0, 1.0])  # half the shift (-1, 1); row 2 kept
     assert grown.flatten().tolist() == pytest.approx([0.6, 0.6, 0.1, 0.1])
 
@@ -310,8 +332,11 @@ def test_adaptive_deviation_compensation_by_hand():
 
 def test_frozen_copy_leaves_the_rng_alone_and_taps_hook_layers():
     model = create_segmenter("unet", 2, 1, 3, features=[4, 4, 8, 8, 8, 8])
-    state = SimpleNamespace(device=torch.device("cpu"), model=model,
-                            new_model=lambda k: create_segmenter("unet", 2, 1, k, features=[4, 4, 8, 8, 8, 8]))
+    state = SimpleNamespace(
+        device=torch.device("cpu"),
+        model=model,
+        new_model=lambda k: create_segmenter("unet", 2, 1, k, features=[4, 4, 8, 8, 8, 8]),
+    )
     torch.manual_seed(7)
     expected = torch.rand(3)
     torch.manual_seed(7)
@@ -336,8 +361,13 @@ def test_teacher_is_copied_before_mibs_initialisation():
     model.eval()
     before = model(x)
     model.classifier.grow(1)
-    state = SimpleNamespace(session=SimpleNamespace(index=1), previous_seen=[0, 1, 2], device=torch.device("cpu"),
-                            model=model, new_model=make)
+    state = SimpleNamespace(
+        session=SimpleNamespace(index=1),
+        previous_seen=[0, 1, 2],
+        device=torch.device("cpu"),
+        model=model,
+        new_model=make,
+    )
     plugin = TeacherPlugin(freeze="none", init="mib")
     plugin.before_session(state)
     assert torch.allclose(plugin.teacher(x)[:, :3], before, atol=1e-5)  # the old model, untouched
@@ -369,7 +399,7 @@ def toy_base(tmp_path_factory):
     protocol = parse_protocol(toy_protocol_dict(2), source="toy-2d.yaml")
     config = resolve_config(protocol.training, "toy-2d.yaml")
     root = tmp_path_factory.mktemp("baselines")
-    data = load_data(protocol, root / "cache", echo=lambda *a: None)
+    data = load_sessions(protocol, root / "cache", echo=lambda *a: None)
     ensure_base(protocol, config, data, root / "base", progress=False, echo=lambda *a: None)
     return protocol, config, root
 
@@ -402,23 +432,23 @@ class Probe(Plugin):
 
 
 @pytest.mark.parametrize("name", OURS)
-def test_method_runs_session_one_with_its_terms_active(name, toy_base, tmp_path, monkeypatch):
+def test_method_runs_session_one_with_its_terms_active(name, toy_base, tmp_path):
     protocol, config, root = toy_base
     probe = Probe()
-    original = METHODS.get(name)
-    used = []
-
-    def probed(config):
-        used.append(original(config))
-        return Method(name, [*used[-1].plugins, probe])
-
-    monkeypatch.setitem(METHODS._entries, name, probed)
+    method = create_method(name, config)
     out = tmp_path / "run"
     shutil.copytree(root / "base", out / "base")
-    results = run_benchmark(protocol, config, [name], out, cache_dir=root / "cache", progress=False,
-                            echo=lambda *a: None)
+    results = run_benchmark(
+        protocol,
+        config,
+        [method.with_plugins([probe])],
+        out,
+        cache_dir=root / "cache",
+        progress=False,
+        echo=lambda *a: None,
+    )
     assert [s["session"] for s in results["methods"][name]["sessions"]] == [0, 1]
-    plugin = used[-1].plugins[0]
+    plugin = method.plugins[0]
     for term in plugin.loss_terms:
         assert probe.terms.get(term, 0.0) > 0.0, f"{name}: {term} never non-zero in session 1"
     assert probe.absorbed == [0, 2]  # class 1 recurs (labelled), class 2 is hidden in the background

@@ -15,20 +15,38 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import toy_protocol_dict
-from jascl.data.synthetic import Split, load_or_generate
+from jascl.data.synthetic import load_or_generate
+from jascl.data.types import Split
+from jascl.engine.config import resolve_config
+from jascl.engine.loop import ContinualTrainer
+from jascl.engine.prototypes import PrototypeStore
 from jascl.errors import ConfigError
-from jascl.methods import Method, Plugin, create_method
-from jascl.methods.baselines.domain import (MASKED_LOGIT, MDILPlugin, adapter_sites, decoder_prefixes,
-                                            domain_distillation, domain_specific_keys)
-from jascl.methods.baselines.semi import (adaptive_lambda, block_mask, class_balanced_selection, confidence_features,
-                                          csl_loss, csl_weights_from_features, cutmix_box, retrieve_greedy,
-                                          spectral_two_clusters, uad_distillation, uad_keep_mask,
-                                          uncertainty_from_samples)
-from jascl.methods.prototypes import PrototypeStore
+from jascl.methods import Method, Plugin
+from jascl.methods.baselines.domain import (
+    MASKED_LOGIT,
+    MDILPlugin,
+    adapter_sites,
+    decoder_prefixes,
+    domain_distillation,
+    domain_specific_keys,
+)
+from jascl.methods.baselines.semi import (
+    adaptive_lambda,
+    block_mask,
+    class_balanced_selection,
+    confidence_features,
+    csl_loss,
+    csl_weights_from_features,
+    cutmix_box,
+    retrieve_greedy,
+    spectral_two_clusters,
+    uad_distillation,
+    uad_keep_mask,
+    uncertainty_from_samples,
+)
+from jascl.methods.registry import create_method
 from jascl.networks.base import create_segmenter
 from jascl.protocols import parse_protocol
-from jascl.training.config import resolve_config
-from jascl.training.trainer import ContinualTrainer
 
 # ---------------------------------------------------------------- fixtures
 
@@ -54,9 +72,11 @@ def pool_protocol():
 
 
 def _config(protocol, *overrides):
-    return resolve_config(protocol.training, "toy-2d-pool.yaml",
-                          overrides=["pas.start_epoch=0", "pas.every=1", "method_args.uad-ce.noise_passes=2",
-                                     *overrides])
+    return resolve_config(
+        protocol.training,
+        "toy-2d-pool.yaml",
+        overrides=["pas.start_epoch=0", "pas.every=1", "method_args.uad-ce.noise_passes=2", *overrides],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +163,9 @@ def test_mdil_switches_domains_and_round_trips(pool_protocol, base, tmp_path):
     data, base_dir = base
     config = _config(pool_protocol, "freeze_incremental=all_but_classifier")
     plugin, rec = MDILPlugin(shared_lr_ratio=0.0), Recorder()
-    trainer, model, store = _session1(pool_protocol, config, Method("mdil", [plugin, rec]), data, base_dir,
-                                      tmp_path / "s1")
+    trainer, model, store = _session1(
+        pool_protocol, config, Method("mdil", [plugin, rec]), data, base_dir, tmp_path / "s1"
+    )
     base_model, _, _ = trainer.load_session(base_dir, 0)
     keys = set(domain_specific_keys(model))
 
@@ -187,8 +208,9 @@ def test_mdil_distills_old_domains_when_shared_parameters_move(pool_protocol, ba
     data, base_dir = base
     plugin, rec = MDILPlugin(), Recorder()  # official ratio 0.01
     config = _config(pool_protocol)
-    trainer, model, store = _session1(pool_protocol, config, Method("mdil", [plugin, rec]), data, base_dir,
-                                      tmp_path / "s1")
+    trainer, model, store = _session1(
+        pool_protocol, config, Method("mdil", [plugin, rec]), data, base_dir, tmp_path / "s1"
+    )
     assert rec.lrs[0] == pytest.approx([0.01 * config.lr_incremental, config.lr_incremental])
     assert rec.losses[0]["mdil"] == 0.0 and rec.losses[1]["mdil"] > 0  # after one step the shared encoder moved
     x = torch.from_numpy(data[0].test.images).float()
@@ -284,11 +306,11 @@ def test_csl_loss_is_weighted_ce_over_valid_pixels():
 def test_csl_masks():
     assert block_mask((4, 6), 2, 1.0).all() and not block_mask((4, 6), 2, 0.0).any()
     blocks = block_mask((8, 8), 4, 0.5, torch.Generator().manual_seed(0))
-    assert all(blocks[i:i + 4, j:j + 4].unique().numel() == 1 for i in (0, 4) for j in (0, 4))
+    assert all(blocks[i : i + 4, j : j + 4].unique().numel() == 1 for i in (0, 4) for j in (0, 4))
     assert not cutmix_box((8, 8), 0.0).any()
     box = cutmix_box((10, 10, 10), 1.0, torch.Generator().manual_seed(1))
     side = round(box.sum().item() ** (1 / 3))
-    assert side ** 3 == box.sum().item() and 0.02 * 1000 <= box.sum().item() <= 0.4 * 1000 + 50
+    assert side**3 == box.sum().item() and 0.02 * 1000 <= box.sum().item() <= 0.4 * 1000 + 50
 
 
 # ---------------------------------------------------------------- RETRIEVE: pure part

@@ -10,21 +10,44 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from jascl.engine.config import resolve_config
+from jascl.engine.loop import ContinualTrainer
 from jascl.errors import ConfigError
-from jascl.methods import METHODS, Method, Plugin, create_method
-from jascl.methods.baselines.fewshot_fecam import (FeCAMHead, FeCAMPlugin, FeCAMOptions, GaussianAccumulator,
-                                                   correlation_matrix, fecam_precision, mahalanobis_sq,
-                                                   shrink_covariance, tukey_transform)
-from jascl.methods.baselines.fewshot_gaps import (GAPSOptions, GAPSPlugin, PasteParams, PoolEntry, context_candidates,
-                                                  crop_to_object, paste_object, sample_paste, uniform_interval_pick,
-                                                  vrfs_probabilities)
-from jascl.methods.baselines.fewshot_ncfscil import (ETFClassifier, ProjectionHead, class_balance_weights,
-                                                     dot_regression_loss, simplex_etf)
+from jascl.experiments.runner import run_benchmark
+from jascl.methods import Method, Plugin
+from jascl.methods.baselines.fewshot_fecam import (
+    FeCAMHead,
+    FeCAMOptions,
+    FeCAMPlugin,
+    GaussianAccumulator,
+    correlation_matrix,
+    fecam_precision,
+    mahalanobis_sq,
+    shrink_covariance,
+    tukey_transform,
+)
+from jascl.methods.baselines.fewshot_gaps import (
+    GAPSOptions,
+    GAPSPlugin,
+    PasteParams,
+    PoolEntry,
+    context_candidates,
+    crop_to_object,
+    paste_object,
+    sample_paste,
+    uniform_interval_pick,
+    vrfs_probabilities,
+)
+from jascl.methods.baselines.fewshot_ncfscil import (
+    ETFClassifier,
+    ProjectionHead,
+    class_balance_weights,
+    dot_regression_loss,
+    simplex_etf,
+)
 from jascl.methods.baselines.fewshot_pifs import pifs_distillation, pifs_prototypes
 from jascl.methods.baselines.fewshot_subspace import anchor_distance, subspace_distance
-from jascl.training.config import resolve_config
-from jascl.training.runner import run_benchmark
-from jascl.training.trainer import ContinualTrainer
+from jascl.methods.registry import create_method
 
 MINE = ("pifs", "gaps", "nc-fscil", "fecam", "subspace")
 
@@ -58,7 +81,9 @@ def test_dot_regression_loss_hand_values():
     mu4 = torch.tensor([[1.0, 0.0]] * 4)
     t4 = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])  # dots 1, 1, 0, 0
     # 1/2 * (0 + 0 + 2/3 * 1 + 2 * 1) / 4 = 1/3
-    assert dot_regression_loss(mu4, t4, class_balance_weights(torch.tensor([0, 0, 0, 1]))).item() == pytest.approx(1 / 3)
+    assert dot_regression_loss(mu4, t4, class_balance_weights(torch.tensor([0, 0, 0, 1]))).item() == pytest.approx(
+        1 / 3
+    )
 
 
 def test_projection_head_acts_per_pixel_and_etf_classifier_scores_by_cosine():
@@ -87,8 +112,11 @@ def test_tukey_shrinkage_and_correlation_hand_values():
     corr = correlation_matrix(shrunk)
     assert torch.allclose(corr, torch.tensor([[1.0, 1.0 / math.sqrt(8.75)], [1.0 / math.sqrt(8.75), 1.0]]))
     # the official code shrinks twice: second pass V1 = 3, V2 = 1
-    assert torch.allclose(torch.linalg.inv(fecam_precision(cov, shrink_passes=2, normalise=False)),
-                          torch.tensor([[6.5, 2.0], [2.0, 5.5]]), atol=1e-5)
+    assert torch.allclose(
+        torch.linalg.inv(fecam_precision(cov, shrink_passes=2, normalise=False)),
+        torch.tensor([[6.5, 2.0], [2.0, 5.5]]),
+        atol=1e-5,
+    )
 
 
 def test_mahalanobis_equals_the_closed_form_in_2d():
@@ -205,8 +233,12 @@ def test_crop_and_paste_put_the_object_where_expected():
     assert torch.equal(image, torch.zeros(1, 6, 6)) and torch.equal(label, torch.full((6, 6), 1))  # inputs untouched
     # flipped along the last axis and doubled in size (nearest mask, 4x4 region at the origin)
     _, flip_lab = paste_object(image, label, crop_img, crop_mask, 9, PasteParams(True, (4, 4), (0, 0)))
-    assert (flip_lab[:4, :4] == 9).tolist() == [[False, False, True, True], [False, False, True, True],
-                                                 [True, True, True, True], [True, True, True, True]]
+    assert (flip_lab[:4, :4] == 9).tolist() == [
+        [False, False, True, True],
+        [False, False, True, True],
+        [True, True, True, True],
+        [True, True, True, True],
+    ]
 
 
 def test_sample_paste_shrinks_to_fit_and_is_seeded():
@@ -248,7 +280,9 @@ def test_gaps_synthesis_pastes_the_session_class_with_its_pixels():
     for _ in range(10):
         image, label = plugin.synthesise(3)
         assert label.shape == (16, 16) and image.shape == (1, 16, 16)
-        assert torch.allclose(image[0][label == 3], torch.tensor(0.75))  # pasted pixels carry the object's intensities and class
+        assert torch.allclose(
+            image[0][label == 3], torch.tensor(0.75)
+        )  # pasted pixels carry the object's intensities and class
         assert torch.all(image[0][label != 3] == 0.0)
         pasted += int((label == 3).any())
     # one class in the pool: p = vRFS(3 classes, 1 shot, memory 1) = 0.5 per sample; seed 0 pastes in some samples
@@ -263,18 +297,22 @@ def test_subspace_distance_and_anchor_hand_values():
     new = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, -1.0]])
     assert subspace_distance(new, base).item() == pytest.approx(9.0 + 1.0, abs=1e-5)  # squared z-components
     assert subspace_distance(torch.tensor([[4.0, -1.0, 0.0]]), base).item() == pytest.approx(0.0, abs=1e-6)
-    assert anchor_distance(torch.tensor([[3.0, 4.0], [1.0, 1.0]]), torch.tensor([[0.0, 0.0], [1.0, 1.0]])).item() == \
-        pytest.approx(5.0)  # not squared, as the official regloss
+    assert anchor_distance(
+        torch.tensor([[3.0, 4.0], [1.0, 1.0]]), torch.tensor([[0.0, 0.0], [1.0, 1.0]])
+    ).item() == pytest.approx(5.0)  # not squared, as the official regloss
 
 
-@pytest.mark.parametrize("override,match", [
-    ("method_args.pifs.freeze=partial", "method_args.pifs.freeze: must be one of config, none, all_but_classifier"),
-    ("method_args.gaps.memory_size=0", "method_args.gaps.memory_size: must be >= 1"),
-    ("method_args.gaps.context_prob=2", "method_args.gaps.context_prob: must be in"),
-    ("method_args.nc-fscil.proj_dim=-1", "method_args.nc-fscil.proj_dim: must be >= 0"),
-    ("method_args.subspace.lambda_pull=-1", "method_args.subspace"),
-    ("method_args.fecam.beta=x", "method_args.fecam.beta: must be a number"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("method_args.pifs.freeze=partial", "method_args.pifs.freeze: must be one of config, none, all_but_classifier"),
+        ("method_args.gaps.memory_size=0", "method_args.gaps.memory_size: must be >= 1"),
+        ("method_args.gaps.context_prob=2", "method_args.gaps.context_prob: must be in"),
+        ("method_args.nc-fscil.proj_dim=-1", "method_args.nc-fscil.proj_dim: must be >= 0"),
+        ("method_args.subspace.lambda_pull=-1", "method_args.subspace"),
+        ("method_args.fecam.beta=x", "method_args.fecam.beta: must be a number"),
+    ],
+)
 def test_bad_options_are_one_line_config_errors(override, match):
     name = override.split(".")[1]
     with pytest.raises(ConfigError, match=match):
@@ -285,8 +323,15 @@ def test_nc_fscil_refuses_a_projection_smaller_than_the_class_count(runs, tmp_pa
     protocol, config, root, _ = runs
     small = dataclasses.replace(config, method_args={"nc-fscil": {"proj_dim": 3}})  # 4 protocol classes need d >= 4
     with pytest.raises(ConfigError, match="method_args.nc-fscil.proj_dim: 3 < 4 protocol classes"):
-        run_benchmark(protocol, small, ["nc-fscil"], tmp_path / "run", cache_dir=root / "cache", progress=False,
-                      echo=lambda *a: None)
+        run_benchmark(
+            protocol,
+            small,
+            ["nc-fscil"],
+            tmp_path / "run",
+            cache_dir=root / "cache",
+            progress=False,
+            echo=lambda *a: None,
+        )
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -312,25 +357,23 @@ class Probe(Plugin):
 
 def _run(name, toy_protocol, toy_config, out, cache):
     probe = Probe()
-    original = METHODS.get(name)
-
-    def probed(config):
-        method = original(config)
-        return Method(method.name, [*method.plugins, probe], method.description)
-
-    METHODS._entries[name], saved = probed, original
-    try:
-        results = run_benchmark(toy_protocol, toy_config, [name], out, cache_dir=cache, progress=False, echo=lambda *a: None)
-    finally:
-        METHODS._entries[name] = saved
+    results = run_benchmark(
+        toy_protocol,
+        toy_config,
+        [name],
+        out,
+        cache_dir=cache,
+        progress=False,
+        echo=lambda *a: None,
+        extra_plugins=[probe],
+    )
     return results, probe
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from jascl.protocols import parse_protocol
-
     from conftest import toy_protocol_dict
+    from jascl.protocols import parse_protocol
 
     protocol = parse_protocol(toy_protocol_dict(2), source="toy-2d.yaml")
     config = resolve_config(protocol.training, "toy-2d.yaml")
@@ -391,8 +434,8 @@ def test_fecam_is_training_free_and_restores_the_classifier(runs):
 def test_fecam_session_1_prediction_is_the_mahalanobis_head(runs, tmp_path):
     """Re-evaluating the saved session-1 model with the head built from the saved statistics gives the record."""
     from jascl.data.synthetic import load_or_generate
+    from jascl.engine.checkpoint import load_tensors
     from jascl.evaluation.evaluator import evaluate
-    from jascl.training.checkpoint import load_tensors
 
     protocol, config, root, out = runs
     data = load_or_generate(protocol, root / "cache")
@@ -403,8 +446,14 @@ def test_fecam_session_1_prediction_is_the_mahalanobis_head(runs, tmp_path):
     method.load_extra_state(load_tensors(folder / "plugins.safetensors"))
     state = trainer.loop_state(1, model, store)
     model.classifier = method.plugins[0].head(state)
-    result = evaluate(model, [d.test for d in data[:2]], state.seen, trainer.device, roi=config.patch_size,
-                      batch_size=config.batch_size)
+    result = evaluate(
+        model,
+        [d.test for d in data[:2]],
+        state.seen,
+        trainer.device,
+        roi=config.patch_size,
+        batch_size=config.batch_size,
+    )
     assert {str(k): v for k, v in result.dice.items()} == pytest.approx(record["dice"], nan_ok=True)
 
 
@@ -422,9 +471,9 @@ def test_gaps_trains_on_synthetic_batches_only_and_stores_its_memory(runs):
 
 def test_pifs_imprints_normalised_prototypes_and_distils_from_the_warm_teacher(runs, tmp_path):
     from jascl.data.synthetic import load_or_generate
+    from jascl.engine.prototypes import PrototypeStore
     from jascl.methods.baselines.fewshot import eval_features, labelled_loader
     from jascl.methods.baselines.fewshot_pifs import PIFSPlugin
-    from jascl.methods.prototypes import PrototypeStore
 
     class Snap(Plugin):
         name = "snap"
@@ -442,7 +491,9 @@ def test_pifs_imprints_normalised_prototypes_and_distils_from_the_warm_teacher(r
     model, store = trainer.new_model(3), PrototypeStore()
     trainer.run_session(0, model, store, tmp_path / "s0")
     trainer.run_session(1, model, store, tmp_path / "s1")
-    assert torch.allclose(snap.rows[3], snap.expected[3], atol=1e-6) and snap.rows[3].norm().item() == pytest.approx(1.0)
+    assert torch.allclose(snap.rows[3], snap.expected[3], atol=1e-6) and snap.rows[3].norm().item() == pytest.approx(
+        1.0
+    )
     assert torch.equal(snap.teacher_rows, snap.rows)  # warm start: the teacher already has the new prototype
     assert pifs.teacher is None  # released after the session
 

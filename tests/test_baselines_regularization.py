@@ -13,22 +13,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import toy_protocol_dict
 from jascl.data.synthetic import load_or_generate
+from jascl.engine.config import resolve_config
+from jascl.engine.loop import ContinualTrainer
+from jascl.engine.plugin import Method
+from jascl.engine.prototypes import PrototypeStore
 from jascl.errors import ConfigError
-from jascl.methods import Plugin, create_method
-from jascl.methods.base import Method
+from jascl.methods import Plugin
 from jascl.methods.baselines.regularization import (
-    AdagradPlugin, DropoutWeightDecayPlugin, EWCPlugin, NodeGaussian, OnlineEWCPlugin, ewc_penalty,
-    fisher_diagonal, leading_rows, online_fisher_update, pad_rows, ucl_layer_terms, ucl_std_init)
+    AdagradPlugin,
+    DropoutWeightDecayPlugin,
+    EWCPlugin,
+    NodeGaussian,
+    OnlineEWCPlugin,
+    ewc_penalty,
+    fisher_diagonal,
+    leading_rows,
+    online_fisher_update,
+    pad_rows,
+    ucl_layer_terms,
+    ucl_std_init,
+)
 from jascl.methods.baselines.sharpness import (
-    SAMPlugin, STARPlugin, ascent_step, c_flat_gradient, frozen_bn_statistics, sam_gradient, star_kl, star_layer_step)
-from jascl.methods.prototypes import PrototypeStore
+    SAMPlugin,
+    STARPlugin,
+    ascent_step,
+    c_flat_gradient,
+    frozen_bn_statistics,
+    sam_gradient,
+    star_kl,
+    star_layer_step,
+)
+from jascl.methods.registry import create_method
 from jascl.networks.classifier import PixelClassifier
 from jascl.protocols import parse_protocol
-from jascl.training.config import resolve_config
-from jascl.training.trainer import ContinualTrainer
-
-from conftest import toy_protocol_dict
 
 NAMES = ["ewc", "online-ewc", "ucl", "dropout-wd", "adagrad", "sam", "c-flat", "star"]
 LOSS_KEY = {"ewc": "ewc", "online-ewc": "online-ewc", "ucl": "ucl", "dropout-wd": "wd", "star": "star"}
@@ -64,8 +83,10 @@ def test_ewc_plugin_adds_half_lambda_times_penalty_only_after_session_zero():
     model = nn.Module()
     model.w = nn.Parameter(torch.tensor([1.0, -2.0]))
     plugin = EWCPlugin(weight=4.0)
-    plugin.sessions = [({"w": torch.tensor([2.0, 0.25])}, {"w": torch.tensor([0.5, 0.0])}),
-                       ({"w": torch.tensor([1.0, 1.0])}, {"w": torch.tensor([1.0, -1.0])})]
+    plugin.sessions = [
+        ({"w": torch.tensor([2.0, 0.25])}, {"w": torch.tensor([0.5, 0.0])}),
+        ({"w": torch.tensor([1.0, 1.0])}, {"w": torch.tensor([1.0, -1.0])}),
+    ]
     state = _fake_state(model, index=2)
     plugin.after_forward(state)
     assert state.losses["ewc"].item() == pytest.approx(0.5 * 4.0 * (1.5 + 1.0))  # one penalty per earlier session
@@ -104,8 +125,13 @@ def test_sampled_fisher_of_a_certain_model_equals_the_fisher_at_its_predictions(
         model.weight.zero_()
         model.bias.copy_(torch.tensor([0.0, 40.0]))  # always class 1, probability ~1
     x = torch.randn(1, 1, 2, 2)
-    sampled = fisher_diagonal(model, [(x, torch.zeros(1, 2, 2, dtype=torch.long))], dict(model.named_parameters()),
-                              labels="sampled", generator=torch.Generator().manual_seed(0))
+    sampled = fisher_diagonal(
+        model,
+        [(x, torch.zeros(1, 2, 2, dtype=torch.long))],
+        dict(model.named_parameters()),
+        labels="sampled",
+        generator=torch.Generator().manual_seed(0),
+    )
     at_prediction = fisher_diagonal(model, [(x, torch.ones(1, 2, 2, dtype=torch.long))], dict(model.named_parameters()))
     assert torch.allclose(sampled["bias"], at_prediction["bias"])
 
@@ -121,8 +147,12 @@ def test_online_fisher_accumulates_gamma_f_plus_f_new():
 
 def test_online_ewc_plugin_keeps_one_running_fisher_and_the_latest_anchor(monkeypatch):
     plugin = OnlineEWCPlugin(weight=2.0, gamma=0.5)
-    stats = iter([({"w": torch.tensor([4.0])}, {"w": torch.tensor([1.0])}),
-                  ({"w": torch.tensor([1.0])}, {"w": torch.tensor([3.0])})])
+    stats = iter(
+        [
+            ({"w": torch.tensor([4.0])}, {"w": torch.tensor([1.0])}),
+            ({"w": torch.tensor([1.0])}, {"w": torch.tensor([3.0])}),
+        ]
+    )
     monkeypatch.setattr(plugin, "session_fisher", lambda state: next(stats))
     plugin.consolidate(_fake_state(None, index=0))
     plugin.consolidate(_fake_state(None, index=1))
@@ -250,7 +280,7 @@ def _quadratic_grad(theta):
 def test_sam_perturbation_is_rho_times_normalised_gradient_on_a_quadratic():
     theta = [torch.tensor([1.0, 2.0]), torch.tensor([-2.0])]  # two tensors: the norm is global
     g = [A[:2] * theta[0], A[2:] * theta[1]]
-    norm = math.sqrt(4.0 ** 2 + 2.0 ** 2 + 1.0 ** 2)
+    norm = math.sqrt(4.0**2 + 2.0**2 + 1.0**2)
     e = ascent_step(g, rho=0.3)
     assert torch.allclose(e[0], 0.3 * torch.tensor([4.0, 2.0]) / norm)
     assert torch.allclose(e[1], 0.3 * torch.tensor([-1.0]) / norm)
@@ -264,7 +294,7 @@ def test_sam_plugin_hands_the_optimiser_the_gradient_at_the_perturbed_point():
     model.theta = nn.Parameter(torch.tensor([1.0, 2.0, -2.0]))
     opt = torch.optim.SGD([model.theta], lr=0.1)
     state = _fake_state(model, index=1, optimizer=opt)
-    state.closure = lambda: state.losses.update(seg=0.5 * (A * model.theta ** 2).sum()) or state.losses["seg"]
+    state.closure = lambda: state.losses.update(seg=0.5 * (A * model.theta**2).sum()) or state.losses["seg"]
     state.closure().backward()
     SAMPlugin(rho=0.05).before_update(state)
     g = A * torch.tensor([1.0, 2.0, -2.0])
@@ -330,8 +360,9 @@ def test_star_perturbation_has_the_layer_relative_size_and_increases_the_kl():
     for _ in range(8):  # same size, random directions
         random = torch.randn(delta.shape, generator=gen)
         random = random * (delta.norm() / random.norm())
-        random_kls.append(star_kl(clean, torch.func.functional_call(clf, {"weight": clf.weight.detach() + random},
-                                                                    (protos,)), mask))
+        random_kls.append(
+            star_kl(clean, torch.func.functional_call(clf, {"weight": clf.weight.detach() + random}, (protos,)), mask)
+        )
     assert star_kl(clean, shifted, mask) > max(random_kls)  # the ascent direction beats random ones
 
 
@@ -421,19 +452,25 @@ def ucl_terms_ok(terms):
 
 def test_default_freeze_keeps_the_backbone_fixed_and_the_fisher_on_the_classifier(toy, tmp_path):
     method, probe, model, after_base = _run_two_sessions(toy, "ewc", tmp_path)
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in after_base.items()
-               if k.startswith("backbone.") and "running" not in k and "num_batches" not in k)
+    assert all(
+        torch.equal(model.state_dict()[k], v)
+        for k, v in after_base.items()
+        if k.startswith("backbone.") and "running" not in k and "num_batches" not in k
+    )
     assert set(method.plugins[0].sessions[0][0]) == {"classifier.weight"} and probe.seen[1]["ewc"] > 0
 
 
-@pytest.mark.parametrize("override, key", [
-    ("method_args.ewc.freeze=bogus", "method_args.ewc.freeze"),
-    ("method_args.online-ewc.gamma=2", "method_args.online-ewc.gamma"),
-    ("method_args.sam.rho=-1", "method_args.sam.rho"),
-    ("method_args.ucl.ratio=0", "method_args.ucl.ratio"),
-    ("method_args.adagrad.lr=fast", "method_args.adagrad.lr"),
-    ("method_args.star.nope=1", "method_args.star.nope"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("method_args.ewc.freeze=bogus", "method_args.ewc.freeze"),
+        ("method_args.online-ewc.gamma=2", "method_args.online-ewc.gamma"),
+        ("method_args.sam.rho=-1", "method_args.sam.rho"),
+        ("method_args.ucl.ratio=0", "method_args.ucl.ratio"),
+        ("method_args.adagrad.lr=fast", "method_args.adagrad.lr"),
+        ("method_args.star.nope=1", "method_args.star.nope"),
+    ],
+)
 def test_bad_options_are_one_line_config_errors(override, key):
     name = key.split(".")[1]
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

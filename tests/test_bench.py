@@ -6,9 +6,8 @@ import math
 import pytest
 import yaml
 
-from jascl.training.bench import OpCounter, run_case, summarise, to_markdown
-
 from conftest import toy_protocol_dict
+from jascl.experiments.bench import OpCounter, run_case, summarise, to_markdown
 
 
 @pytest.fixture(scope="module")
@@ -20,25 +19,38 @@ def toy_bench(tmp_path_factory):
     spec["training"].update(batch_size=4, patch_size=[32, 32], pas={"start_epoch": 0, "every": 1})
     path = root / "toy-bench.yaml"
     path.write_text(yaml.safe_dump(spec))
-    return {"protocol": str(path), "session": 1, "epochs": 3, "overrides": [], "device": "cpu",
-            "cache_dir": str(root / "cache"), "eval_repeats": 1, "threads": 1}
+    return {
+        "protocol": str(path),
+        "session": 1,
+        "epochs": 3,
+        "overrides": [],
+        "device": "cpu",
+        "cache_dir": str(root / "cache"),
+        "eval_repeats": 1,
+        "threads": 1,
+    }
 
 
 @pytest.fixture(scope="module")
 def toy_results(toy_bench):
-    return {case: run_case(case, toy_bench)
-            for case in ("plain", "vanilla", "gas+replay", "plain-mt", "pas", "eval", "eval-plain")}
+    return {
+        case: run_case(case, toy_bench)
+        for case in ("plain", "vanilla", "gas+replay", "plain-mt", "pas", "eval", "eval-plain")
+    }
 
 
-@pytest.mark.parametrize("case, steps", [
-    ("plain", 2 * 2),      # 2 timed epochs x ceil(6 labelled / 4)
-    ("vanilla", 2 * 2),
-    ("gas+replay", 2 * 2),
-    ("plain-mt", 2 * 2),   # max(ceil(6 / 4), ceil(5 / 4)) steps per epoch
-    ("pas", 2 * 2),
-    ("eval", 4 + 4),       # one timed pass over the test splits of sessions 0 and 1
-    ("eval-plain", 4 + 4),
-])
+@pytest.mark.parametrize(
+    "case, steps",
+    [
+        ("plain", 2 * 2),  # 2 timed epochs x ceil(6 labelled / 4)
+        ("vanilla", 2 * 2),
+        ("gas+replay", 2 * 2),
+        ("plain-mt", 2 * 2),  # max(ceil(6 / 4), ceil(5 / 4)) steps per epoch
+        ("pas", 2 * 2),
+        ("eval", 4 + 4),  # one timed pass over the test splits of sessions 0 and 1
+        ("eval-plain", 4 + 4),
+    ],
+)
 def test_cases_time_the_expected_steps(case, steps, toy_results):
     out = toy_results[case]
     assert out["steps"] == steps
@@ -49,12 +61,21 @@ def test_cases_time_the_expected_steps(case, steps, toy_results):
 
 def test_summary_takes_medians_and_ratios():
     def r(steps, seconds):
-        return {"steps": steps, "seconds": seconds, "peak_mib": 100.0, "memory": "process peak RSS",
-                "device": "cpu", "between_epoch_seconds": None}
+        return {
+            "steps": steps,
+            "seconds": seconds,
+            "peak_mib": 100.0,
+            "memory": "process peak RSS",
+            "device": "cpu",
+            "between_epoch_seconds": None,
+        }
 
-    runs = {"plain": [r(10, 1.0), r(10, 2.0), r(10, 0.5)],     # 10, 5, 20 steps/s: median 10
-            "vanilla": [r(10, 1.25), r(10, 1.0), r(10, 2.0)],  # 8, 10, 5: median 8
-            "eval-plain": [r(4, 1.0)], "eval": [r(4, 1.0)]}
+    runs = {
+        "plain": [r(10, 1.0), r(10, 2.0), r(10, 0.5)],  # 10, 5, 20 steps/s: median 10
+        "vanilla": [r(10, 1.25), r(10, 1.0), r(10, 2.0)],  # 8, 10, 5: median 8
+        "eval-plain": [r(4, 1.0)],
+        "eval": [r(4, 1.0)],
+    }
     s = summarise(runs, {"protocol": "p", "session": 1, "epochs": 3, "overrides": []})
     assert s["cases"]["plain"]["rate"] == 10 and s["cases"]["vanilla"]["rate"] == 8
     assert (s["cases"]["plain"]["rate_min"], s["cases"]["plain"]["rate_max"]) == (5, 20)
@@ -72,11 +93,11 @@ def test_op_counter_counts_kernels_views_and_skips_data_loading():
 
     loader = DataLoader(torch.arange(8.0).view(4, 2), batch_size=2)
     with OpCounter() as c:
-        a = torch.ones(3)          # kernel
-        b = a + 1                  # kernel
-        v = b.view(3, 1).t()       # 2 views
-        (v * 2).sum().item()       # mul, sum, _local_scalar_dense: 3 kernels
-        for _ in loader:           # collation and slicing in the loader: not counted
+        a = torch.ones(3)  # kernel
+        b = a + 1  # kernel
+        v = b.view(3, 1).t()  # 2 views
+        (v * 2).sum().item()  # mul, sum, _local_scalar_dense: 3 kernels
+        for _ in loader:  # collation and slicing in the loader: not counted
             pass
     assert (c.ops, c.kernels) == (7, 5)
     assert c.per_step(5) == {"ops_per_step": 7 / 5, "kernels_per_step": 1.0}

@@ -5,10 +5,10 @@ import pickle
 import pytest
 import torch
 
+from jascl.engine.checkpoint import load_model, read_meta, save_model
+from jascl.engine.prototypes import PrototypeStore
 from jascl.errors import CheckpointError
-from jascl.methods.prototypes import PrototypeStore
 from jascl.networks import create_segmenter
-from jascl.training.checkpoint import load_model, read_meta, save_model
 
 
 def _model(k=3, last=6):
@@ -51,9 +51,14 @@ def test_pickle_that_would_run_code_is_refused(tmp_path):
 
 
 def test_checkpoint_of_another_protocol_or_backbone_is_refused_with_the_reason(tmp_path):
-    save_model(_model(), tmp_path / "m.safetensors", {"protocol": "med-disjoint", "backbone": "unet", "seen": [0, 1, 2]})
+    save_model(
+        _model(), tmp_path / "m.safetensors", {"protocol": "med-disjoint", "backbone": "unet", "seen": [0, 1, 2]}
+    )
     with pytest.raises(CheckpointError, match="made for protocol 'med-disjoint', but this run has protocol 'natural'"):
         load_model(_model(), tmp_path / "m.safetensors", {"protocol": "natural", "backbone": "unet"})
     with pytest.raises(CheckpointError, match="made for backbone 'unet', but this run has backbone 'swinunetr'"):
         load_model(_model(), tmp_path / "m.safetensors", {"protocol": "med-disjoint", "backbone": "swinunetr"})
-    assert load_model(_model(), tmp_path / "m.safetensors", {"protocol": "med-disjoint", "seen": (0, 1, 2)})["backbone"] == "unet"
+    assert (
+        load_model(_model(), tmp_path / "m.safetensors", {"protocol": "med-disjoint", "seen": (0, 1, 2)})["backbone"]
+        == "unet"
+    )

@@ -7,7 +7,7 @@ import pytest
 
 from jascl.cli import main
 from jascl.errors import ConfigError
-from jascl.training.compare import aggregate, compare_table, mean_std, parse_seeds, run_compare
+from jascl.experiments.compare import aggregate, compare_table, mean_std, parse_seeds, run_compare
 
 
 def test_parse_seeds():
@@ -27,9 +27,19 @@ def test_mean_std_is_sample_std_and_skips_nan():
 
 
 def _results(all_scores, drop):
-    return {"protocol": "p", "metric": "dice", "methods": {"m": {
-        "sessions": [{"session": t, "name": f"s{t}", "all": v, "old": v, "new": v, "base": v}
-                     for t, v in enumerate(all_scores)], "total_drop": drop}}}
+    return {
+        "protocol": "p",
+        "metric": "dice",
+        "methods": {
+            "m": {
+                "sessions": [
+                    {"session": t, "name": f"s{t}", "all": v, "old": v, "new": v, "base": v}
+                    for t, v in enumerate(all_scores)
+                ],
+                "total_drop": drop,
+            }
+        },
+    }
 
 
 def test_aggregate_and_table_by_hand():
@@ -44,16 +54,28 @@ def test_aggregate_and_table_by_hand():
 
 
 def test_run_compare_two_seeds_shares_base_and_writes_tables(toy_protocol, toy_config, tmp_path):
-    summary = run_compare(toy_protocol, toy_config, ["vanilla", "jascl-no-unlabelled"], [3, 4], tmp_path / "cmp",
-                          cache_dir=tmp_path / "cache", progress=False, echo=lambda *a: None)
+    summary = run_compare(
+        toy_protocol,
+        toy_config,
+        ["vanilla", "jascl-no-unlabelled"],
+        [3, 4],
+        tmp_path / "cmp",
+        cache_dir=tmp_path / "cache",
+        progress=False,
+        echo=lambda *a: None,
+    )
     for seed in (3, 4):
         run = json.loads((tmp_path / "cmp" / f"seed-{seed}" / "results.json").read_text())
         assert run["seed"] == seed
         a, b = (run["methods"][m]["sessions"][0]["all"] for m in ("vanilla", "jascl-no-unlabelled"))
         assert a == b  # one shared base model per seed
     v = summary["methods"]["vanilla"]
-    per_seed = [json.loads((tmp_path / "cmp" / f"seed-{s}" / "results.json").read_text())["methods"]["vanilla"]
-                ["sessions"][1]["all"] for s in (3, 4)]
+    per_seed = [
+        json.loads((tmp_path / "cmp" / f"seed-{s}" / "results.json").read_text())["methods"]["vanilla"]["sessions"][1][
+            "all"
+        ]
+        for s in (3, 4)
+    ]
     assert v["sessions"][1]["all"][0] == pytest.approx(sum(per_seed) / 2)
     assert per_seed[0] != per_seed[1]  # the seeds really differ
     md = (tmp_path / "cmp" / "compare.md").read_text()
@@ -62,8 +84,16 @@ def test_run_compare_two_seeds_shares_base_and_writes_tables(toy_protocol, toy_c
     assert csv_lines[0].startswith("method,session,name,all_mean")
     assert len(csv_lines) == 1 + 2 * (2 + 1)
     # rerun: everything reused, identical summary
-    again = run_compare(toy_protocol, toy_config, ["vanilla", "jascl-no-unlabelled"], [3, 4], tmp_path / "cmp",
-                        cache_dir=tmp_path / "cache", progress=False, echo=lambda *a: None)
+    again = run_compare(
+        toy_protocol,
+        toy_config,
+        ["vanilla", "jascl-no-unlabelled"],
+        [3, 4],
+        tmp_path / "cmp",
+        cache_dir=tmp_path / "cache",
+        progress=False,
+        echo=lambda *a: None,
+    )
     assert again["methods"]["vanilla"]["sessions"][1]["values"] == v["sessions"][1]["values"]
 
 
@@ -82,11 +112,26 @@ def test_run_with_seeds_writes_per_seed_folders_and_aggregate(tmp_path, capsys):
     path = tmp_path / "toy.yaml"
     path.write_text(yaml.safe_dump(toy_protocol_dict(2)))
     out = tmp_path / "multi"
-    code = main(["run", "--protocol", str(path), "--methods", "vanilla", "--seeds", "5,6", "--out", str(out),
-                 "--cache-dir", str(tmp_path / "cache"), "--no-progress"])
+    code = main(
+        [
+            "run",
+            "--protocol",
+            str(path),
+            "--methods",
+            "vanilla",
+            "--seeds",
+            "5,6",
+            "--out",
+            str(out),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--no-progress",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     summary = json.loads((out / "compare.json").read_text())
     assert summary["seeds"] == [5, 6]
-    values = [json.loads((out / f"seed-{s}" / "results.json").read_text())["methods"]["vanilla"]["total_drop"]
-              for s in (5, 6)]
+    values = [
+        json.loads((out / f"seed-{s}" / "results.json").read_text())["methods"]["vanilla"]["total_drop"] for s in (5, 6)
+    ]
     assert summary["methods"]["vanilla"]["total_drop"][0] == pytest.approx(sum(values) / 2)

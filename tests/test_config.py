@@ -8,8 +8,9 @@ import pytest
 import yaml
 
 from jascl.cli import main
+from jascl.engine.config import RunConfig, parse_overrides, resolve_config
 from jascl.errors import ConfigError
-from jascl.training.config import RunConfig, parse_overrides, resolve_config
+from jascl.methods.presets import jascl_options
 
 
 def _write(tmp_path: Path, data, name: str = "run.yaml") -> Path:
@@ -36,45 +37,75 @@ def test_defaults():
     assert cfg.classifier == "cosine" and cfg.temperature == 10.0
     assert cfg.freeze_incremental == "all_but_classifier"
     assert cfg.eval_mode == "sliding-window"
-    assert cfg.gas.eps == 1e-8 and cfg.gas.sigma2 == 1.0 and cfg.gas.in_base is False
-    assert cfg.replay.weight == 0.1 and cfg.replay.reduction == "sum"
-    assert cfg.jascl.gas is True and cfg.jascl.replay is True
+    jascl = jascl_options(cfg)
+    assert jascl.gas.eps == 1e-8 and jascl.gas.sigma2 == 1.0 and jascl.gas.in_base is False
+    assert jascl.replay.weight == 0.1 and jascl.replay.reduction == "sum"
+    assert jascl.components.gas is True and jascl.components.replay is True
     assert cfg.seed is None and cfg.patch_size is None
 
 
 def test_precedence_defaults_protocol_file_set(tmp_path):
-    protocol = {"epochs_base": 7, "epochs_incremental": 11, "lr_base": 0.05, "replay": {"reduction": "mean"},
-                "gas": {"sigma2": 2.0}}
+    protocol = {
+        "epochs_base": 7,
+        "epochs_incremental": 11,
+        "lr_base": 0.05,
+        "replay": {"reduction": "mean"},
+        "gas": {"sigma2": 2.0},
+    }
     config_file = _write(tmp_path, {"epochs_base": 9, "batch_size": 3, "gas": {"eps": 1e-5}})
 
     only_protocol = resolve_config(protocol, "p.yaml")
     assert only_protocol.epochs_base == 7
-    assert only_protocol.replay.reduction == "mean"
-    assert only_protocol.gas.sigma2 == 2.0
-    assert only_protocol.gas.eps == 1e-8  # untouched nested key keeps its default
+    assert jascl_options(only_protocol).replay.reduction == "mean"
+    assert jascl_options(only_protocol).gas.sigma2 == 2.0
+    assert jascl_options(only_protocol).gas.eps == 1e-8  # untouched nested key keeps its default
     assert only_protocol.batch_size == 8
 
     with_file = resolve_config(protocol, "p.yaml", config_file)
     assert with_file.epochs_base == 9  # file beats protocol
     assert with_file.epochs_incremental == 11  # protocol beats default
     assert with_file.batch_size == 3
-    assert with_file.gas.eps == 1e-5 and with_file.gas.sigma2 == 2.0  # nested keys merge, not replace
-    assert with_file.replay.reduction == "mean"
+    gas = jascl_options(with_file).gas
+    assert gas.eps == 1e-5 and gas.sigma2 == 2.0  # nested keys merge, not replace
+    assert jascl_options(with_file).replay.reduction == "mean"
 
-    full = resolve_config(protocol, "p.yaml", config_file,
-                          ["epochs_base=3", "gas.eps=1e-6", "replay.reduction=sum", "augment=false"])
+    # the spellings of earlier versions (gas.eps) and the current one (method_args.jascl.gas.eps) mix
+    full = resolve_config(
+        protocol,
+        "p.yaml",
+        config_file,
+        [
+            "epochs_base=3",
+            "gas.eps=1e-6",
+            "method_args.jascl.replay.reduction=sum",
+            "augment=false",
+            "method_args.ewc.weight=3",
+        ],
+    )
     assert full.epochs_base == 3  # --set beats file
-    assert isinstance(full.gas.eps, float) and full.gas.eps == 1e-6
-    assert full.gas.sigma2 == 2.0
-    assert full.replay.reduction == "sum"
+    options = jascl_options(full)
+    assert isinstance(options.gas.eps, float) and options.gas.eps == 1e-6
+    assert options.gas.sigma2 == 2.0
+    assert options.replay.reduction == "sum"
+    assert full.method_args["ewc"] == {"weight": 3}  # method_args merge key by key across the levels
     assert full.augment is False
     assert full.batch_size == 3 and full.epochs_incremental == 11 and full.lr_base == 0.05
     assert full.momentum == 0.9  # default survives every level
 
 
 def test_later_set_wins_and_numbers_are_coerced(tmp_path):
-    cfg = resolve_config(overrides=["epochs_base=3", "epochs_base=4", "lr_base=1", "epochs_incremental=5.0",
-                                    "temperature=2e1", "patch_size=[32, 48]", "seed=7", "device=cuda:1"])
+    cfg = resolve_config(
+        overrides=[
+            "epochs_base=3",
+            "epochs_base=4",
+            "lr_base=1",
+            "epochs_incremental=5.0",
+            "temperature=2e1",
+            "patch_size=[32, 48]",
+            "seed=7",
+            "device=cuda:1",
+        ]
+    )
     assert cfg.epochs_base == 4
     assert cfg.lr_base == 1.0 and isinstance(cfg.lr_base, float)
     assert cfg.epochs_incremental == 5 and isinstance(cfg.epochs_incremental, int)
@@ -88,7 +119,7 @@ def test_scientific_notation_in_config_file(tmp_path):
     # YAML 1.1 reads 1e-6 (no dot) as a string; numeric keys still accept it
     path = _write(tmp_path, "gas:\n  eps: 1e-6\nweight_decay: 5e-4\n")
     cfg = resolve_config(config_file=path)
-    assert cfg.gas.eps == 1e-6 and cfg.weight_decay == 5e-4
+    assert jascl_options(cfg).gas.eps == 1e-6 and cfg.weight_decay == 5e-4
 
 
 def test_protocol_training_section_of_builtin():
@@ -105,14 +136,17 @@ def test_protocol_training_section_of_builtin():
 def test_parse_overrides():
     assert parse_overrides(["a.b=1", "c=x"]) == {"a": {"b": 1}, "c": "x"}
     assert parse_overrides(["gas.eps=1e-6", "gas.in_base=true", "device=a=b", "patch_size=[8, 8]"]) == {
-        "gas": {"eps": "1e-6", "in_base": True}, "device": "a=b", "patch_size": [8, 8]}
+        "gas": {"eps": "1e-6", "in_base": True},
+        "device": "a=b",
+        "patch_size": [8, 8],
+    }
     assert parse_overrides([]) == {}
 
 
-def test_to_dict_is_nested():
-    d = resolve_config(overrides=["replay.weight=0.5"]).to_dict()
-    assert d["replay"] == {"weight": 0.5, "reduction": "sum"}
-    assert d["gas"]["eps"] == 1e-8
+def test_to_dict_is_nested_and_keeps_method_args_as_given():
+    d = resolve_config(overrides=["replay.weight=0.5", "backbone_args.features=[4, 4, 8, 8, 8, 8]"]).to_dict()
+    assert d["method_args"] == {"jascl": {"replay": {"weight": 0.5}}}
+    assert d["backbone_args"] == {"features": [4, 4, 8, 8, 8, 8]}
 
 
 # --------------------------------------------------------------------------- errors
@@ -125,55 +159,75 @@ def test_unknown_top_level_key_names_source():
 
 
 def test_unknown_nested_key_names_path_and_source(tmp_path):
-    message = _error(protocol_defaults={"gas": {"epz": 1}}, protocol_source="p.yaml")
-    assert message.startswith("p.yaml: training: gas.epz: unknown configuration key")
-    assert "eps" in message and "sigma2" in message
-
-    path = _write(tmp_path, {"gas": {"epz": 1}})
-    assert _error(config_file=path).startswith("run.yaml: gas.epz: unknown configuration key")
-
-    assert _error(overrides=["gas.epz=1"]).startswith("--set: gas.epz: unknown configuration key")
-    assert _error(overrides=["replay.mode=sum"]).startswith("--set: replay.mode:")
+    message = _error(protocol_defaults={"backbone_args": 1}, protocol_source="p.yaml")
+    assert message.startswith("p.yaml: training: backbone_args: must be a mapping")
+    path = _write(tmp_path, {"epochz": 1})
+    assert _error(config_file=path).startswith("run.yaml: epochz: unknown configuration key")
+    assert _error(overrides=["epochz=1"]).startswith("--set: epochz: unknown configuration key")
 
 
-@pytest.mark.parametrize("override, key, reason", [
-    ("epochs_base=ten", "epochs_base", "must be a number (got 'ten')"),
-    ("epochs_base=2.5", "epochs_base", "must be an integer"),
-    ("augment=3", "augment", "must be true or false (got 3)"),
-    ("gas.in_base=yes please", "gas.in_base", "must be true or false"),
-    ("lr_base=true", "lr_base", "must be a number"),
-    ("backbone=5", "backbone", "must be a string"),
-    ("backbone_args=[1]", "backbone_args", "must be a mapping"),
-    ("gas=3", "gas", "must be a mapping"),
-    ("patch_size=32", "patch_size", "list of positive integers"),
-    ("patch_size=[32, 0]", "patch_size", "list of positive integers"),
-    ("freeze_incremental=half", "freeze_incremental", "all_but_classifier, none"),
-    ("eval_mode=x", "eval_mode", "sliding-window, authors"),
-    ("classifier=x", "classifier", "'cosine' or 'linear'"),
-    ("replay.reduction=avg", "replay.reduction", "'sum' or 'mean'"),
-    ("gas.eps=0", "gas.eps", "must be > 0"),
-    ("gas.sigma2=-1", "gas.sigma2", "must be >= 0"),
-    ("epochs_base=-1", "epochs_base", "must be >= 0"),
-    ("batch_size=0", "batch_size", "must be >= 1"),
-    ("lr_incremental=0", "lr_incremental", "must be > 0"),
-    ("sw_overlap=1", "sw_overlap", "[0, 1)"),
-    ("eval_mc_samples=-2", "eval_mc_samples", "must be >= 0"),
-    ("seed=abc", "seed", "non-negative integer"),
-    ("seed=-1", "seed", "non-negative integer"),
-])
+@pytest.mark.parametrize(
+    "override, key, reason",
+    [
+        ("gas.epz=1", "gas.epz", "unknown configuration key; valid keys: eps, in_base, layer, sigma2"),
+        ("replay.mode=sum", "replay.mode", "unknown configuration key"),
+        ("gas=3", "gas", "must be a mapping of layer, eps, sigma2, in_base"),
+        ("replay.reduction=avg", "replay.reduction", "must be one of sum, mean (got 'avg')"),
+        ("gas.eps=0", "gas.eps", "must be > 0 (got 0.0)"),
+        ("gas.sigma2=-1", "gas.sigma2", "must be >= 0 (got -1.0)"),
+        ("pas.tau_sim=1.5", "pas.tau_sim", "must be >= 0 and <= 1 (got 1.5)"),
+        ("pas.every=0", "pas.every", "must be >= 1 (got 0)"),
+        ("method_args.jascl.pas.anchors=all", "pas.anchors", "must be one of per-sample, mean (got 'all')"),
+    ],
+)
+def test_jascl_options_are_checked_under_their_new_name(override, key, reason):
+    """JASCL's options (old spellings too) are read as method_args.jascl and checked when the method is built."""
+    config = resolve_config(overrides=[override])
+    with pytest.raises(ConfigError) as info:
+        jascl_options(config)
+    assert str(info.value).startswith(f"method_args.jascl.{key}: "), str(info.value)
+    assert reason in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "override, key, reason",
+    [
+        ("epochs_base=ten", "epochs_base", "must be a number (got 'ten')"),
+        ("epochs_base=2.5", "epochs_base", "must be an integer"),
+        ("augment=3", "augment", "must be true or false (got 3)"),
+        ("lr_base=true", "lr_base", "must be a number"),
+        ("backbone=5", "backbone", "must be a string"),
+        ("backbone_args=[1]", "backbone_args", "must be a mapping"),
+        ("patch_size=32", "patch_size", "list of positive integers"),
+        ("patch_size=[32, 0]", "patch_size", "list of positive integers"),
+        ("freeze_incremental=half", "freeze_incremental", "all_but_classifier, none"),
+        ("eval_mode=x", "eval_mode", "sliding-window, authors"),
+        ("classifier=x", "classifier", "'cosine' or 'linear'"),
+        ("epochs_base=-1", "epochs_base", "must be >= 0"),
+        ("batch_size=0", "batch_size", "must be >= 1"),
+        ("lr_incremental=0", "lr_incremental", "must be > 0"),
+        ("sw_overlap=1", "sw_overlap", "[0, 1)"),
+        ("eval_mc_samples=-2", "eval_mc_samples", "must be >= 0"),
+        ("seed=abc", "seed", "non-negative integer"),
+        ("seed=-1", "seed", "non-negative integer"),
+    ],
+)
 def test_bad_values_from_set(override, key, reason):
     message = _error(overrides=[override])
     assert message.startswith(f"--set: {key}: "), message
     assert reason in message, message
 
 
-@pytest.mark.parametrize("training, key", [
-    ({"epochs_base": "ten"}, "epochs_base"),
-    ({"augment": 3}, "augment"),
-    ({"freeze_incremental": "half"}, "freeze_incremental"),
-    ({"eval_mode": "x"}, "eval_mode"),
-    ({"classifier": "x"}, "classifier"),
-])
+@pytest.mark.parametrize(
+    "training, key",
+    [
+        ({"epochs_base": "ten"}, "epochs_base"),
+        ({"augment": 3}, "augment"),
+        ({"freeze_incremental": "half"}, "freeze_incremental"),
+        ({"eval_mode": "x"}, "eval_mode"),
+        ({"classifier": "x"}, "classifier"),
+    ],
+)
 def test_bad_values_name_the_level_they_came_from(tmp_path, training, key):
     assert _error(protocol_defaults=training, protocol_source="p.yaml").startswith(f"p.yaml: training: {key}: ")
     path = _write(tmp_path, training)
@@ -236,7 +290,11 @@ def test_cli_run_bad_set_and_config(tmp_path, capsys):
     assert _one_error_line(capsys).startswith("jascl: error: --set: classifier:")
     cfg = _write(tmp_path, {"gas": {"epz": 1}})
     assert main(["run", "--config", str(cfg), "--out", str(tmp_path / "o")]) == 2
-    assert _one_error_line(capsys).startswith("jascl: error: run.yaml: gas.epz:")
+    assert _one_error_line(capsys).startswith("jascl: error: method_args.jascl.gas.epz: unknown configuration key")
+    assert main(["run", "--set", "method_args.ewk.weight=1", "--out", str(tmp_path / "o")]) == 2
+    assert _one_error_line(capsys).startswith(
+        "jascl: error: method_args.ewk: no registered method reads these options; the options blocks are: "
+    )
     assert main(["run", "--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "o")]) == 2
     assert "config file not found" in _one_error_line(capsys)
     assert main(["run", "--backbone", "7", "--out", str(tmp_path / "o")]) == 2

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jascl.cli import main
-from jascl.training.checkpoint import load_progress
-
 from conftest import toy_protocol_dict
+from jascl.cli import main
+from jascl.engine.checkpoint import load_progress
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
@@ -26,15 +25,25 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("crash")
     spec = toy_protocol_dict(2)
     spec["sessions"][1]["unlabelled"] = 4
-    spec["training"].update(epochs_base=2, epochs_incremental=3, augment=True, threads=1,
-                            pas={"start_epoch": 0, "every": 1})
+    spec["training"].update(
+        epochs_base=2, epochs_incremental=3, augment=True, threads=1, pas={"start_epoch": 0, "every": 1}
+    )
     protocol = root / "toy.yaml"
     protocol.write_text(yaml.safe_dump(spec))
-    args = ["run", "--protocol", str(protocol), "--methods", "vanilla,jascl", "--cache-dir", str(root / "cache"),
-            "--no-progress"]
+    args = [
+        "run",
+        "--protocol",
+        str(protocol),
+        "--methods",
+        "vanilla,jascl",
+        "--cache-dir",
+        str(root / "cache"),
+        "--no-progress",
+    ]
     reference = root / "reference"
-    done = subprocess.run([sys.executable, "-m", "jascl", *args, "--out", str(reference)], env=ENV,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "jascl", *args, "--out", str(reference)], env=ENV, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
     return root, args, (reference / "results.json").read_text()
 
@@ -50,8 +59,12 @@ def _checkpoint_position(out: Path) -> tuple:
 
 
 def _resume_and_compare(out: Path, expected: str) -> None:
-    resumed = subprocess.run([sys.executable, "-m", "jascl", "run", "--resume", str(out), "--no-progress"], env=ENV,
-                             capture_output=True, text=True)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "jascl", "run", "--resume", str(out), "--no-progress"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert (out / "results.json").read_text() == expected
     assert not list(out.rglob("progress.safetensors")), "finished sessions keep no progress checkpoint"
@@ -60,15 +73,28 @@ def _resume_and_compare(out: Path, expected: str) -> None:
 # steps: session 0 has 2 steps per epoch (8 images, batch 4) and 2 epochs; vanilla's session 1 follows.
 # With checkpoint_steps=1 the first step of each epoch is checkpointed too: killed in step 4 (the last of
 # epoch 1), the run resumes inside epoch 1; killed writing the 3rd progress file (that one), after epoch 0.
-@pytest.mark.parametrize("point, extra, where", [
-    ("step:3", [], None), ("step:7", [], None), ("write:progress.safetensors:2", [], None),
-    ("write:model.safetensors:2", [], None), ("session:1", [], None), ("session:2", [], None),
-    ("step:4", STEPS, (1, 1)), ("write:progress.safetensors:3", STEPS, (0, None))])
+@pytest.mark.parametrize(
+    "point, extra, where",
+    [
+        ("step:3", [], None),
+        ("step:7", [], None),
+        ("write:progress.safetensors:2", [], None),
+        ("write:model.safetensors:2", [], None),
+        ("session:1", [], None),
+        ("session:2", [], None),
+        ("step:4", STEPS, (1, 1)),
+        ("write:progress.safetensors:3", STEPS, (0, None)),
+    ],
+)
 def test_killed_run_resumes_to_identical_results(point, extra, where, setup, tmp_path):
     root, args, expected = setup
     out = tmp_path / "run"
-    killed = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_run.py"), point, *args, *extra, "--out",
-                             str(out)], env=ENV, capture_output=True, text=True)
+    killed = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "kill_run.py"), point, *args, *extra, "--out", str(out)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (out / "results.json").exists()
     if where is not None:
@@ -78,12 +104,18 @@ def test_killed_run_resumes_to_identical_results(point, extra, where, setup, tmp
 
 # SIGTERM in step 3 (the first of base epoch 1): stops right after it, inside epoch 1; SIGUSR1 in step 4 (the
 # epoch's last): the epoch's own checkpoint
-@pytest.mark.parametrize("point, code, where", [("signal:3:SIGTERM", 143, (1, 1)), ("signal:4:SIGUSR1", 138, (1, None))])
+@pytest.mark.parametrize(
+    "point, code, where", [("signal:3:SIGTERM", 143, (1, 1)), ("signal:4:SIGUSR1", 138, (1, None))]
+)
 def test_a_stop_signal_checkpoints_after_the_step_and_exits_resumable(point, code, where, setup, tmp_path):
     root, args, expected = setup
     out = tmp_path / "run"
-    stopped = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_run.py"), point, *args, "--out", str(out)],
-                             env=ENV, capture_output=True, text=True)
+    stopped = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "kill_run.py"), point, *args, "--out", str(out)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert stopped.returncode == code, stopped.stderr
     name = point.rsplit(":", 1)[1]
     text = " ".join(stopped.stdout.split())  # rich wraps lines
@@ -111,19 +143,33 @@ def test_devices_must_be_positive(capsys):
     assert "--devices 0: must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["run", "--bogus"], "jascl: error: unrecognized arguments: --bogus; see 'jascl --help'"),
-    (["run", "--seed", "abc"], "jascl run: error: argument --seed: invalid int value: 'abc'; see 'jascl run --help'"),
-    (["run", "--set", "epochs_base=-1"], "jascl: error: --set: epochs_base: must be >= 0 (got -1)"),
-    (["run", "--set", "checkpoint_steps=-2"], "jascl: error: --set: checkpoint_steps: must be >= 0 steps (got -2)"),
-    (["run", "--set", "precision=fp16"], "jascl: error: --set: precision: must be one of auto, fp32, bf16 (got 'fp16')"),
-    (["run", "--set", "checkpoint_every=x"], "jascl: error: --set: checkpoint_every: must be a number (got 'x')"),
-    (["bench", "--epochs", "1"], "jascl: error: --epochs 1 --rounds 3: need epochs >= 2 (the first warms up) and "
-                                 "rounds >= 1"),
-    (["bench", "--protocol", "synthetic-2d"], "jascl: error: protocol synthetic-2d session 1 has no unlabelled pool "
-                                              "for the mean-teacher cases; use --protocol bench-2d or leave out "
-                                              "plain-mt,pas"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "--bogus"], "jascl: error: unrecognized arguments: --bogus; see 'jascl --help'"),
+        (
+            ["run", "--seed", "abc"],
+            "jascl run: error: argument --seed: invalid int value: 'abc'; see 'jascl run --help'",
+        ),
+        (["run", "--set", "epochs_base=-1"], "jascl: error: --set: epochs_base: must be >= 0 (got -1)"),
+        (["run", "--set", "checkpoint_steps=-2"], "jascl: error: --set: checkpoint_steps: must be >= 0 steps (got -2)"),
+        (
+            ["run", "--set", "precision=fp16"],
+            "jascl: error: --set: precision: must be one of auto, fp32, bf16 (got 'fp16')",
+        ),
+        (["run", "--set", "checkpoint_every=x"], "jascl: error: --set: checkpoint_every: must be a number (got 'x')"),
+        (
+            ["bench", "--epochs", "1"],
+            "jascl: error: --epochs 1 --rounds 3: need epochs >= 2 (the first warms up) and rounds >= 1",
+        ),
+        (
+            ["bench", "--protocol", "synthetic-2d"],
+            "jascl: error: protocol synthetic-2d session 1 has no unlabelled pool "
+            "for the mean-teacher cases; use --protocol bench-2d or leave out "
+            "plain-mt,pas",
+        ),
+    ],
+)
 def test_bad_command_lines_get_one_line_errors_and_exit_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -132,4 +178,6 @@ def test_bad_command_lines_get_one_line_errors_and_exit_2(argv, message, capsys)
 
 def test_devices_refuses_one_fixed_gpu_for_several_processes(capsys):
     assert main(["run", "--devices", "2", "--device", "cuda:0"]) == 2
-    assert "--device cuda:0 with --devices 2: each process takes its own GPU; use --device cuda" in capsys.readouterr().err
+    assert (
+        "--device cuda:0 with --devices 2: each process takes its own GPU; use --device cuda" in capsys.readouterr().err
+    )

@@ -9,7 +9,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fixtures import medical as fxm  # noqa: E402
 from fixtures import natural as fxn  # noqa: E402
-
 from jascl.cli import main  # noqa: E402
 from jascl.data.check import check_protocol  # noqa: E402
 from jascl.protocols import parse_protocol  # noqa: E402
@@ -20,27 +19,47 @@ SHAPE = (12, 12, 8)
 def protocol_dict(shots: int = 2, unlabelled: int = 2, ct_labels=None) -> dict:
     """Two CT-like MSD datasets: 'ct' teaches classes 1, 2 (base), 'mr' teaches class 3 (K-shot, unlabelled pool)."""
     return {
-        "name": "check-proto", "seed": 1024, "spatial_dims": 3, "in_channels": 1, "metric": "dice",
-        "classes": [{"id": 0, "name": "background"}, {"id": 1, "name": "liver"}, {"id": 2, "name": "spleen"},
-                    {"id": 3, "name": "tumour"}],
+        "name": "check-proto",
+        "seed": 1024,
+        "spatial_dims": 3,
+        "in_channels": 1,
+        "metric": "dice",
+        "classes": [
+            {"id": 0, "name": "background"},
+            {"id": 1, "name": "liver"},
+            {"id": 2, "name": "spleen"},
+            {"id": 3, "name": "tumour"},
+        ],
         "domains": {"ct": {}, "mr": {}},
         "datasets": {
-            "ct": {"layout": "msd", "domain": "ct", "labels": ct_labels or {1: "liver", 2: "spleen"},
-                   "preprocess": {"intensity": "ct"}},
+            "ct": {
+                "layout": "msd",
+                "domain": "ct",
+                "labels": ct_labels or {1: "liver", 2: "spleen"},
+                "preprocess": {"intensity": "ct"},
+            },
             "mr": {"layout": "msd", "domain": "mr", "labels": {1: "tumour"}, "preprocess": {"intensity": "ct"}},
         },
         "sessions": [
             {"name": "base", "domains": ["ct"], "new_classes": [1, 2], "shots": "all", "sources": ["ct"]},
-            {"name": "tumour", "domains": ["mr"], "new_classes": [3], "shots": shots, "unlabelled": unlabelled,
-             "sources": ["mr"]},
+            {
+                "name": "tumour",
+                "domains": ["mr"],
+                "new_classes": [3],
+                "shots": shots,
+                "unlabelled": unlabelled,
+                "sources": ["mr"],
+            },
         ],
         "training": {"patch_size": [16, 16, 16]},
     }
 
 
 def write_copies(tmp_path: Path, ct_cases: int = 4, mr_cases: int = 5, mr_test: int = 2) -> dict[str, Path]:
-    return {"ct": fxm.write_msd(tmp_path / "ct", cases=ct_cases, shape=SHAPE, labels=(1, 2), test_cases=0),
-            "mr": fxm.write_msd(tmp_path / "mr", cases=mr_cases, shape=SHAPE, labels=(1,), test_cases=mr_test, seed=1)}
+    return {
+        "ct": fxm.write_msd(tmp_path / "ct", cases=ct_cases, shape=SHAPE, labels=(1, 2), test_cases=0),
+        "mr": fxm.write_msd(tmp_path / "mr", cases=mr_cases, shape=SHAPE, labels=(1,), test_cases=mr_test, seed=1),
+    }
 
 
 def run_check(tmp_path: Path, capsys, data: dict, roots: dict[str, Path]) -> tuple[int, list[str], list[str]]:
@@ -62,8 +81,10 @@ def test_good_copy_passes_with_a_per_session_summary(tmp_path, capsys):
     assert "  0 base [ct]: classes 1:liver, 2:spleen; shots all; labelled 3, unlabelled 0, test 1" in out
     assert "  1 tumour [mr]: classes 3:tumour; shots 2; labelled 2, unlabelled 2, test 1" in out
     assert any(line.startswith("  ct (msd) at ") and "4 samples, training pool 3, test pool 1" in line for line in out)
-    assert any(line.startswith("  mr (msd) at ") and "7 samples, training pool 4, test pool 1, without labels 2" in line
-               for line in out)
+    assert any(
+        line.startswith("  mr (msd) at ") and "7 samples, training pool 4, test pool 1, without labels 2" in line
+        for line in out
+    )
     assert out[-1] == "no problems found"
 
 
@@ -109,21 +130,41 @@ def test_label_value_outside_the_map(tmp_path, capsys):
 
 def test_protocol_maps_a_label_the_dataset_does_not_have(tmp_path, capsys):
     roots = write_copies(tmp_path)
-    line = _one_problem(tmp_path, capsys, protocol_dict(ct_labels={1: "liver", 2: "spleen", 9: "spleen"}), roots,
-                        "datasets.ct.labels.9", "native label 9 is not a label of the msd dataset")
+    line = _one_problem(
+        tmp_path,
+        capsys,
+        protocol_dict(ct_labels={1: "liver", 2: "spleen", 9: "spleen"}),
+        roots,
+        "datasets.ct.labels.9",
+        "native label 9 is not a label of the msd dataset",
+    )
     assert "(its labels: 0, 1, 2)" in line
 
 
 def test_fewer_than_k_samples_of_a_class(tmp_path, capsys):
     roots = write_copies(tmp_path)  # mr: 4 training cases
-    _one_problem(tmp_path, capsys, protocol_dict(shots=5, unlabelled=0), roots, "session 1 (tumour)",
-                 "class 3 (tumour) is in only 4 training sample(s) of mr", "K=5")
+    _one_problem(
+        tmp_path,
+        capsys,
+        protocol_dict(shots=5, unlabelled=0),
+        roots,
+        "session 1 (tumour)",
+        "class 3 (tumour) is in only 4 training sample(s) of mr",
+        "K=5",
+    )
 
 
 def test_empty_unlabelled_pool_that_the_protocol_requires(tmp_path, capsys):
     roots = write_copies(tmp_path, mr_cases=3, mr_test=0)  # 1 test, 2 training cases, both labelled shots
-    _one_problem(tmp_path, capsys, protocol_dict(shots=2, unlabelled=4), roots, "session 1 (tumour)",
-                 "asks for an unlabelled pool", "none of mr has samples left")
+    _one_problem(
+        tmp_path,
+        capsys,
+        protocol_dict(shots=2, unlabelled=4),
+        roots,
+        "session 1 (tumour)",
+        "asks for an unlabelled pool",
+        "none of mr has samples left",
+    )
 
 
 def test_smaller_unlabelled_pool_is_a_warning(tmp_path, capsys):
@@ -146,13 +187,18 @@ def test_unset_root_and_unreadable_root(tmp_path, capsys, monkeypatch):
 def test_corrupt_png_in_a_2d_copy(tmp_path, capsys):
     root = fxn.write_bdd100k(tmp_path / "bdd", per_split=3, classes=(0, 13))
     data = {
-        "name": "bdd-check", "spatial_dims": 2, "in_channels": 3,
+        "name": "bdd-check",
+        "spatial_dims": 2,
+        "in_channels": 3,
         "classes": [{"id": 0, "name": "background"}, {"id": 1, "name": "road"}, {"id": 2, "name": "car"}],
         "domains": {"bdd": {}},
-        "datasets": {"bdd": {"layout": "bdd100k", "domain": "bdd", "labels": {0: "road", 13: "car"},
-                             "test_splits": ["val"]}},
-        "sessions": [{"name": "base", "domains": ["bdd"], "new_classes": [1], "shots": "all", "sources": ["bdd"]},
-                     {"name": "car", "domains": ["bdd"], "new_classes": [2], "shots": 2, "sources": ["bdd"]}],
+        "datasets": {
+            "bdd": {"layout": "bdd100k", "domain": "bdd", "labels": {0: "road", 13: "car"}, "test_splits": ["val"]}
+        },
+        "sessions": [
+            {"name": "base", "domains": ["bdd"], "new_classes": [1], "shots": "all", "sources": ["bdd"]},
+            {"name": "car", "domains": ["bdd"], "new_classes": [2], "shots": 2, "sources": ["bdd"]},
+        ],
     }
     code, out, errors = run_check(tmp_path, capsys, data, {"bdd": root})
     assert code == 0, out
@@ -171,8 +217,12 @@ def test_synthetic_protocol_is_refused(capsys):
 
 def test_check_protocol_api_collects_instead_of_raising(tmp_path):
     roots = write_copies(tmp_path, mr_cases=3, mr_test=0)
-    report = check_protocol(parse_protocol(protocol_dict(shots=3, unlabelled=1), "p.yaml"), roots,
-                            cache_dir=tmp_path / "cache", echo=lambda *a: None)
+    report = check_protocol(
+        parse_protocol(protocol_dict(shots=3, unlabelled=1), "p.yaml"),
+        roots,
+        cache_dir=tmp_path / "cache",
+        echo=lambda *a: None,
+    )
     assert not report.ok
     assert [p.split(":", 2)[1].strip() for p in report.problems] == ["session 1 (tumour)", "session 1 (tumour)"]
     assert "fewer than shots K=3" in report.problems[0] and "unlabelled pool" in report.problems[1]
@@ -190,7 +240,9 @@ def test_builtin_med_ss_passes_on_fixture_copies(tmp_path, capsys):
         args += ["--root", f"{name}={root}"]
     assert main(args) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "  1 amos [amos]: classes 16:pancreas, 17:duodenum, 18:bladder, 19:prostate_uterus, 20:postcava; " \
-           "shots 5; labelled 5, unlabelled 3, test 1" in out  # 7 cases: 1 held out, 5 shots, 1 + 2 imagesTs left
+    assert (
+        "  1 amos [amos]: classes 16:pancreas, 17:duodenum, 18:bladder, 19:prostate_uterus, 20:postcava; "
+        "shots 5; labelled 5, unlabelled 3, test 1" in out
+    )  # 7 cases: 1 held out, 5 shots, 1 + 2 imagesTs left
     assert "warning: session 1 (amos): 3 unlabelled of 25 requested" in out
     assert out[-1] == "no problems found"

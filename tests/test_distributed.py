@@ -21,18 +21,17 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from conftest import toy_protocol_dict
 from jascl.data.sampling import SeededBatchSampler, derive_seed
+from jascl.engine.config import resolve_config
 from jascl.networks.base import create_segmenter
 from jascl.protocols import parse_protocol
-from jascl.training.config import resolve_config
-
-from conftest import toy_protocol_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 
 #: imported by every Python process started with its folder on PYTHONPATH: on ranks other than 0 it
 #: records every attempt to create, write, rename or delete a path inside JASCL_AUDIT_DIR
-SITECUSTOMIZE = '''
+SITECUSTOMIZE = """
 import atexit, json, os, sys
 if os.environ.get("JASCL_AUDIT_DIR") and os.environ.get("RANK", "0") != "0":
     watched = os.path.realpath(os.environ["JASCL_AUDIT_DIR"])
@@ -73,7 +72,7 @@ if os.environ.get("JASCL_TRACE_DIR"):  # every batch of sample keys a SeededBatc
     # one file per process (launchers too, whose lists stay empty), named by rank where torchrun set one
     trace = os.path.join(os.environ["JASCL_TRACE_DIR"], f"rank{os.environ.get('RANK', '0')}-{os.getpid()}.json")
     atexit.register(lambda: handed and open(trace, "w").write(json.dumps(handed)))
-'''
+"""
 
 
 def test_sampler_shares_global_batches_between_ranks():
@@ -116,7 +115,7 @@ def _models_match(one: Path, two: Path, before: tuple[dict, dict], terms: int, s
         start = before[0][key]
         parts = [(slice(None), start)]
         if start.shape != value.shape:  # a grown classifier: old rows go on, new rows start from nothing
-            parts = [(slice(0, len(start)), start), (slice(len(start), None), torch.zeros_like(value[len(start):]))]
+            parts = [(slice(0, len(start)), start), (slice(len(start), None), torch.zeros_like(value[len(start) :]))]
         # the runs' starting points differ already (by rounding, in their earlier sessions)
         apart = (before[1][key].double() - start.double()).abs().max().item()
         for rows, prior in parts:
@@ -139,8 +138,9 @@ def test_two_processes_train_as_one_and_only_rank0_writes(tmp_path):
     spec = toy_protocol_dict(2)
     spec["sessions"][1]["unlabelled"] = 4
     # one epoch per session: the first steps, where the two runs are still equal up to rounding
-    spec["training"].update(epochs_base=1, epochs_incremental=1, batch_size=4, threads=1,
-                            pas={"start_epoch": 0, "every": 1})
+    spec["training"].update(
+        epochs_base=1, epochs_incremental=1, batch_size=4, threads=1, pas={"start_epoch": 0, "every": 1}
+    )
     protocol = tmp_path / "toy.yaml"
     protocol.write_text(yaml.safe_dump(spec))
     (tmp_path / "site").mkdir()
@@ -148,16 +148,42 @@ def test_two_processes_train_as_one_and_only_rank0_writes(tmp_path):
     reports = tmp_path / "reports"
     for name in ("reports", "trace-one", "trace-two"):
         (tmp_path / name).mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT / "src")]),
-           "OMP_NUM_THREADS": "1", "JASCL_AUDIT_DIR": str(tmp_path / "two"), "JASCL_AUDIT_REPORT": str(reports)}
-    args = [sys.executable, "-m", "jascl", "run", "--protocol", str(protocol), "--methods", "vanilla,jascl",
-            "--device", "cpu", "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
-    one = subprocess.run([*args, "--out", str(tmp_path / "one")], capture_output=True, text=True,
-                         env={**env, "JASCL_TRACE_DIR": str(tmp_path / "trace-one")})
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT / "src")]),
+        "OMP_NUM_THREADS": "1",
+        "JASCL_AUDIT_DIR": str(tmp_path / "two"),
+        "JASCL_AUDIT_REPORT": str(reports),
+    }
+    args = [
+        sys.executable,
+        "-m",
+        "jascl",
+        "run",
+        "--protocol",
+        str(protocol),
+        "--methods",
+        "vanilla,jascl",
+        "--device",
+        "cpu",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--no-progress",
+    ]
+    one = subprocess.run(
+        [*args, "--out", str(tmp_path / "one")],
+        capture_output=True,
+        text=True,
+        env={**env, "JASCL_TRACE_DIR": str(tmp_path / "trace-one")},
+    )
     assert one.returncode == 0, one.stderr
     # checkpoints inside epochs too: every rank checks the loss there (a collective), rank 0 alone writes
-    two = subprocess.run([*args, "--devices", "2", "--set", "checkpoint_steps=1", "--out", str(tmp_path / "two")],
-                         env={**env, "JASCL_TRACE_DIR": str(tmp_path / "trace-two")}, capture_output=True, text=True)
+    two = subprocess.run(
+        [*args, "--devices", "2", "--set", "checkpoint_steps=1", "--out", str(tmp_path / "two")],
+        env={**env, "JASCL_TRACE_DIR": str(tmp_path / "trace-two")},
+        capture_output=True,
+        text=True,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 processes" in " ".join(two.stdout.split())  # rich wraps lines
     assert json.loads((reports / "rank1.json").read_text()) == []  # rank 1 never wrote into the run folder
@@ -178,16 +204,33 @@ def test_two_processes_train_as_one_and_only_rank0_writes(tmp_path):
     p = parse_protocol(spec, source="toy.yaml")
     cfg = resolve_config(p.training, "toy.yaml")
     torch.manual_seed(p.seed)  # the session-0 model before training, as the trainer builds it
-    initial = create_segmenter(cfg.backbone, p.spatial_dims, p.in_channels, 3, cosine=cfg.classifier == "cosine",
-                               temperature=cfg.temperature, **cfg.backbone_args).state_dict()
+    initial = create_segmenter(
+        cfg.backbone,
+        p.spatial_dims,
+        p.in_channels,
+        3,
+        cosine=cfg.classifier == "cosine",
+        temperature=cfg.temperature,
+        **cfg.backbone_args,
+    ).state_dict()
     base_seed = derive_seed(p.seed, "labelled", 0)
-    _models_match(tmp_path / "one/base/model.safetensors", tmp_path / "two/base/model.safetensors",
-                  (initial, initial), pixels, len(alone[base_seed]))
+    _models_match(
+        tmp_path / "one/base/model.safetensors",
+        tmp_path / "two/base/model.safetensors",
+        (initial, initial),
+        pixels,
+        len(alone[base_seed]),
+    )
     base = tuple(load_file(tmp_path / f"{run}/base/model.safetensors") for run in ("one", "two"))
     steps = sum(len(b) for seed, b in alone.items() if seed != base_seed)  # an upper bound on either method's
     for method in ("vanilla", "jascl"):
-        _models_match(tmp_path / f"one/{method}/s1-inc/model.safetensors",
-                      tmp_path / f"two/{method}/s1-inc/model.safetensors", base, pixels, steps)
+        _models_match(
+            tmp_path / f"one/{method}/s1-inc/model.safetensors",
+            tmp_path / f"two/{method}/s1-inc/model.safetensors",
+            base,
+            pixels,
+            steps,
+        )
 
     # the metrics: with models equal up to rounding, so are the reduced confusion matrices and counters
     a = json.loads((tmp_path / "one" / "results.json").read_text())
@@ -202,8 +245,9 @@ def test_two_processes_train_as_one_and_only_rank0_writes(tmp_path):
     assert kept_a.keys() == kept_b.keys()
     for c in kept_a:  # pixel counts summed over both ranks (one rank's alone would be about half)
         assert kept_b[c]["kept"] == pytest.approx(kept_a[c]["kept"], rel=0.01, abs=1), c
-    assert (json.loads((tmp_path / "one" / "manifest.json").read_text())
-            == json.loads((tmp_path / "two" / "manifest.json").read_text()))
+    assert json.loads((tmp_path / "one" / "manifest.json").read_text()) == json.loads(
+        (tmp_path / "two" / "manifest.json").read_text()
+    )
 
 
 def test_the_write_audit_catches_a_write_from_rank_1(tmp_path):
@@ -212,10 +256,17 @@ def test_the_write_audit_catches_a_write_from_rank_1(tmp_path):
     (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     watched = tmp_path / "run"
     watched.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "RANK": "1", "JASCL_AUDIT_DIR": str(watched),
-           "JASCL_AUDIT_REPORT": str(tmp_path)}
-    code = f"import os; open({str(watched / 'a.txt')!r}, 'w').close(); os.replace({str(watched / 'a.txt')!r}, " \
-           f"{str(watched / 'b.txt')!r}); open({str(tmp_path / 'outside.txt')!r}, 'w').close()"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(tmp_path / "site"),
+        "RANK": "1",
+        "JASCL_AUDIT_DIR": str(watched),
+        "JASCL_AUDIT_REPORT": str(tmp_path),
+    }
+    code = (
+        f"import os; open({str(watched / 'a.txt')!r}, 'w').close(); os.replace({str(watched / 'a.txt')!r}, "
+        f"{str(watched / 'b.txt')!r}); open({str(tmp_path / 'outside.txt')!r}, 'w').close()"
+    )
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     writes = json.loads((tmp_path / "rank1.json").read_text())
     assert [w[0] for w in writes] == ["open", "os.rename"] or [w[0] for w in writes] == ["open", "os.replace"]
@@ -229,8 +280,12 @@ def test_sync_batchnorm_converts_in_place_only_with_several_gpu_processes(monkey
 
     def model():
         torch.manual_seed(0)
-        return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)),
-                             nn.InstanceNorm2d(4, affine=True))
+        return nn.Sequential(
+            nn.Conv2d(1, 4, 3),
+            nn.BatchNorm2d(4),
+            nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)),
+            nn.InstanceNorm2d(4, affine=True),
+        )
 
     m = model()
     assert distributed.sync_batchnorm(m, torch.device("cuda")) == 0  # one process: untouched

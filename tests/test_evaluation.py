@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from jascl.data.synthetic import Split
+from jascl.data.types import Split
 from jascl.evaluation.evaluator import evaluate
 
 
@@ -45,7 +45,7 @@ def test_absent_class_is_nan_and_union_of_splits():
         calls = 0
 
         def forward(self, x):
-            out = 10 * torch.nn.functional.one_hot(perfect[self.calls: self.calls + 1], 3).movedim(-1, 1).float()
+            out = 10 * torch.nn.functional.one_hot(perfect[self.calls : self.calls + 1], 3).movedim(-1, 1).float()
             self.calls += 1
             return out
 
@@ -93,7 +93,7 @@ def test_window_starts_reproduce_monai_grid(overlap):
 
 def test_plan_blocks_tile_the_volume_within_budget():
     spatial, roi, k = (40, 33, 29), (8, 8, 8), 3
-    budget = k * 20 ** 3
+    budget = k * 20**3
     blocks = plan_blocks(spatial, roi, 0.25, k, budget)
     assert len(blocks) > 1
     cover = np.zeros(spatial, np.int32)
@@ -146,7 +146,7 @@ def test_blocked_sliding_window_equals_whole_volume_pass(dims, overlap):
     image = rng.normal(size=(1, 1, *spatial)).astype(np.float32)
     gt = rng.integers(0, k, size=(1, *spatial)).astype(np.uint8)
     model = WindowSensitive(dims, k).eval()
-    budget = k * 12 ** dims
+    budget = k * 12**dims
     assert len(plan_blocks(spatial, roi, overlap, k, budget)) >= 4
     # reference: one MONAI pass over the whole sample, argmax, confusion counted with numpy
     with torch.no_grad():
@@ -155,27 +155,52 @@ def test_blocked_sliding_window_equals_whole_volume_pass(dims, overlap):
     tp = np.diag(cm)
     expected_dice = 2 * tp / (cm.sum(0) + cm.sum(1))
     split = Split(image, gt, ["v"])
-    blocked = evaluate(model, [split], list(range(k)), torch.device("cpu"), roi=roi, sw_batch_size=1,
-                       overlap=overlap, max_block_elements=budget)
-    whole = evaluate(model, [split], list(range(k)), torch.device("cpu"), roi=roi, sw_batch_size=1,
-                     overlap=overlap, max_block_elements=None)
+    blocked = evaluate(
+        model,
+        [split],
+        list(range(k)),
+        torch.device("cpu"),
+        roi=roi,
+        sw_batch_size=1,
+        overlap=overlap,
+        max_block_elements=budget,
+    )
+    whole = evaluate(
+        model,
+        [split],
+        list(range(k)),
+        torch.device("cpu"),
+        roi=roi,
+        sw_batch_size=1,
+        overlap=overlap,
+        max_block_elements=None,
+    )
     assert [blocked.dice[c] for c in range(k)] == pytest.approx(expected_dice.tolist(), abs=0)
     assert blocked.dice == whole.dice and blocked.iou == whole.iou
     # the sensitivity is real: slabs with their own window grids would not reproduce the reference
-    naive = np.concatenate([sliding_window_inference(torch.from_numpy(image[..., a:a + 12]), list(roi), 1, model,
-                                                     overlap=overlap).argmax(1).numpy()
-                            for a in range(0, spatial[-1], 12)], axis=-1)
+    naive = np.concatenate(
+        [
+            sliding_window_inference(torch.from_numpy(image[..., a : a + 12]), list(roi), 1, model, overlap=overlap)
+            .argmax(1)
+            .numpy()
+            for a in range(0, spatial[-1], 12)
+        ],
+        axis=-1,
+    )
     assert not np.array_equal(naive, logits.argmax(1).numpy())
 
 
 def test_mc_gas_blocked_equals_unbounded_and_switches_noise_on():
     rng = np.random.default_rng(1)
     spatial, roi, k = (20, 19, 17), (8, 8, 8), 3
-    split = Split(rng.normal(size=(1, 1, *spatial)).astype(np.float32),
-                  rng.integers(0, k, size=(1, *spatial)).astype(np.uint8), ["v"])
+    split = Split(
+        rng.normal(size=(1, 1, *spatial)).astype(np.float32),
+        rng.integers(0, k, size=(1, *spatial)).astype(np.uint8),
+        ["v"],
+    )
     model = WindowSensitive(3, k).eval()
     kw = dict(roi=roi, sw_batch_size=1, mc_samples=2)
-    blocked = evaluate(model, [split], list(range(k)), torch.device("cpu"), max_block_elements=3 * k * 12 ** 3, **kw)
+    blocked = evaluate(model, [split], list(range(k)), torch.device("cpu"), max_block_elements=3 * k * 12**3, **kw)
     whole = evaluate(model, [split], list(range(k)), torch.device("cpu"), max_block_elements=None, **kw)
     plain = evaluate(model, [split], list(range(k)), torch.device("cpu"), roi=roi, sw_batch_size=1)
     assert blocked.dice == whole.dice
@@ -234,6 +259,12 @@ def test_variable_size_samples_are_grouped_by_shape():
     tp, fp, fn = ((pred == 1) & (gt == 1)).sum(), ((pred == 1) & (gt == 0)).sum(), ((pred == 0) & (gt == 1)).sum()
     assert res.dice[1] == pytest.approx(2 * tp / (2 * tp + fp + fn))
     # and through the sliding-window path (ROI smaller than the samples), one sample at a time
-    res_sw = evaluate(Threshold(), [ListSplit(images, labels)], [0, 1], torch.device("cpu"), roi=(4, 4, 4),
-                      max_block_elements=2 * 4 ** 3)
+    res_sw = evaluate(
+        Threshold(),
+        [ListSplit(images, labels)],
+        [0, 1],
+        torch.device("cpu"),
+        roi=(4, 4, 4),
+        max_block_elements=2 * 4**3,
+    )
     assert res_sw.dice[1] == pytest.approx(res.dice[1])

@@ -7,9 +7,19 @@ import shutil
 import nibabel as nib
 import numpy as np
 import pytest
-from fixtures.medical import (SPACING, corrupt_file, fixture_affine, remove_file, write_brats, write_label_value,
-                              write_msd, write_totalsegmentator, write_wrong_affine, write_wrong_shape)
 
+from fixtures.medical import (
+    SPACING,
+    corrupt_file,
+    fixture_affine,
+    remove_file,
+    write_brats,
+    write_label_value,
+    write_msd,
+    write_totalsegmentator,
+    write_wrong_affine,
+    write_wrong_shape,
+)
 from jascl.data.cache import cache_key, cached, entry_path
 from jascl.data.layouts import LAYOUTS, Problem, Sample
 from jascl.data.medical import preprocess_volume
@@ -31,8 +41,12 @@ def test_msd_nnunet_v1_scan_and_read(tmp_path):
     root = write_msd(tmp_path / "msd", cases=3, test_cases=1, labels=(1, 2))
     layout = _layout("msd", root)
     records = layout.scan()
-    assert [(r.id, r.split) for r in records] == [("case_000", "train"), ("case_001", "train"),
-                                                  ("case_002", "train"), ("case_003", "test")]
+    assert [(r.id, r.split) for r in records] == [
+        ("case_000", "train"),
+        ("case_001", "train"),
+        ("case_002", "train"),
+        ("case_003", "test"),
+    ]
     assert records[0].images == (root / "imagesTr" / "case_000_0000.nii.gz",)
     assert records[0].label == root / "labelsTr" / "case_000.nii.gz" and records[3].label is None
     assert layout.label_names() == {0: "background", 1: "class1", 2: "class2"}
@@ -97,22 +111,34 @@ def _only(problems):
     return p
 
 
-@pytest.mark.parametrize("defect,file,phrase", [
-    ("missing image", "imagesTr/case_001_0000.nii.gz", "missing image"),
-    ("missing label", "labelsTr/case_001.nii.gz", "missing label"),
-    ("truncated label", "labelsTr/case_001.nii.gz", "unreadable or corrupt NIfTI"),
-    ("garbage image", "imagesTr/case_001_0000.nii.gz", "unreadable or corrupt NIfTI"),
-    ("label shape", "labelsTr/case_001.nii.gz",
-     "label shape (16, 16, 11) differs from case_001_0000.nii.gz (16, 16, 12)"),
-    ("label affine", "labelsTr/case_001.nii.gz", "label affine differs from case_001_0000.nii.gz's by up to 5"),
-    ("label value", "labelsTr/case_001.nii.gz", "label value(s) [7] not declared"),
-])
+@pytest.mark.parametrize(
+    "defect,file,phrase",
+    [
+        ("missing image", "imagesTr/case_001_0000.nii.gz", "missing image"),
+        ("missing label", "labelsTr/case_001.nii.gz", "missing label"),
+        ("truncated label", "labelsTr/case_001.nii.gz", "unreadable or corrupt NIfTI"),
+        ("garbage image", "imagesTr/case_001_0000.nii.gz", "unreadable or corrupt NIfTI"),
+        (
+            "label shape",
+            "labelsTr/case_001.nii.gz",
+            "label shape (16, 16, 11) differs from case_001_0000.nii.gz (16, 16, 12)",
+        ),
+        ("label affine", "labelsTr/case_001.nii.gz", "label affine differs from case_001_0000.nii.gz's by up to 5"),
+        ("label value", "labelsTr/case_001.nii.gz", "label value(s) [7] not declared"),
+    ],
+)
 def test_msd_check_reports_each_defect_with_file_and_fix(tmp_path, defect, file, phrase):
     root = write_msd(tmp_path / "msd", cases=2, test_cases=0)
     path = root / file
-    {"missing image": remove_file, "missing label": remove_file, "truncated label": corrupt_file,
-     "garbage image": lambda p: corrupt_file(p, "garbage"), "label shape": write_wrong_shape,
-     "label affine": write_wrong_affine, "label value": lambda p: write_label_value(p, 7)}[defect](path)
+    {
+        "missing image": remove_file,
+        "missing label": remove_file,
+        "truncated label": corrupt_file,
+        "garbage image": lambda p: corrupt_file(p, "garbage"),
+        "label shape": write_wrong_shape,
+        "label affine": write_wrong_affine,
+        "label value": lambda p: write_label_value(p, 7),
+    }[defect](path)
     layout = _layout("msd", root)
     records = {r.id: r for r in layout.scan()}
     assert layout.check(records["case_000"]) == []
@@ -208,8 +234,12 @@ def test_brats_channels_labels_and_check(tmp_path):
     records = layout.scan()
     assert [r.id for r in records] == ["BraTS2021_00000", "BraTS2021_00001"]
     assert [p.name for p in records[0].images] == [f"BraTS2021_00000_{m}.nii.gz" for m in ("t1", "t1ce", "t2", "flair")]
-    assert layout.label_names() == {0: "background", 1: "necrotic / non-enhancing tumour core",
-                                    2: "peritumoral edema", 4: "GD-enhancing tumour"}
+    assert layout.label_names() == {
+        0: "background",
+        1: "necrotic / non-enhancing tumour core",
+        2: "peritumoral edema",
+        4: "GD-enhancing tumour",
+    }
     sample = layout.read(records[0])
     assert sample.image.shape == (4, 16, 16, 12) and set(np.unique(sample.label)) == {0, 1, 2, 4}
     assert np.array_equal(sample.image[3], _raw(records[0].images[3]))  # flair is channel 3
@@ -283,8 +313,9 @@ def test_preprocess_mri_zscore_over_nonzero_voxels():
     for c in range(2):
         assert out[c][inside].mean() == pytest.approx(0, abs=1e-5)
         assert out[c][inside].std() == pytest.approx(1, abs=1e-3)
-        assert np.allclose(out[c][inside], (image[c][inside] - image[c][inside].mean()) / image[c][inside].std(),
-                           atol=1e-4)
+        assert np.allclose(
+            out[c][inside], (image[c][inside] - image[c][inside].mean()) / image[c][inside].std(), atol=1e-4
+        )
 
 
 def test_preprocess_rejects_bad_options():

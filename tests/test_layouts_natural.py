@@ -11,7 +11,6 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fixtures import natural as fx  # noqa: E402
-
 from jascl.data import natural  # noqa: E402
 from jascl.data.layouts import LAYOUTS, Sample  # noqa: E402
 from jascl.data.layouts.bdd100k import BDD100K_NAMES  # noqa: E402
@@ -21,8 +20,13 @@ from jascl.data.layouts.idd import IDD_LABELS, IDD_LEVEL3_MEMBERS, IDD_LEVEL3_NA
 from jascl.data.layouts.m2caiseg import M2CAISEG_CLASSES  # noqa: E402
 from jascl.errors import ConfigError, DataError  # noqa: E402
 
-WRITERS = {"cityscapes": fx.write_cityscapes, "idd": fx.write_idd, "bdd100k": fx.write_bdd100k,
-           "cholecseg8k": fx.write_cholecseg8k, "m2caiseg": fx.write_m2caiseg}
+WRITERS = {
+    "cityscapes": fx.write_cityscapes,
+    "idd": fx.write_idd,
+    "bdd100k": fx.write_bdd100k,
+    "cholecseg8k": fx.write_cholecseg8k,
+    "m2caiseg": fx.write_m2caiseg,
+}
 
 
 def layout_for(name, tmp_path, **options):
@@ -101,8 +105,12 @@ def test_registered_and_described(name):
 def test_cityscapes_scan_and_read(tmp_path):
     layout = layout_for("cityscapes", tmp_path)
     records = layout.scan()
-    assert [r.id for r in records] == ["train/aachen/aachen_000000_000019", "train/aachen/aachen_000001_000020",
-                                       "val/frankfurt/frankfurt_000000_000019", "val/frankfurt/frankfurt_000001_000020"]
+    assert [r.id for r in records] == [
+        "train/aachen/aachen_000000_000019",
+        "train/aachen/aachen_000001_000020",
+        "val/frankfurt/frankfurt_000000_000019",
+        "val/frankfurt/frankfurt_000001_000020",
+    ]
     record = records[0]
     assert record.images[0].name == "aachen_000000_000019_leftImg8bit.png"
     assert record.label.name == "aachen_000000_000019_gtFine_labelIds.png"
@@ -157,13 +165,17 @@ def test_idd_polygon_rules(tmp_path):
     root = fx.write_idd(tmp_path / "idd", per_split=1, splits=("train",), level3_png=False)
     layout = LAYOUTS.create("idd", root=root)
     record = layout.scan()[0]
-    document = {"imgHeight": 32, "imgWidth": 64, "objects": [
-        {"label": "sky", "polygon": [[0, 0], [63, 0], [63, 31], [0, 31]]},
-        {"label": "cargroup", "polygon": [[0, 0], [9, 0], [9, 9], [0, 9]]},           # -> car, level 3 id 9
-        {"label": "tunnel", "polygon": [[20, 0], [29, 0], [29, 9], [20, 9]]},          # -> bridge/tunnel, 23
-        {"label": "license plate", "polygon": [[40, 0], [49, 0], [49, 9], [40, 9]]},   # void -> 255
-        {"label": "spaceship", "polygon": [[0, 20], [9, 20], [9, 31], [0, 31]]},       # unknown -> 255
-    ]}
+    document = {
+        "imgHeight": 32,
+        "imgWidth": 64,
+        "objects": [
+            {"label": "sky", "polygon": [[0, 0], [63, 0], [63, 31], [0, 31]]},
+            {"label": "cargroup", "polygon": [[0, 0], [9, 0], [9, 9], [0, 9]]},  # -> car, level 3 id 9
+            {"label": "tunnel", "polygon": [[20, 0], [29, 0], [29, 9], [20, 9]]},  # -> bridge/tunnel, 23
+            {"label": "license plate", "polygon": [[40, 0], [49, 0], [49, 9], [40, 9]]},  # void -> 255
+            {"label": "spaceship", "polygon": [[0, 20], [9, 20], [9, 31], [0, 31]]},  # unknown -> 255
+        ],
+    }
     record.label.write_text(json.dumps(document))
     label = layout.read(record).label
     assert label[5, 5] == 9 and label[5, 25] == 23 and label[5, 45] == 255 and label[25, 5] == 255
@@ -196,8 +208,9 @@ def test_bdd100k_unlabelled_test_split_and_old_release(tmp_path):
     Image.open(train.label).save(old / "labels" / "val" / "abc_train_id.png")
     old_records = LAYOUTS.create("bdd100k", root=tmp_path / "old").scan()
     assert [r.id for r in old_records] == ["val/abc"]
-    np.testing.assert_array_equal(LAYOUTS.create("bdd100k", root=tmp_path / "old").read(old_records[0]).label,
-                                  layout.read(train).label)
+    np.testing.assert_array_equal(
+        LAYOUTS.create("bdd100k", root=tmp_path / "old").read(old_records[0]).label, layout.read(train).label
+    )
 
 
 def test_cholecseg8k_watershed_and_colour_masks_agree(tmp_path):
@@ -205,8 +218,12 @@ def test_cholecseg8k_watershed_and_colour_masks_agree(tmp_path):
     watershed = LAYOUTS.create("cholecseg8k", root=root)
     colour = LAYOUTS.create("cholecseg8k", root=root, mask="color")
     records = watershed.scan()
-    assert [r.id for r in records] == ["video01/video01_00080/frame_80", "video01/video01_00080/frame_81",
-                                       "video12/video12_00080/frame_80", "video12/video12_00080/frame_81"]
+    assert [r.id for r in records] == [
+        "video01/video01_00080/frame_80",
+        "video01/video01_00080/frame_81",
+        "video12/video12_00080/frame_80",
+        "video12/video12_00080/frame_81",
+    ]
     assert records[0].images[0].name == "frame_80_endo.png"
     assert records[0].label.name == "frame_80_endo_watershed_mask.png"
     assert {r.split for r in records} == {"train"}
@@ -291,10 +308,16 @@ def test_check_reports_unreadable_files_and_size_mismatch(name, tmp_path):
         layout.read(records[0])
 
 
-@pytest.mark.parametrize("name, value, described", [
-    ("cityscapes", 34, "value 34"), ("bdd100k", 19, "value 19"), ("idd", 26, "value 26"),
-    ("cholecseg8k", (51, 51, 51), "value 51"), ("m2caiseg", (1, 2, 3), "colour (1, 2, 3)"),
-])
+@pytest.mark.parametrize(
+    "name, value, described",
+    [
+        ("cityscapes", 34, "value 34"),
+        ("bdd100k", 19, "value 19"),
+        ("idd", 26, "value 26"),
+        ("cholecseg8k", (51, 51, 51), "value 51"),
+        ("m2caiseg", (1, 2, 3), "colour (1, 2, 3)"),
+    ],
+)
 def test_unknown_label_values_reported_and_read_as_ignore(name, value, described, tmp_path):
     layout = layout_for(name, tmp_path)
     record = layout.scan()[0]
@@ -387,14 +410,17 @@ def test_preprocess_normalisation():
     np.testing.assert_array_equal(raw, image)
 
 
-@pytest.mark.parametrize("options, match", [
-    ({"resize": [2, 2]}, "'resize' not known"),
-    ({"size": [4, 4], "scale": 2}, "either size or scale"),
-    ({"size": [0, 4]}, "positive"),
-    ({"size": "big"}, r"\[height, width\]"),
-    ({"scale": -1}, "positive"),
-    ({"normalize": "whiten"}, "'whiten' is not known"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"resize": [2, 2]}, "'resize' not known"),
+        ({"size": [4, 4], "scale": 2}, "either size or scale"),
+        ({"size": [0, 4]}, "positive"),
+        ({"size": "big"}, r"\[height, width\]"),
+        ({"scale": -1}, "positive"),
+        ({"normalize": "whiten"}, "'whiten' is not known"),
+    ],
+)
 def test_preprocess_option_errors(options, match):
     with pytest.raises(ConfigError, match=match):
         natural.preprocess_image(_sample(np.zeros((3, 2, 2))), options)

@@ -1,17 +1,19 @@
 """The loop's extension points for methods: freezing override, optimiser, closure, per-split
 evaluation hook, plugin state saved with checkpoints, ``session_restored``, method options."""
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
-from jascl.errors import ConfigError
-from jascl.methods import Method, Plugin
-from jascl.training.config import method_options, resolve_config
-from jascl.training.runner import run_benchmark
-from jascl.training.trainer import ContinualTrainer
 from jascl.data.synthetic import load_or_generate
-from jascl.methods.prototypes import PrototypeStore
-from dataclasses import dataclass
+from jascl.engine.config import resolve_config
+from jascl.engine.loop import ContinualTrainer
+from jascl.engine.prototypes import PrototypeStore
+from jascl.errors import ConfigError
+from jascl.experiments.runner import run_benchmark
+from jascl.methods import Method, Plugin
+from jascl.methods.options import option, read_options
 
 
 class Spy(Plugin):
@@ -92,24 +94,29 @@ def test_conflicting_freeze_policies_are_refused():
         method.freeze_policy("none")
 
 
-def test_plugin_state_saved_and_restored_on_resume(toy_protocol, toy_config, tmp_path, monkeypatch):
-    from jascl.methods import base as methods_base
-
-    spies = []
-
-    def factory(config):
-        spies.append(Spy())
-        return Method("spy-method", [spies[-1]])
-
-    monkeypatch.setitem(methods_base.METHODS._entries, "spy-method", factory)
-    run_benchmark(toy_protocol, toy_config, ["spy-method"], tmp_path / "run", cache_dir=tmp_path / "cache", progress=False)
-    first = spies[-1]
+def test_plugin_state_saved_and_restored_on_resume(toy_protocol, toy_config, tmp_path):
+    first = Spy()
+    run_benchmark(
+        toy_protocol,
+        toy_config,
+        [Method("spy-method", [first])],
+        tmp_path / "run",
+        cache_dir=tmp_path / "cache",
+        progress=False,
+    )
     # the shared base model was reused, not trained by the method: session_restored fired for session 0
     assert first.restored == [0]
     steps = float(first.counter)
     assert steps > 0
-    run_benchmark(toy_protocol, toy_config, ["spy-method"], tmp_path / "run", cache_dir=tmp_path / "cache", progress=False)
-    second = spies[-1]
+    second = Spy()
+    run_benchmark(
+        toy_protocol,
+        toy_config,
+        [Method("spy-method", [second])],
+        tmp_path / "run",
+        cache_dir=tmp_path / "cache",
+        progress=False,
+    )
     assert second.restored == [0, 1]  # both sessions reused
     assert float(second.counter) == steps  # state from session 1's plugins.safetensors
 
@@ -118,23 +125,28 @@ def test_changed_configuration_refuses_to_reuse_run_folder(toy_protocol, toy_con
     run_benchmark(toy_protocol, toy_config, ["vanilla"], tmp_path / "run", cache_dir=tmp_path / "cache", progress=False)
     toy_config.lr_incremental = 0.5
     with pytest.raises(ConfigError, match=r"different configuration \(lr_incremental\)"):
-        run_benchmark(toy_protocol, toy_config, ["vanilla"], tmp_path / "run", cache_dir=tmp_path / "cache",
-                      progress=False)
+        run_benchmark(
+            toy_protocol, toy_config, ["vanilla"], tmp_path / "run", cache_dir=tmp_path / "cache", progress=False
+        )
 
 
 @dataclass
 class _Opts:
-    weight: float = 1.0
-    mode: str = "a"
+    weight: float = option(1.0, ge=0)
+    mode: str = option("a", choices=("a", "b"))
 
 
-def test_method_options_defaults_overrides_and_errors():
+def test_read_options_defaults_overrides_and_one_line_errors():
     cfg = resolve_config(overrides=["method_args.ewc.weight=500"])
-    assert method_options(cfg, "ewc", _Opts()) == _Opts(weight=500.0)
-    assert method_options(cfg, "other", _Opts()) == _Opts()
-    bad = resolve_config(overrides=["method_args.ewc.wieght=5"])
-    with pytest.raises(ConfigError, match=r"method_args\.ewc\.wieght: unknown configuration key; valid keys: mode, weight"):
-        method_options(bad, "ewc", _Opts())
-    typed = resolve_config(overrides=["method_args.ewc.weight=big"])
-    with pytest.raises(ConfigError, match=r"method_args\.ewc\.weight: must be a number"):
-        method_options(typed, "ewc", _Opts())
+    assert read_options(_Opts, cfg, "ewc") == _Opts(weight=500.0)
+    assert read_options(_Opts, cfg, "other") == _Opts()
+    for override, message in [
+        ("method_args.ewc.wieght=5", "method_args.ewc.wieght: unknown configuration key; valid keys: mode, weight"),
+        ("method_args.ewc.weight=big", "method_args.ewc.weight: must be a number (got 'big')"),
+        ("method_args.ewc.weight=-1", "method_args.ewc.weight: must be >= 0 (got -1.0)"),
+        ("method_args.ewc.mode=c", "method_args.ewc.mode: must be one of a, b (got 'c')"),
+        ("method_args.ewc=3", "method_args.ewc: must be a mapping of option: value (got 3)"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            read_options(_Opts, resolve_config(overrides=[override]), "ewc")
+        assert str(info.value) == message

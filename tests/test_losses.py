@@ -2,7 +2,7 @@
 
 import torch
 
-from jascl.training.losses import SegmentationLoss
+from jascl.engine.losses import SegmentationLoss
 
 
 def test_ignored_pixels_equal_cropping_them_away():

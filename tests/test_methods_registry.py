@@ -6,13 +6,13 @@ import shutil
 
 import pytest
 
-from jascl.methods import METHODS, Plugin, create_method
-from jascl.methods.base import Method
-from jascl.protocols import parse_protocol
-from jascl.training.config import resolve_config
-from jascl.training.runner import ensure_base, load_data, run_benchmark
-
 from conftest import toy_protocol_dict
+from jascl.data.sessions import load_sessions
+from jascl.engine.config import resolve_config
+from jascl.experiments.runner import ensure_base, run_benchmark
+from jascl.methods import METHODS, Plugin
+from jascl.methods.registry import create_method
+from jascl.protocols import parse_protocol
 
 
 class LossProbe(Plugin):
@@ -38,25 +38,27 @@ def toy_ss(tmp_path_factory):
     protocol = parse_protocol(spec, source="toy-ss.yaml")
     config = resolve_config(protocol.training, "toy-ss.yaml", overrides=["pas.start_epoch=0", "pas.every=1"])
     root = tmp_path_factory.mktemp("registry")
-    data = load_data(protocol, root / "cache", echo=lambda *a: None)
+    data = load_sessions(protocol, root / "cache", echo=lambda *a: None)
     ensure_base(protocol, config, data, root / "base", progress=False, echo=lambda *a: None)
     return protocol, config, root
 
 
 @pytest.mark.parametrize("name", METHODS.list())
-def test_every_method_trains_evaluates_and_its_loss_terms_act(name, toy_ss, tmp_path, monkeypatch):
+def test_every_method_trains_evaluates_and_its_loss_terms_act(name, toy_ss, tmp_path):
     protocol, config, root = toy_ss
     probe = LossProbe()
-    original = METHODS.get(name)
-
-    def probed(config):
-        method = original(config)
-        return Method(method.name, [*method.plugins, probe], method.description)
-
-    monkeypatch.setitem(METHODS._entries, name, probed)
     out = tmp_path / "run"
     shutil.copytree(root / "base", out / "base")
-    results = run_benchmark(protocol, config, [name], out, cache_dir=root / "cache", progress=False, echo=lambda *a: None)
+    results = run_benchmark(
+        protocol,
+        config,
+        [name],
+        out,
+        cache_dir=root / "cache",
+        progress=False,
+        echo=lambda *a: None,
+        extra_plugins=[probe],
+    )
     sessions = results["methods"][name]["sessions"]
     assert len(sessions) == 2
     for record in sessions:
@@ -70,5 +72,8 @@ def test_every_method_trains_evaluates_and_its_loss_terms_act(name, toy_ss, tmp_
 
 def test_registry_has_the_jascl_preset_and_vanilla():
     assert {"vanilla", "jascl"} <= set(METHODS.list())
-    assert [type(p).__name__ for p in create_method("jascl", resolve_config()).plugins] == \
-        ["GASPlugin", "PrototypeReplayPlugin", "MeanTeacherPlugin"]
+    assert [type(p).__name__ for p in create_method("jascl", resolve_config()).plugins] == [
+        "GASPlugin",
+        "PrototypeReplayPlugin",
+        "MeanTeacherPlugin",
+    ]

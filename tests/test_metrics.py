@@ -110,9 +110,7 @@ def test_soft_dice_per_class() -> None:
 
 
 def test_per_class_forgetting() -> None:
-    out = per_class_forgetting(
-        {1: [0.8, 0.9, 0.5], 2: [0.7], 3: [0.6, math.nan, 0.5], 4: [0.5, 0.7], 5: [math.nan]}
-    )
+    out = per_class_forgetting({1: [0.8, 0.9, 0.5], 2: [0.7], 3: [0.6, math.nan, 0.5], 4: [0.5, 0.7], 5: [math.nan]})
     assert out[1] == pytest.approx(0.4)  # 0.9 - 0.5
     assert out[2] == 0.0  # single score
     assert out[3] == pytest.approx(0.1)  # NaN ignored: 0.6 - 0.5

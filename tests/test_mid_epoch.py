@@ -9,8 +9,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from jascl.data.datasets import BatchStream, iterate_steps, loader_position, set_loader_position
 from jascl.data.sampling import SeededBatchSampler, seeded_loader, split_key
-from jascl.methods.base import Method, Plugin
-from jascl.training.snapshot import capture_object, pack, restore_object, unpack
+from jascl.engine.plugin import Method, Plugin
+from jascl.engine.snapshot import capture_object, pack, restore_object, unpack
 
 
 class Keys(Dataset):

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from jascl.errors import ConfigError
-from jascl.networks.classifier import PixelClassifier
 from jascl.cli import add_model_info_parser
-from jascl.networks.info import count_flops, model_info
+from jascl.errors import ConfigError
+from jascl.experiments.model_info import count_flops, model_info
+from jascl.networks.classifier import PixelClassifier
 
 TINY_UNET = {"features": [4, 4, 8, 8, 8, 8]}
 
@@ -21,8 +21,15 @@ def test_parameter_count_by_hand():
     down = sum(ch[l - 1] * ch[l] * 9 + ch[l] * ch[l] * 9 + 2 * 2 * ch[l] for l in range(1, 5))
     up = sum((ch[l + 1] + ch[l]) * ch[l] * 9 + ch[l] * ch[l] * 9 + 2 * 2 * ch[l] for l in range(4))
     classifier = 3 * 2  # cosine classifier: K x C weight, no bias
-    info = model_info("unet3d-authors", spatial_dims=2, in_channels=1, num_classes=3, spatial_size=(32, 32),
-                      backbone_args={"base_channels": 2}, device="meta")
+    info = model_info(
+        "unet3d-authors",
+        spatial_dims=2,
+        in_channels=1,
+        num_classes=3,
+        spatial_size=(32, 32),
+        backbone_args={"base_channels": 2},
+        device="meta",
+    )
     assert round(info["params_m"] * 1e6) == stem + down + up + classifier == 21904
     assert info["trainable_params_m"] == info["params_m"]
 
@@ -36,8 +43,16 @@ def test_classifier_flops_by_hand(cosine):
 
 
 def test_jascl_adds_memory_and_replay_flops_but_no_parameters():
-    common = dict(spatial_dims=2, in_channels=1, num_classes=4, spatial_size=(32, 32), backbone_args=TINY_UNET,
-                  device="meta", batch_size=2, num_prototypes=40)
+    common = dict(
+        spatial_dims=2,
+        in_channels=1,
+        num_classes=4,
+        spatial_size=(32, 32),
+        backbone_args=TINY_UNET,
+        device="meta",
+        batch_size=2,
+        num_prototypes=40,
+    )
     plain, jascl = model_info("unet", with_jascl=False, **common), model_info("unet", with_jascl=True, **common)
     assert jascl["params_m"] == plain["params_m"]
     assert jascl["train_memory_mib"] > plain["train_memory_mib"]
@@ -49,17 +64,31 @@ def test_jascl_adds_memory_and_replay_flops_but_no_parameters():
 
 
 def test_memory_grows_with_batch():
-    common = dict(spatial_dims=2, in_channels=1, num_classes=2, spatial_size=(32, 32), backbone_args=TINY_UNET,
-                  device="meta")
+    common = dict(
+        spatial_dims=2, in_channels=1, num_classes=2, spatial_size=(32, 32), backbone_args=TINY_UNET, device="meta"
+    )
     one, four = model_info("unet", batch_size=1, **common), model_info("unet", batch_size=4, **common)
     assert four["train_memory_mib"] > one["train_memory_mib"]
     assert four["gflops"] == one["gflops"]  # FLOPs are per image
 
 
 def test_frozen_sam_encoder_is_not_trainable():
-    info = model_info("sam-vitb", in_channels=3, num_classes=3, spatial_size=(32, 32), device="meta",
-                      backbone_args={"img_size": 32, "embed_dim": 16, "depth": 1, "num_heads": 2, "window_size": 2,
-                                     "global_attn_indexes": (0,), "proj_channels": 8})
+    info = model_info(
+        "sam-vitb",
+        in_channels=3,
+        num_classes=3,
+        spatial_size=(32, 32),
+        device="meta",
+        backbone_args={
+            "img_size": 32,
+            "embed_dim": 16,
+            "depth": 1,
+            "num_heads": 2,
+            "window_size": 2,
+            "global_attn_indexes": (0,),
+            "proj_channels": 8,
+        },
+    )
     # trainable: the 16 -> 8 projection (weight + bias + LayerNorm2d weight/bias) and the 3 x 8 classifier
     assert round(info["trainable_params_m"] * 1e6) == 16 * 8 + 8 + 2 * 8 + 3 * 8
     assert info["params_m"] > info["trainable_params_m"]
@@ -72,9 +101,23 @@ def _parser():
 
 
 def test_cli(capsys):
-    args = _parser().parse_args(["model-info", "unet", "--spatial-dims", "2", "--spatial-size", "32",
-                                 "--backbone-args", "{features: [4, 4, 8, 8, 8, 8]}", "--device", "meta",
-                                 "--num-classes", "3", "--json"])
+    args = _parser().parse_args(
+        [
+            "model-info",
+            "unet",
+            "--spatial-dims",
+            "2",
+            "--spatial-size",
+            "32",
+            "--backbone-args",
+            "{features: [4, 4, 8, 8, 8, 8]}",
+            "--device",
+            "meta",
+            "--num-classes",
+            "3",
+            "--json",
+        ]
+    )
     assert args.func(args) == 0
     (row,) = json.loads(capsys.readouterr().out)
     plain, jascl = row["without_jascl"], row["with_jascl"]
@@ -84,8 +127,20 @@ def test_cli(capsys):
 
 def test_cli_table_and_errors(capsys):
     parser = _parser()
-    args = parser.parse_args(["model-info", "unet", "--spatial-dims", "2", "--spatial-size", "32x32",
-                              "--backbone-args", "{features: [4, 4, 8, 8, 8, 8]}", "--device", "meta"])
+    args = parser.parse_args(
+        [
+            "model-info",
+            "unet",
+            "--spatial-dims",
+            "2",
+            "--spatial-size",
+            "32x32",
+            "--backbone-args",
+            "{features: [4, 4, 8, 8, 8, 8]}",
+            "--device",
+            "meta",
+        ]
+    )
     assert args.func(args) == 0
     assert "unet" in capsys.readouterr().out
     bad = parser.parse_args(["model-info", "unet", "--backbone-args", "[1, 2]", "--device", "meta"])

@@ -8,13 +8,19 @@ import torch
 from torch import nn
 
 from jascl.data.noise import boundary_mask, degrade, degrade_pool
-from jascl.data.synthetic import Split
-from jascl.methods.pas import (FilterCounters, asymptotic_error, consistency_loss, ema_update, pas_filter,
-                               prototype_matrix)
-from jascl.methods import create_method
+from jascl.data.types import Split
+from jascl.engine.config import resolve_config
+from jascl.engine.prototypes import PrototypeAccumulator, PrototypeStore, class_prototypes
 from jascl.methods.mean_teacher import MeanTeacherPlugin
-from jascl.methods.prototypes import PrototypeAccumulator, PrototypeStore, class_prototypes
-from jascl.training.config import resolve_config
+from jascl.methods.pas import (
+    FilterCounters,
+    asymptotic_error,
+    consistency_loss,
+    ema_update,
+    pas_filter,
+    prototype_matrix,
+)
+from jascl.methods.registry import create_method
 
 
 def _logits_for(probs):
@@ -123,8 +129,10 @@ def test_pixel_normalised_prototype_keeps_background_and_rejects_missed_object()
     logits = torch.log(torch.tensor([[0.9, 0.9], [0.1, 0.1]])).reshape(1, 2, 1, 2)
     query = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).reshape(1, 2, 1, 2)
     other = torch.tensor([[0.0, -1.0]])  # class 1's prototype, unused here
-    for normalize, sims, valid in ((False, [0.1**0.5, 0.9**0.5], [False, True]),
-                                   (True, [0.9**0.5, 0.1**0.5], [True, False])):
+    for normalize, sims, valid in (
+        (False, [0.1**0.5, 0.9**0.5], [False, True]),
+        (True, [0.9**0.5, 0.1**0.5], [True, False]),
+    ):
         bg = class_prototypes(feats, labels, [0], normalize_pixels=normalize)[0]
         out = pas_filter(logits, query, torch.cat([bg[None], other]), tau_conf=0.7, tau_sim=0.7)
         assert torch.allclose(out.sim, torch.tensor([[sims]]), atol=1e-6)
@@ -224,11 +232,21 @@ def test_best_anchor_similarity_matches_a_direct_computation_in_blocks(monkeypat
     pred = torch.randint(0, 3, (2, 3, 5), generator=g)
     f = torch.nn.functional.normalize(features, dim=1).movedim(1, -1)  # (B, H, W, D)
     p = torch.nn.functional.normalize(anchors, dim=-1)
-    expected = torch.stack([torch.stack([torch.stack([
-        (f[b, i, j] * p[pred[b, i, j]]).sum(-1).nan_to_num(float("-inf")).max()
-        for j in range(5)]) for i in range(3)]) for b in range(2)])
+    expected = torch.stack(
+        [
+            torch.stack(
+                [
+                    torch.stack(
+                        [(f[b, i, j] * p[pred[b, i, j]]).sum(-1).nan_to_num(float("-inf")).max() for j in range(5)]
+                    )
+                    for i in range(3)
+                ]
+            )
+            for b in range(2)
+        ]
+    )
     expected = expected.masked_fill(expected == float("-inf"), float("nan"))
-    for block in (2 ** 26, 1):  # all anchors at once, and one anchor per block
+    for block in (2**26, 1):  # all anchors at once, and one anchor per block
         monkeypatch.setattr(pas, "ANCHOR_BLOCK_ELEMENTS", block)
         got = pas.best_anchor_similarity(features, anchors, pred)
         assert torch.allclose(got, expected, atol=1e-6, equal_nan=True)

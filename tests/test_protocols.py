@@ -6,8 +6,9 @@ import copy
 import dataclasses
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
@@ -164,18 +165,42 @@ def _unknown_appearance(d: dict) -> None:
 MALFORMED = [
     ("unknown-top-level-key", _set(("sesions",), []), "bad.yaml: sesions:", "unknown key"),
     ("session-key-typo", _rename_shots, "sessions[1].shot:", "unknown key"),
-    ("class-before-declared", _set(("sessions", 1, "new_classes"), [5, 6, 42]), "sessions[1].new_classes[2]",
-     "class id 42 is used before it is declared"),
-    ("recurring-not-introduced", _set(("sessions", 2, "recurring_classes"), [9]), "sessions[2].recurring_classes[0]",
-     "recurs before any earlier session introduced it"),
-    ("recurring-in-base", _set(("sessions", 0, "recurring_classes"), [1]), "sessions[0].recurring_classes[0]",
-     "recurs before"),
-    ("introduced-twice", _set(("sessions", 2, "new_classes"), [7, 8, 5]), "sessions[2].new_classes[2]",
-     "already introduced"),
-    ("listed-twice-in-session", _set(("sessions", 1, "new_classes"), [5, 6, 6]), "sessions[1].new_classes",
-     "lists a class twice"),
-    ("background-as-new-class", _set(("sessions", 1, "new_classes"), [0, 5, 6]), "sessions[1].new_classes[0]",
-     "background"),
+    (
+        "class-before-declared",
+        _set(("sessions", 1, "new_classes"), [5, 6, 42]),
+        "sessions[1].new_classes[2]",
+        "class id 42 is used before it is declared",
+    ),
+    (
+        "recurring-not-introduced",
+        _set(("sessions", 2, "recurring_classes"), [9]),
+        "sessions[2].recurring_classes[0]",
+        "recurs before any earlier session introduced it",
+    ),
+    (
+        "recurring-in-base",
+        _set(("sessions", 0, "recurring_classes"), [1]),
+        "sessions[0].recurring_classes[0]",
+        "recurs before",
+    ),
+    (
+        "introduced-twice",
+        _set(("sessions", 2, "new_classes"), [7, 8, 5]),
+        "sessions[2].new_classes[2]",
+        "already introduced",
+    ),
+    (
+        "listed-twice-in-session",
+        _set(("sessions", 1, "new_classes"), [5, 6, 6]),
+        "sessions[1].new_classes",
+        "lists a class twice",
+    ),
+    (
+        "background-as-new-class",
+        _set(("sessions", 1, "new_classes"), [0, 5, 6]),
+        "sessions[1].new_classes[0]",
+        "background",
+    ),
     ("shots-negative", _set(("sessions", 2, "shots"), -3), "sessions[2].shots", "(got -3)"),
     ("shots-zero", _set(("sessions", 2, "shots"), 0), "sessions[2].shots", "positive integer"),
     ("shots-string", _set(("sessions", 2, "shots"), "many"), "sessions[2].shots", "'many'"),
@@ -188,15 +213,22 @@ MALFORMED = [
     ("duplicate-class-name", _set(("classes", 5, "name"), "disc"), "classes[5].name", "duplicate class name"),
     ("missing-background", _drop_background, "bad.yaml: classes:", "class id 0 (background)"),
     ("declared-never-introduced", _extra_class, "bad.yaml: classes:", "[10]"),
-    ("undeclared-domain", _set(("sessions", 1, "domains"), ["pet"]), "sessions[1].domains[0]",
-     "'pet' is not declared"),
+    ("undeclared-domain", _set(("sessions", 1, "domains"), ["pet"]), "sessions[1].domains[0]", "'pet' is not declared"),
     ("unknown-appearance-key", _unknown_appearance, "domains.mri.appearance.contrast", "unknown key"),
-    ("appearance-out-of-range", _set(("domains", "ct", "appearance", "noise"), 9.0), "domains.ct.appearance.noise",
-     "must be in"),
+    (
+        "appearance-out-of-range",
+        _set(("domains", "ct", "appearance", "noise"), 9.0),
+        "domains.ct.appearance.noise",
+        "must be in",
+    ),
     ("synthetic-size-3-entries", _set(("synthetic", "size"), [64, 64, 64]), "synthetic.size", "list of 2 integers"),
     ("missing-shape", lambda d: d["classes"][3].pop("shape"), "classes[id=3].shape", "shape"),
-    ("other-classes-choice", _set(("sessions", 1, "other_classes"), "keep"), "sessions[1].other_classes",
-     "background, ignore"),
+    (
+        "other-classes-choice",
+        _set(("sessions", 1, "other_classes"), "keep"),
+        "sessions[1].other_classes",
+        "background, ignore",
+    ),
     ("sessions-empty", _set(("sessions",), []), "bad.yaml: sessions:", "non-empty list"),
 ]
 
@@ -299,8 +331,13 @@ def test_cli_protocols_command_reports_malformed_file(tmp_path, capsys):
 
 def test_cli_subprocess_exit_code_and_single_line(tmp_path):
     path = _typo_file(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "jascl", "run", "--protocol", str(path)],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jascl", "run", "--protocol", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, proc.stderr

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jascl.methods.prototypes import PrototypeAccumulator, PrototypeStore, class_prototypes
+from jascl.engine.prototypes import PrototypeAccumulator, PrototypeStore, class_prototypes
 from jascl.methods.replay import prototype_replay_loss
 from jascl.networks import create_segmenter
 from jascl.networks.classifier import PixelClassifier

@@ -15,17 +15,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fixtures import medical as fxm  # noqa: E402
 from fixtures import natural as fxn  # noqa: E402
-
 from jascl.cli import main  # noqa: E402
 from jascl.data.datasets import LabelledDataset  # noqa: E402
 from jascl.data.layouts import LAYOUTS, DatasetLayout, Problem, Record, Sample  # noqa: E402
-from jascl.data.real import (env_var, label_lut, load_manifest, load_real, open_source, parse_root_args,  # noqa: E402
-                             resolve_roots, select_k_shot)
+from jascl.data.real import (  # noqa: E402
+    env_var,
+    label_lut,
+    load_manifest,
+    load_real,
+    open_source,
+    parse_root_args,
+    resolve_roots,
+    select_k_shot,
+)
+from jascl.engine.config import resolve_config  # noqa: E402
 from jascl.errors import ConfigError, DataError  # noqa: E402
+from jascl.experiments.runner import run_benchmark  # noqa: E402
 from jascl.protocols import builtin_protocols, get_protocol, parse_protocol  # noqa: E402
-from jascl.protocols.schema import IGNORE_ID  # noqa: E402
-from jascl.training.config import resolve_config  # noqa: E402
-from jascl.training.runner import run_benchmark  # noqa: E402
+from jascl.protocols.schema import IGNORE_INDEX  # noqa: E402
 
 # --------------------------------------------------------------------------------------------- a fake layout
 
@@ -89,23 +96,52 @@ def fake_protocol(**session_overrides) -> dict:
     ]
     sessions[1].update(session_overrides)
     return {
-        "name": "fake-proto", "seed": 5, "spatial_dims": 2, "in_channels": 1, "metric": "dice",
-        "classes": [{"id": 0, "name": "background"}, {"id": 1, "name": "one"}, {"id": 2, "name": "two"},
-                    {"id": 3, "name": "three"}],
+        "name": "fake-proto",
+        "seed": 5,
+        "spatial_dims": 2,
+        "in_channels": 1,
+        "metric": "dice",
+        "classes": [
+            {"id": 0, "name": "background"},
+            {"id": 1, "name": "one"},
+            {"id": 2, "name": "two"},
+            {"id": 3, "name": "three"},
+        ],
         "domains": {"d": {}},
-        "datasets": {"fake": {"layout": "fake-test", "root": "fakeroot", "domain": "d",
-                              "labels": {1: 1, 2: "two", "c3": 3, 5: "ignore"},
-                              "train_splits": ["train"], "test_splits": ["test"]}},
+        "datasets": {
+            "fake": {
+                "layout": "fake-test",
+                "root": "fakeroot",
+                "domain": "d",
+                "labels": {1: 1, 2: "two", "c3": 3, 5: "ignore"},
+                "train_splits": ["train"],
+                "test_splits": ["test"],
+            }
+        },
         "sessions": sessions,
-        "training": {"backbone_args": {"features": [4, 4, 8, 8, 8, 8]}, "patch_size": [8, 8], "epochs_base": 1,
-                     "epochs_incremental": 1, "batch_size": 2, "augment": False},
+        "training": {
+            "backbone_args": {"features": [4, 4, 8, 8, 8, 8]},
+            "patch_size": [8, 8],
+            "epochs_base": 1,
+            "epochs_incremental": 1,
+            "batch_size": 2,
+            "augment": False,
+        },
     }
 
 
 # Sample -> (split, native labels present). Class 2 (native 2) is in a, b, c; class 3 in c, d, e.
-FAKE = {"a": ("train", [1, 2]), "b": ("train", [2]), "c": ("train", [2, 3]), "d": ("train", [1, 3]),
-        "e": ("train", [3, 4]), "f": ("train", [1]), "t1": ("test", [1, 2]), "t2": ("test", [3]),
-        "u1": ("nolabel", [])}
+FAKE = {
+    "a": ("train", [1, 2]),
+    "b": ("train", [2]),
+    "c": ("train", [2, 3]),
+    "d": ("train", [1, 3]),
+    "e": ("train", [3, 4]),
+    "f": ("train", [1]),
+    "t1": ("test", [1, 2]),
+    "t2": ("test", [3]),
+    "u1": ("nolabel", []),
+}
 
 
 @pytest.fixture
@@ -153,8 +189,19 @@ def test_k_shot_sessions_guarantee_k_per_class_and_are_seeded(fake_root, tmp_pat
     # then e for class 3; with K=1 the seeded order decides
     assert _ids(inc.train) == ["b", "c", "e"]
     one_shot = parse_protocol(fake_protocol(shots=1), "fake.yaml")
-    seeds = {tuple(_ids(load_real(dataclasses.replace(one_shot, seed=s), {"fakeroot": fake_root}, tmp_path / "cache",
-                                  echo=lambda *a: None)[0][1].train)) for s in range(12)}
+    seeds = {
+        tuple(
+            _ids(
+                load_real(
+                    dataclasses.replace(one_shot, seed=s),
+                    {"fakeroot": fake_root},
+                    tmp_path / "cache",
+                    echo=lambda *a: None,
+                )[0][1].train
+            )
+        )
+        for s in range(12)
+    }
     assert len(seeds) > 1 and seeds <= {("b", "c"), ("c",), ("b", "e")}
 
 
@@ -224,8 +271,13 @@ def test_split_manifest_is_reused_and_validated(fake_root, tmp_path):
     # hand-edited selection: the reused manifest wins over a new seed's selection
     manifest["sessions"][1]["train"] = ["fake/train/b", "fake/train/e"]
     path.write_text(json.dumps(manifest))
-    reused, _ = load_real(dataclasses.replace(protocol, seed=99), {"fakeroot": fake_root}, tmp_path / "cache",
-                          echo=lambda *a: None, split_manifest=path)
+    reused, _ = load_real(
+        dataclasses.replace(protocol, seed=99),
+        {"fakeroot": fake_root},
+        tmp_path / "cache",
+        echo=lambda *a: None,
+        split_manifest=path,
+    )
     assert reused[1].train.ids == ["fake/train/b", "fake/train/e"]
     assert reused[0].test.ids == data[0].test.ids
 
@@ -258,8 +310,7 @@ def test_lazy_split_interface_and_unlabelled_pool(tmp_path):
     root = write_fake(tmp_path / "fake", samples)
     write_fake(root, {"g": ("train", [2, 3])}, size=(6, 10))  # a differently sized sample
     protocol = parse_protocol(fake_protocol(unlabelled_per_class=1, unlabelled=2), "fake.yaml")
-    data, _ = load_real(protocol, {"fakeroot": root}, tmp_path / "cache", echo=lambda *a: None,
-                        unlabelled_crop=[4, 4])
+    data, _ = load_real(protocol, {"fakeroot": root}, tmp_path / "cache", echo=lambda *a: None, unlabelled_crop=[4, 4])
     train, pool = data[1].train, data[1].unlabelled
     assert len(train.images) == len(train) and train.images.ndim == 4 and train.labels.ndim == 3
     assert train.images.shape[:2] == (len(train), 1) and train.images.shape[2:] == (None, None)
@@ -270,7 +321,7 @@ def test_lazy_split_interface_and_unlabelled_pool(tmp_path):
     test = data[1].test
     assert isinstance(test.images[0:2], np.ndarray) and test.images[0:2].shape == (2, 1, 8, 8)
     every = [train.images[i].shape for i in range(len(train))]
-    whole = train.images[0:len(train)]
+    whole = train.images[0 : len(train)]
     assert isinstance(whole, np.ndarray) == (len(set(every)) == 1)
     # the pool: no labelled shot, at least one sample per class, label-free records take part, crops of 4 x 4
     assert not set(pool.ids) & set(train.ids)
@@ -281,7 +332,7 @@ def test_lazy_split_interface_and_unlabelled_pool(tmp_path):
     free = [i for i, ref in enumerate(pool.ids) if ref.startswith("fake/nolabel/")]
     for i in free:  # no ground truth at all: every pixel is ignore
         pool.images[i]
-        assert (pool.labels[i] == IGNORE_ID).all()
+        assert (pool.labels[i] == IGNORE_INDEX).all()
 
 
 def test_labelled_dataset_pads_and_crops_lazy_splits_around_taught_classes(fake_root, tmp_path):
@@ -292,7 +343,7 @@ def test_labelled_dataset_pads_and_crops_lazy_splits_around_taught_classes(fake_
     ds = LabelledDataset(split, [2, 3], patch_size=[10, 12], seed=0)
     item = ds[0]
     assert item["image"].shape == (1, 10, 12) and item["label"].shape == (10, 12)
-    assert (item["label"][0] == IGNORE_ID).all() and (item["image"][:, 0] == 0).all()
+    assert (item["label"][0] == IGNORE_INDEX).all() and (item["image"][:, 0] == 0).all()
     # small crops: about half are centred on a taught-class voxel, so a taught class shows in most of them
     ds = LabelledDataset(split, [2, 3], patch_size=[2, 2], seed=1)
     hits = sum(bool(((ds[i % len(ds)]["label"] == 2) | (ds[i % len(ds)]["label"] == 3)).any()) for i in range(80))
@@ -302,18 +353,28 @@ def test_labelled_dataset_pads_and_crops_lazy_splits_around_taught_classes(fake_
 # --------------------------------------------------------------------------------------------- schema
 
 
-@pytest.mark.parametrize("edit, key, reason", [
-    (lambda d: d["sessions"][1].update(sources=["nope"]), "sessions[1].sources[0].dataset", "not declared"),
-    (lambda d: d["sessions"][1].update(sources=[{"dataset": "fake", "classes": [1]}]),
-     "sessions[1].sources[0].classes[0]", "not one of the session's classes"),
-    (lambda d: d["datasets"]["fake"]["labels"].pop(2), "sessions[1].sources", "have no source"),
-    (lambda d: d["datasets"]["fake"].update(domain="e"), "datasets.fake.domain", "not declared"),
-    (lambda d: d["datasets"]["fake"]["labels"].update({7: "seven"}), "datasets.fake.labels.7", "neither a declared"),
-    (lambda d: d["datasets"]["fake"].update(test_splits=["train"]), "datasets.fake.test_splits", "also training"),
-    (lambda d: d["datasets"]["fake"].pop("layout"), "datasets.fake.layout", "is required"),
-    (lambda d: d["sessions"][0].pop("sources"), "sessions[0].sources", "is required"),
-    (lambda d: d["sessions"][1].update(source="x"), "sessions[1].source", "does not apply"),
-])
+@pytest.mark.parametrize(
+    "edit, key, reason",
+    [
+        (lambda d: d["sessions"][1].update(sources=["nope"]), "sessions[1].sources[0].dataset", "not declared"),
+        (
+            lambda d: d["sessions"][1].update(sources=[{"dataset": "fake", "classes": [1]}]),
+            "sessions[1].sources[0].classes[0]",
+            "not one of the session's classes",
+        ),
+        (lambda d: d["datasets"]["fake"]["labels"].pop(2), "sessions[1].sources", "have no source"),
+        (lambda d: d["datasets"]["fake"].update(domain="e"), "datasets.fake.domain", "not declared"),
+        (
+            lambda d: d["datasets"]["fake"]["labels"].update({7: "seven"}),
+            "datasets.fake.labels.7",
+            "neither a declared",
+        ),
+        (lambda d: d["datasets"]["fake"].update(test_splits=["train"]), "datasets.fake.test_splits", "also training"),
+        (lambda d: d["datasets"]["fake"].pop("layout"), "datasets.fake.layout", "is required"),
+        (lambda d: d["sessions"][0].pop("sources"), "sessions[0].sources", "is required"),
+        (lambda d: d["sessions"][1].update(source="x"), "sessions[1].source", "does not apply"),
+    ],
+)
 def test_malformed_dataset_protocols_are_one_line(edit, key, reason):
     d = fake_protocol()
     edit(d)
@@ -326,10 +387,19 @@ def test_malformed_dataset_protocols_are_one_line(edit, key, reason):
 def test_paper_protocol_facts():
     builtins = builtin_protocols()
     expected = {  # name: (sessions, foreground classes, shots of the incremental sessions)
-        "med-disjoint": (6, 37, 5), "med-mixed": (5, 35, 5), "med-ss": (6, 37, 5), "natural": (3, 18, 10),
-        "natural-ss": (4, 17, 10), "surgery": (3, 10, 50), "surgery-cil": (3, 10, 50), "surgery-dil": (2, 4, 50),
-        "surgery-cdil": (3, 9, 50), "natural-cil": (2, 13, 10), "natural-dil": (2, 10, 10),
-        "natural-cdil": (3, 18, 10)}
+        "med-disjoint": (6, 37, 5),
+        "med-mixed": (5, 35, 5),
+        "med-ss": (6, 37, 5),
+        "natural": (3, 18, 10),
+        "natural-ss": (4, 17, 10),
+        "surgery": (3, 10, 50),
+        "surgery-cil": (3, 10, 50),
+        "surgery-dil": (2, 4, 50),
+        "surgery-cdil": (3, 9, 50),
+        "natural-cil": (2, 13, 10),
+        "natural-dil": (2, 10, 10),
+        "natural-cdil": (3, 18, 10),
+    }
     assert set(expected) <= set(builtins)
     for name, (n_sessions, n_classes, shots) in expected.items():
         p = get_protocol(name)
@@ -361,8 +431,16 @@ def test_paper_protocol_facts():
 
 # --------------------------------------------------------------------------------------------- end to end
 
-TINY = {"backbone": "unet", "backbone_args": {"features": [4, 4, 8, 8, 8, 8]}, "epochs_base": 1,
-        "epochs_incremental": 1, "batch_size": 2, "augment": False, "device": "cpu", "freeze_incremental": "none"}
+TINY = {
+    "backbone": "unet",
+    "backbone_args": {"features": [4, 4, 8, 8, 8, 8]},
+    "epochs_base": 1,
+    "epochs_incremental": 1,
+    "batch_size": 2,
+    "augment": False,
+    "device": "cpu",
+    "freeze_incremental": "none",
+}
 
 
 def tiny_config(protocol, patch):
@@ -372,8 +450,9 @@ def tiny_config(protocol, patch):
 
 def shrink_images(protocol, size=(32, 64)):
     """The built-in protocol with its 2D datasets resized to ``size`` instead of ~512 x 1024 (test speed)."""
-    datasets = {n: dataclasses.replace(d, preprocess={**d.preprocess, "size": list(size)})
-                for n, d in protocol.datasets.items()}
+    datasets = {
+        n: dataclasses.replace(d, preprocess={**d.preprocess, "size": list(size)}) for n, d in protocol.datasets.items()
+    }
     return dataclasses.replace(protocol, datasets=datasets)
 
 
@@ -386,9 +465,13 @@ def write_medical_roots(root: Path, protocol, cases: int = 7) -> dict[str, Path]
     for spec in protocol.datasets.values():
         folder = root / spec.root
         if spec.layout == "totalsegmentator":
-            out[spec.root] = fxm.write_totalsegmentator(folder, subjects=cases, shape=MED_SHAPE,
-                                                        structures=spec.options["structures"],
-                                                        splits=["train"] * (cases - 2) + ["val", "test"])
+            out[spec.root] = fxm.write_totalsegmentator(
+                folder,
+                subjects=cases,
+                shape=MED_SHAPE,
+                structures=spec.options["structures"],
+                splits=["train"] * (cases - 2) + ["val", "test"],
+            )
         elif spec.layout == "brats":
             out[spec.root] = fxm.write_brats(folder, subjects=cases, shape=MED_SHAPE)
         else:
@@ -397,8 +480,12 @@ def write_medical_roots(root: Path, protocol, cases: int = 7) -> dict[str, Path]
     return out
 
 
-NATURAL_WRITERS = {"bdd100k": fxn.write_bdd100k, "idd": fxn.write_idd, "cityscapes": fxn.write_cityscapes,
-                   "m2caiseg": fxn.write_m2caiseg}
+NATURAL_WRITERS = {
+    "bdd100k": fxn.write_bdd100k,
+    "idd": fxn.write_idd,
+    "cityscapes": fxn.write_cityscapes,
+    "m2caiseg": fxn.write_m2caiseg,
+}
 
 
 def write_natural_roots(root: Path, protocol, per_split: int) -> dict[str, Path]:
@@ -406,8 +493,9 @@ def write_natural_roots(root: Path, protocol, per_split: int) -> dict[str, Path]
     for spec in protocol.datasets.values():
         folder = root / spec.root
         if spec.layout == "cholecseg8k":  # one of four videos is held out for testing
-            out[spec.root] = fxn.write_cholecseg8k(folder, per_split=per_split // 3 + 2, size=(32, 64),
-                                                   videos=("video01", "video09", "video12", "video17"))
+            out[spec.root] = fxn.write_cholecseg8k(
+                folder, per_split=per_split // 3 + 2, size=(32, 64), videos=("video01", "video09", "video12", "video17")
+            )
         else:
             out[spec.root] = NATURAL_WRITERS[spec.layout](folder, per_split=per_split, size=(32, 64))
     return out
@@ -419,8 +507,10 @@ def same_spacing(protocol, spacing=(1.5, 1.5, 1.5)):
     Needed while the trainer batches whole samples for prototypes (see
     test_prototypes_of_variable_size_samples); BraTS is resampled to 1 mm otherwise.
     """
-    datasets = {n: dataclasses.replace(d, preprocess={**d.preprocess, "spacing": list(spacing)})
-                for n, d in protocol.datasets.items()}
+    datasets = {
+        n: dataclasses.replace(d, preprocess={**d.preprocess, "spacing": list(spacing)})
+        for n, d in protocol.datasets.items()
+    }
     return dataclasses.replace(protocol, datasets=datasets)
 
 
@@ -438,10 +528,18 @@ def _run_end_to_end(name, tmp_path):
     semi = any(s.unlabelled or s.unlabelled_per_class for s in protocol.sessions)
     config = tiny_config(protocol, patch)
     if semi:  # an unlabelled phase in the one epoch, so the pools are used
-        config.pas.start_epoch, config.pas.every = 0, 1
+        config.method_args = {"jascl": {"pas": {"start_epoch": 0, "every": 1}}}
     methods = ["jascl"] if semi else ["vanilla"]
-    results = run_benchmark(protocol, config, methods, tmp_path / "run", cache_dir=tmp_path / "cache",
-                            progress=False, echo=lambda *a: None, roots=roots)
+    results = run_benchmark(
+        protocol,
+        config,
+        methods,
+        tmp_path / "run",
+        cache_dir=tmp_path / "cache",
+        progress=False,
+        echo=lambda *a: None,
+        roots=roots,
+    )
     records = results["methods"][methods[0]]["sessions"]
     assert [r["session"] for r in records] == list(range(len(protocol.sessions)))
     for t, record in enumerate(records):  # every class seen so far is scored (present in the test data)
@@ -462,9 +560,15 @@ def test_end_to_end_through_the_cli_with_roots_and_manifest_reuse(tmp_path, caps
     root = write_fake(tmp_path / "fake", FAKE, size=(32, 32))
     path = tmp_path / "fake-proto.yaml"
     path.write_text(yaml.safe_dump(fake_protocol()))
-    common = ["--methods", "vanilla", "--cache-dir", str(tmp_path / "cache"), "--no-progress",
-              "--root", f"fakeroot={root}"] + [f"--set={k}={json.dumps(v)}" for k, v in
-                                               {**TINY, "patch_size": [32, 32]}.items()]
+    common = [
+        "--methods",
+        "vanilla",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--no-progress",
+        "--root",
+        f"fakeroot={root}",
+    ] + [f"--set={k}={json.dumps(v)}" for k, v in {**TINY, "patch_size": [32, 32]}.items()]
     assert main(["run", "--protocol", str(path), "--out", str(tmp_path / "a"), *common]) == 0, capsys.readouterr().err
     first = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert first["datasets"]["fake"] == {"layout": "fake-test", "root": "fakeroot", "path": str(root)}
@@ -477,15 +581,32 @@ def test_end_to_end_through_the_cli_with_roots_and_manifest_reuse(tmp_path, caps
     edited = json.loads(manifest.read_text())
     edited["sessions"][1]["train"] = ["fake/train/c", "fake/train/d"]
     manifest.write_text(json.dumps(edited))
-    assert main(["run", "--protocol", str(path), "--out", str(tmp_path / "b"), "--seed", "3",
-                 "--split-manifest", str(manifest), *common]) == 0, capsys.readouterr().err
+    assert (
+        main(
+            [
+                "run",
+                "--protocol",
+                str(path),
+                "--out",
+                str(tmp_path / "b"),
+                "--seed",
+                "3",
+                "--split-manifest",
+                str(manifest),
+                *common,
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     again = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert again["seed"] == 3 and again["sessions"][1]["train"] == ["fake/train/c", "fake/train/d"]
     assert [e["test"] for e in again["sessions"]] == [e["test"] for e in first["sessions"]]
     edited["protocol"] = "something-else"
     manifest.write_text(json.dumps(edited))
-    assert main(["run", "--protocol", str(path), "--out", str(tmp_path / "c"), "--split-manifest", str(manifest),
-                 *common]) == 2
+    assert (
+        main(["run", "--protocol", str(path), "--out", str(tmp_path / "c"), "--split-manifest", str(manifest), *common])
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "made for protocol 'something-else'" in err
 
@@ -495,13 +616,39 @@ def test_run_requires_roots_and_patch_size(tmp_path, capsys, monkeypatch):
     assert main(["run", "--protocol", "natural-cil", "--out", str(tmp_path / "r"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--root bdd100k=PATH" in err and "JASCL_ROOT_BDD100K" in err
-    assert main(["run", "--protocol", "natural-cil", "--out", str(tmp_path / "r"), "--set", "patch_size=null",
-                 "--root", f"bdd100k={tmp_path}"]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "--protocol",
+                "natural-cil",
+                "--out",
+                str(tmp_path / "r"),
+                "--set",
+                "patch_size=null",
+                "--root",
+                f"bdd100k={tmp_path}",
+            ]
+        )
+        == 2
+    )
     assert "patch_size is null" in capsys.readouterr().err
 
 
-PAPER_PROTOCOLS = ["med-disjoint", "med-mixed", "med-ss", "natural", "natural-ss", "natural-cil", "natural-dil",
-                   "natural-cdil", "surgery", "surgery-cil", "surgery-dil", "surgery-cdil"]
+PAPER_PROTOCOLS = [
+    "med-disjoint",
+    "med-mixed",
+    "med-ss",
+    "natural",
+    "natural-ss",
+    "natural-cil",
+    "natural-dil",
+    "natural-cdil",
+    "surgery",
+    "surgery-cil",
+    "surgery-dil",
+    "surgery-cdil",
+]
 
 
 @pytest.mark.slow
@@ -512,32 +659,47 @@ def test_paper_protocol_runs_end_to_end_on_fixtures(name, tmp_path):
 
 
 def test_synthetic_manifest_reuse_must_name_the_generated_samples(toy_protocol, tmp_path):
-    from jascl.training.runner import load_data, write_manifest
+    from jascl.data.sessions import load_sessions, write_manifest
 
-    data = load_data(toy_protocol, tmp_path / "cache", echo=lambda *a: None)
+    data = load_sessions(toy_protocol, tmp_path / "cache", echo=lambda *a: None)
     path = tmp_path / "manifest.json"
     write_manifest(toy_protocol, data, path)
-    assert load_data(toy_protocol, tmp_path / "cache", echo=lambda *a: None, split_manifest=path)[1].train.ids == \
-        data[1].train.ids
+    assert (
+        load_sessions(toy_protocol, tmp_path / "cache", echo=lambda *a: None, split_manifest=path)[1].train.ids
+        == data[1].train.ids
+    )
     other = dataclasses.replace(toy_protocol, seed=toy_protocol.seed + 1)
     with pytest.raises(DataError, match="made with seed 3, this run has seed 4"):
-        load_data(other, tmp_path / "cache", echo=lambda *a: None, split_manifest=path)
+        load_sessions(other, tmp_path / "cache", echo=lambda *a: None, split_manifest=path)
     manifest = json.loads(path.read_text())
     manifest["sessions"][1]["train"] = manifest["sessions"][1]["train"][:-1]
     path.write_text(json.dumps(manifest))
     with pytest.raises(DataError, match=r"sessions\[1\]\.train lists other samples"):
-        load_data(toy_protocol, tmp_path / "cache", echo=lambda *a: None, split_manifest=path)
+        load_sessions(toy_protocol, tmp_path / "cache", echo=lambda *a: None, split_manifest=path)
 
 
 def test_prototypes_of_variable_size_samples(tmp_path):
-    samples = {"a": ("train", [1, 2]), "b": ("train", [2, 3]), "c": ("train", [3, 2]), "t1": ("test", [1, 2]),
-               "t2": ("test", [3])}
+    samples = {
+        "a": ("train", [1, 2]),
+        "b": ("train", [2, 3]),
+        "c": ("train", [3, 2]),
+        "t1": ("test", [1, 2]),
+        "t2": ("test", [3]),
+    }
     root = write_fake(tmp_path / "fake", samples, size=(32, 32))
     write_fake(root, {"d": ("train", [1, 3])}, size=(32, 48))
     write_fake(root, {"t3": ("test", [1, 3])}, size=(48, 32))
     protocol = parse_protocol(fake_protocol(), "fake.yaml")
     config = tiny_config(protocol, [32, 32])
-    results = run_benchmark(protocol, config, ["vanilla"], tmp_path / "run", cache_dir=tmp_path / "cache",
-                            progress=False, echo=lambda *a: None, roots={"fakeroot": root})
+    results = run_benchmark(
+        protocol,
+        config,
+        ["vanilla"],
+        tmp_path / "run",
+        cache_dir=tmp_path / "cache",
+        progress=False,
+        echo=lambda *a: None,
+        roots={"fakeroot": root},
+    )
     scored = results["methods"]["vanilla"]["sessions"][1]["per_class"]
     assert {c for c, v in scored.items() if v == v} == {"0", "1", "2", "3"}

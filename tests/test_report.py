@@ -27,30 +27,58 @@ from jascl.results.report import (
 def _results(metric: str = "dice") -> dict[str, Any]:
     def sessions(s0: float, s1: float, s2: float) -> list[dict[str, Any]]:
         return [
-            {"session": 0, "name": "base", "all": s0, "old": math.nan, "new": s0, "base": s0,
-             "background": 0.99, "per_class": {"1": 0.8, "2": 0.7}},
-            {"session": 1, "name": "step1", "all": s1, "old": 0.5, "new": 0.4, "base": 0.45,
-             "background": 0.98, "per_class": {"1": 0.5, "2": 0.4, "3": 0.4}},
-            {"session": 2, "name": "step2", "all": s2, "old": 0.4, "new": 0.3, "base": 0.35,
-             "background": 0.97, "per_class": {"1": 0.4, "2": 0.3, "3": 0.4, "4": 0.3}},
+            {
+                "session": 0,
+                "name": "base",
+                "all": s0,
+                "old": math.nan,
+                "new": s0,
+                "base": s0,
+                "background": 0.99,
+                "per_class": {"1": 0.8, "2": 0.7},
+            },
+            {
+                "session": 1,
+                "name": "step1",
+                "all": s1,
+                "old": 0.5,
+                "new": 0.4,
+                "base": 0.45,
+                "background": 0.98,
+                "per_class": {"1": 0.5, "2": 0.4, "3": 0.4},
+            },
+            {
+                "session": 2,
+                "name": "step2",
+                "all": s2,
+                "old": 0.4,
+                "new": 0.3,
+                "base": 0.35,
+                "background": 0.97,
+                "per_class": {"1": 0.4, "2": 0.3, "3": 0.4, "4": 0.3},
+            },
         ]
 
     return {
-        "protocol": "synthetic-2d", "metric": metric, "eval_mode": "sliding-window",
-        "background": "excluded from means", "seed": 1024,
+        "protocol": "synthetic-2d",
+        "metric": metric,
+        "eval_mode": "sliding-window",
+        "background": "excluded from means",
+        "seed": 1024,
         "methods": {
-            "ucl": {"sessions": sessions(0.700, 0.430, 0.325), "total_drop": 53.5714,
-                    "forgetting": {"1": 0.4}},
-            "jascl": {"sessions": sessions(0.736, 0.460, 0.398), "total_drop": 45.9239,
-                      "forgetting": {"1": 0.3, "2": math.nan}},
+            "ucl": {"sessions": sessions(0.700, 0.430, 0.325), "total_drop": 53.5714, "forgetting": {"1": 0.4}},
+            "jascl": {
+                "sessions": sessions(0.736, 0.460, 0.398),
+                "total_drop": 45.9239,
+                "forgetting": {"1": 0.3, "2": math.nan},
+            },
         },
     }
 
 
 def test_comparison_table_dice() -> None:
     header, rows = comparison_table(_results())
-    assert header == ["Method", "S0 (base)", "S1 (step1)", "S2 (step2)", "Base@last",
-                      "Total Drop (%)"]
+    assert header == ["Method", "S0 (base)", "S1 (step1)", "S2 (step2)", "Base@last", "Total Drop (%)"]
     assert rows == [
         ["ucl", "0.700", "0.430", "0.325", "0.350", "53.6"],
         ["jascl", "0.736", "0.460", "0.398", "0.350", "45.9"],

@@ -13,6 +13,8 @@ import torch
 
 from conftest import toy_protocol_dict
 from jascl.cli import main
+from jascl.engine.config import resolve_config
+from jascl.experiments.runner import run_benchmark
 from jascl.methods.gas import GASNoise
 from jascl.protocols import parse_protocol
 from jascl.results import plots
@@ -28,8 +30,6 @@ from jascl.results.html import (
 )
 from jascl.results.report import MISSING
 from jascl.results.tensorboard import gas_scale_stats
-from jascl.training.config import resolve_config
-from jascl.training.runner import run_benchmark
 
 METHODS = ["vanilla", "jascl"]
 SPLIT_COLUMNS = {"All": "all", "Old": "old", "New": "new", "Base classes": "base", "Background": "background"}
@@ -42,11 +42,21 @@ def toy_run(tmp_path_factory):
     protocol = parse_protocol(toy_protocol_dict(2), source="toy-2d.yaml")
     config = resolve_config(protocol.training, "toy-2d.yaml", overrides=["tensorboard=true"])
     run = root / "run"
-    results = run_benchmark(protocol, config, METHODS, run, cache_dir=root / "cache", progress=False, echo=lambda *a: None)
+    results = run_benchmark(
+        protocol, config, METHODS, run, cache_dir=root / "cache", progress=False, echo=lambda *a: None
+    )
     paths = write_report([run], root / "report", samples=2, cache_dir=root / "cache", echo=lambda *a: None)
-    return {"root": root, "run": run, "results": json.loads((run / "results.json").read_text()),
-            "html": paths["html"].read_text(), "md": paths["markdown"].read_text(), "out": root / "report",
-            "protocol": protocol, "config": config, "raw": results}
+    return {
+        "root": root,
+        "run": run,
+        "results": json.loads((run / "results.json").read_text()),
+        "html": paths["html"].read_text(),
+        "md": paths["markdown"].read_text(),
+        "out": root / "report",
+        "protocol": protocol,
+        "config": config,
+        "raw": results,
+    }
 
 
 class _Tables(HTMLParser):
@@ -144,8 +154,15 @@ def test_report_has_every_section_and_is_self_contained(toy_run):
     assert page.count('src="data:image/png;base64,') == 1 + 2 + 2
     assert "http://" not in page and "https://" not in page and "<link" not in page and "<script" not in page
     linked = [line.split("](")[1].rstrip(")") for line in md.splitlines() if line.startswith("![")]
-    assert sorted(linked) == sorted(["p0-curves.png", "p0-heatmap-vanilla.png", "p0-heatmap-jascl.png",
-                                     "p0-qualitative-s0.png", "p0-qualitative-s1.png"])
+    assert sorted(linked) == sorted(
+        [
+            "p0-curves.png",
+            "p0-heatmap-vanilla.png",
+            "p0-heatmap-jascl.png",
+            "p0-qualitative-s0.png",
+            "p0-qualitative-s1.png",
+        ]
+    )
     for name in linked:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # config, versions and manifest: the run's own values
@@ -160,7 +177,8 @@ def test_report_has_every_section_and_is_self_contained(toy_run):
     manifest = json.loads((toy_run["run"] / "manifest.json").read_text())
     rows = tables["manifest:3"][1:]
     assert [(int(r[0]), int(r[3]), int(r[4])) for r in rows] == [
-        (s["session"], len(s["train"]), len(s["test"])) for s in manifest["sessions"]]
+        (s["session"], len(s["train"]), len(s["test"])) for s in manifest["sessions"]
+    ]
     assert "No pseudo-label statistics" in page  # the toy protocol has no unlabelled pools
 
 
@@ -213,7 +231,9 @@ def test_tensorboard_scalars_match_results(toy_run):
         else:
             assert "s1-inc/loss/proto" in tags and "s1-inc/gas/classifier/scale_mean" in tags
             for step in (0, 1):
-                lo, mean, hi = (acc.Scalars(f"s1-inc/gas/classifier/scale_{s}")[step].value for s in ("min", "mean", "max"))
+                lo, mean, hi = (
+                    acc.Scalars(f"s1-inc/gas/classifier/scale_{s}")[step].value for s in ("min", "mean", "max")
+                )
                 assert 0.0 < lo <= mean <= hi == pytest.approx(1.0)  # the smallest gradient gets scale 1 (eq. 1)
 
 
@@ -268,8 +288,14 @@ def test_pseudo_label_table_and_plot(toy_run, tmp_path):
     shutil.copytree(toy_run["run"], folder, ignore=shutil.ignore_patterns("*.safetensors", "tensorboard"))
     results = json.loads((folder / "results.json").read_text())
     results["methods"]["jascl"]["sessions"][1]["pseudo_labels"] = {
-        "filter": "pas", "phases": 2, "coverage": 0.25, "precision": 0.875, "confidence_only_coverage": 0.5,
-        "confidence_only_precision": 0.75, "teacher_error_final": 0.125}
+        "filter": "pas",
+        "phases": 2,
+        "coverage": 0.25,
+        "precision": 0.875,
+        "confidence_only_coverage": 0.5,
+        "confidence_only_precision": 0.75,
+        "teacher_error_final": 0.125,
+    }
     (folder / "results.json").write_text(json.dumps(results))
     blocks = pseudo_label_section(open_run(folder), "p0")
     table = next(b for b in blocks if b.kind == "table")
@@ -327,7 +353,16 @@ def test_tensorboard_toggle_does_not_block_resuming(toy_run, tmp_path):
     folder = tmp_path / "resume"
     shutil.copytree(toy_run["run"], folder, ignore=shutil.ignore_patterns("tensorboard"))
     config = resolve_config(toy_run["protocol"].training, "toy-2d.yaml")  # tensorboard off now
-    again = run_benchmark(toy_run["protocol"], config, METHODS, folder, progress=False, echo=lambda *a: None,
-                          cache_dir=toy_run["root"] / "cache")
-    assert again["methods"]["jascl"]["sessions"][1]["all"] == toy_run["results"]["methods"]["jascl"]["sessions"][1]["all"]
+    again = run_benchmark(
+        toy_run["protocol"],
+        config,
+        METHODS,
+        folder,
+        progress=False,
+        echo=lambda *a: None,
+        cache_dir=toy_run["root"] / "cache",
+    )
+    assert (
+        again["methods"]["jascl"]["sessions"][1]["all"] == toy_run["results"]["methods"]["jascl"]["sessions"][1]["all"]
+    )
     assert not (folder / "tensorboard").exists()

@@ -11,16 +11,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jascl.errors import CheckpointError, TrainingError
-from jascl.methods import METHODS, Plugin
-from jascl.methods.base import Method
-from jascl.protocols import parse_protocol
-from jascl.training.checkpoint import load_progress, save_progress
-from jascl.training.config import resolve_config
-from jascl.training.runner import ensure_base, load_data, run_benchmark
-from jascl.training.snapshot import capture_object, pack, restore_object, unpack
-
 from conftest import toy_protocol_dict
+from jascl.data.sessions import load_sessions
+from jascl.engine.checkpoint import load_progress, save_progress
+from jascl.engine.config import resolve_config
+from jascl.engine.plugin import Method
+from jascl.engine.snapshot import capture_object, pack, restore_object, unpack
+from jascl.errors import CheckpointError, TrainingError
+from jascl.experiments.runner import ensure_base, run_benchmark
+from jascl.methods import METHODS, Plugin
+from jascl.protocols import parse_protocol
 
 
 class Stop(Exception):
@@ -48,7 +48,7 @@ def _toy_with_base(tmp_path_factory, name: str, **training):
     protocol = parse_protocol(spec, source=f"{name}.yaml")
     config = resolve_config(protocol.training, f"{name}.yaml", overrides=["pas.start_epoch=0", "pas.every=1"])
     root = tmp_path_factory.mktemp(name)
-    data = load_data(protocol, root / "cache", echo=lambda *a: None)
+    data = load_sessions(protocol, root / "cache", echo=lambda *a: None)
     ensure_base(protocol, config, data, root / "base", progress=False, echo=lambda *a: None)
     return protocol, config, root
 
@@ -58,30 +58,35 @@ def toy_resume(tmp_path_factory):
     return _toy_with_base(tmp_path_factory, "toy-resume")
 
 
-def _run(protocol, config, name, out, root):
-    return run_benchmark(protocol, config, [name], out, cache_dir=root / "cache", progress=False,
-                         echo=lambda *a: None)
+def _run(protocol, config, method, out, root, *plugins):
+    """Run one method (a registered name or a :class:`Method`), with ``plugins`` added after its own."""
+    return run_benchmark(
+        protocol,
+        config,
+        [method],
+        out,
+        cache_dir=root / "cache",
+        progress=False,
+        echo=lambda *a: None,
+        extra_plugins=plugins,
+    )
 
 
 @pytest.mark.parametrize("name", METHODS.list())
-def test_interrupted_session_resumes_bit_identically(name, toy_resume, tmp_path, monkeypatch):
+def test_interrupted_session_resumes_bit_identically(name, toy_resume, tmp_path):
     protocol, config, root = toy_resume
     reference, broken = tmp_path / "reference", tmp_path / "broken"
     for out in (reference, broken):
         shutil.copytree(root / "base", out / "base")
     expected = _run(protocol, config, name, reference, root)
 
-    original = METHODS.get(name)
-    monkeypatch.setitem(METHODS._entries, name,
-                        lambda config: Method(name, [*original(config).plugins, StopBefore(1, 2)]))
     with pytest.raises(Stop):
-        _run(protocol, config, name, broken, root)
+        _run(protocol, config, name, broken, root, StopBefore(1, 2))
     progress = broken / name / "s1-inc" / "progress.safetensors"
     assert progress.exists() and not (broken / name / "s1-inc" / "metrics.json").exists()
     meta, _ = load_progress(progress)
     assert meta["epoch"] == 1 and meta["method"] == name
 
-    monkeypatch.setitem(METHODS._entries, name, original)
     resumed = _run(protocol, config, name, broken, root)
     assert json.dumps(resumed, sort_keys=True) == json.dumps(expected, sort_keys=True)
     assert (broken / "results.json").read_text() == (reference / "results.json").read_text()
@@ -114,7 +119,7 @@ def toy_steps(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", METHODS.list())
-def test_session_interrupted_inside_an_epoch_resumes_there_bit_identically(name, toy_steps, tmp_path, monkeypatch):
+def test_session_interrupted_inside_an_epoch_resumes_there_bit_identically(name, toy_steps, tmp_path):
     protocol, config, root = toy_steps
     stepped = dataclasses.replace(config, checkpoint_steps=1)
     reference, broken = tmp_path / "reference", tmp_path / "broken"
@@ -122,18 +127,14 @@ def test_session_interrupted_inside_an_epoch_resumes_there_bit_identically(name,
         shutil.copytree(root / "base", out / "base")
     expected = _run(protocol, config, name, reference, root)  # no checkpoints inside epochs
 
-    original = METHODS.get(name)
-    monkeypatch.setitem(METHODS._entries, name,
-                        lambda config: Method(name, [*original(config).plugins, StopAtStep(1, 1, 3)]))
     with pytest.raises(Stop):
-        _run(protocol, stepped, name, broken, root)
+        _run(protocol, stepped, name, broken, root, StopAtStep(1, 1, 3))
     meta, _ = load_progress(broken / name / "s1-inc" / "progress.safetensors")
-    if original(config).mid_epoch_blockers():
+    if METHODS.get(name)(config).mid_epoch_blockers():
         assert (meta["epoch"], meta.get("step")) == (0, None)  # this method keeps to epoch ends
     else:
         assert (meta["epoch"], meta.get("step")) == (1, 2)
 
-    monkeypatch.setitem(METHODS._entries, name, original)
     resumed = _run(protocol, stepped, name, broken, root)
     assert json.dumps(resumed, sort_keys=True) == json.dumps(expected, sort_keys=True)
     a = load_file(reference / name / "s1-inc" / "model.safetensors")
@@ -145,8 +146,11 @@ def test_no_registered_method_keeps_to_epoch_ends(toy_steps):
     """Every built-in plugin that sets an epoch up declares that its set-up is checkpointed (a new one that does not
     silently loses mid-epoch checkpoints: this test names it)."""
     _, config, _ = toy_steps
-    assert {name: METHODS.get(name)(config).mid_epoch_blockers() for name in METHODS.list()
-            if METHODS.get(name)(config).mid_epoch_blockers()} == {}
+    assert {
+        name: METHODS.get(name)(config).mid_epoch_blockers()
+        for name in METHODS.list()
+        if METHODS.get(name)(config).mid_epoch_blockers()
+    } == {}
 
 
 class EpochCache(Plugin):
@@ -158,41 +162,40 @@ class EpochCache(Plugin):
         self.cache = iter(range(3))
 
 
-def test_a_plugin_that_cannot_resume_inside_an_epoch_keeps_checkpoints_at_epoch_ends(toy_steps, tmp_path, monkeypatch,
-                                                                                     caplog):
+def test_a_plugin_that_cannot_resume_inside_an_epoch_keeps_checkpoints_at_epoch_ends(toy_steps, tmp_path, caplog):
     protocol, config, root = toy_steps
     stepped = dataclasses.replace(config, checkpoint_steps=1)
     out = tmp_path / "run"
     shutil.copytree(root / "base", out / "base")
-    monkeypatch.setitem(METHODS._entries, "vanilla",
-                        lambda config: Method("vanilla", [EpochCache(), StopAtStep(1, 1, 3)]))
     with pytest.raises(Stop):
-        _run(protocol, stepped, "vanilla", out, root)
-    assert "vanilla session 1: checkpoint_steps=1 ignored, checkpoints at epoch ends only: plugin(s) epoch-cache " \
-           "cannot resume inside an epoch" in caplog.text
+        _run(protocol, stepped, Method("vanilla", [EpochCache(), StopAtStep(1, 1, 3)]), out, root)
+    assert (
+        "vanilla session 1: checkpoint_steps=1 ignored, checkpoints at epoch ends only: plugin(s) epoch-cache "
+        "cannot resume inside an epoch" in caplog.text
+    )
     meta, _ = load_progress(out / "vanilla" / "s1-inc" / "progress.safetensors")
     assert (meta["epoch"], meta.get("step")) == (0, None)
 
 
-def test_a_checkpoint_inside_an_epoch_is_refused_by_a_method_that_cannot_resume_there(toy_steps, tmp_path,
-                                                                                      monkeypatch):
+def test_a_checkpoint_inside_an_epoch_is_refused_by_a_method_that_cannot_resume_there(toy_steps, tmp_path):
     protocol, config, root = toy_steps
     stepped = dataclasses.replace(config, checkpoint_steps=1)
     out = tmp_path / "run"
     shutil.copytree(root / "base", out / "base")
-    monkeypatch.setitem(METHODS._entries, "vanilla", lambda config: Method("vanilla", [StopAtStep(1, 1, 3)]))
     with pytest.raises(Stop):
-        _run(protocol, stepped, "vanilla", out, root)
+        _run(protocol, stepped, "vanilla", out, root, StopAtStep(1, 1, 3))
     progress = out / "vanilla" / "s1-inc" / "progress.safetensors"
     assert load_progress(progress)[0]["step"] == 2
-    monkeypatch.setitem(METHODS._entries, "vanilla", lambda config: Method("vanilla", [EpochCache()]))
-    with pytest.raises(CheckpointError, match=r"progress.safetensors: taken inside epoch 1, but plugin\(s\) "
-                                              r"epoch-cache of vanilla cannot resume there; delete it"):
-        _run(protocol, stepped, "vanilla", out, root)
+    with pytest.raises(
+        CheckpointError,
+        match=r"progress.safetensors: taken inside epoch 1, but plugin\(s\) "
+        r"epoch-cache of vanilla cannot resume there; delete it",
+    ):
+        _run(protocol, stepped, "vanilla", out, root, EpochCache())
     assert progress.exists(), "the refused checkpoint is kept"
 
 
-def test_a_step_checkpoint_due_at_an_epoch_end_is_written_as_that_epoch_s(toy_steps, tmp_path, monkeypatch):
+def test_a_step_checkpoint_due_at_an_epoch_end_is_written_as_that_epoch_s(toy_steps, tmp_path):
     protocol, config, root = toy_steps
 
     class Count(Plugin):
@@ -205,8 +208,7 @@ def test_a_step_checkpoint_due_at_an_epoch_end_is_written_as_that_epoch_s(toy_st
 
     out = tmp_path / "count"
     shutil.copytree(root / "base", out / "base")
-    monkeypatch.setitem(METHODS._entries, "vanilla", lambda config: Method("vanilla", [Count()]))
-    _run(protocol, config, "vanilla", out, root)
+    _run(protocol, config, "vanilla", out, root, Count())
     n = Count.steps[0]
     assert n >= 3 and set(Count.steps.values()) == {n}
 
@@ -214,14 +216,13 @@ def test_a_step_checkpoint_due_at_an_epoch_end_is_written_as_that_epoch_s(toy_st
     stepped = dataclasses.replace(config, checkpoint_every=0, checkpoint_steps=n)
     out = tmp_path / "run"
     shutil.copytree(root / "base", out / "base")
-    monkeypatch.setitem(METHODS._entries, "vanilla", lambda config: Method("vanilla", [StopAtStep(1, 1, 2)]))
     with pytest.raises(Stop):
-        _run(protocol, stepped, "vanilla", out, root)
+        _run(protocol, stepped, "vanilla", out, root, StopAtStep(1, 1, 2))
     meta, _ = load_progress(out / "vanilla" / "s1-inc" / "progress.safetensors")
     assert (meta["epoch"], meta.get("step")) == (0, None)
 
 
-def test_non_finite_loss_stops_the_session_and_keeps_the_last_good_checkpoint(toy_resume, tmp_path, monkeypatch):
+def test_non_finite_loss_stops_the_session_and_keeps_the_last_good_checkpoint(toy_resume, tmp_path):
     protocol, config, root = toy_resume
 
     class PoisonAt(Plugin):
@@ -231,19 +232,21 @@ def test_non_finite_loss_stops_the_session_and_keeps_the_last_good_checkpoint(to
             if state.session.index == 1 and state.epoch == 2:
                 state.losses["poison"] = torch.tensor(float("nan"))
 
-    monkeypatch.setitem(METHODS._entries, "vanilla", lambda config: Method("vanilla", [PoisonAt()]))
     out = tmp_path / "run"
     shutil.copytree(root / "base", out / "base")
-    with pytest.raises(TrainingError, match=r"vanilla session 1 \(inc\) epoch 2: the training loss became nan; "
-                                            r"the session stopped and its last good checkpoint \(after epoch 1\)"):
-        _run(protocol, config, "vanilla", out, root)
+    with pytest.raises(
+        TrainingError,
+        match=r"vanilla session 1 \(inc\) epoch 2: the training loss became nan; "
+        r"the session stopped and its last good checkpoint \(after epoch 1\)",
+    ):
+        _run(protocol, config, "vanilla", out, root, PoisonAt())
     meta, payload = load_progress(out / "vanilla" / "s1-inc" / "progress.safetensors")
     assert meta["epoch"] == 1
     assert all(torch.isfinite(v).all() for v in payload["model"].values())
     assert TrainingError.exit_code == 3
 
 
-def test_non_finite_loss_inside_an_epoch_is_never_checkpointed(toy_steps, tmp_path, monkeypatch):
+def test_non_finite_loss_inside_an_epoch_is_never_checkpointed(toy_steps, tmp_path):
     protocol, config, root = toy_steps
 
     class PoisonStep(Plugin):
@@ -256,13 +259,15 @@ def test_non_finite_loss_inside_an_epoch_is_never_checkpointed(toy_steps, tmp_pa
                 if self.seen == 2:
                     state.losses["poison"] = torch.tensor(float("inf"))
 
-    monkeypatch.setitem(METHODS._entries, "vanilla", lambda config: Method("vanilla", [PoisonStep()]))
     out = tmp_path / "run"
     shutil.copytree(root / "base", out / "base")
-    with pytest.raises(TrainingError, match=r"vanilla session 1 \(inc\) epoch 1: the training loss became inf; the "
-                                            r"session stopped and its last good checkpoint \(inside epoch 1, after "
-                                            r"step 1\) is kept"):
-        _run(protocol, dataclasses.replace(config, checkpoint_steps=1), "vanilla", out, root)
+    with pytest.raises(
+        TrainingError,
+        match=r"vanilla session 1 \(inc\) epoch 1: the training loss became inf; the "
+        r"session stopped and its last good checkpoint \(inside epoch 1, after "
+        r"step 1\) is kept",
+    ):
+        _run(protocol, dataclasses.replace(config, checkpoint_steps=1), "vanilla", out, root, PoisonStep())
     meta, payload = load_progress(out / "vanilla" / "s1-inc" / "progress.safetensors")
     assert (meta["epoch"], meta["step"]) == (1, 1)
     assert all(torch.isfinite(v).all() for v in payload["model"].values())
@@ -299,9 +304,13 @@ def test_pickled_progress_checkpoint_is_refused_without_running_code(tmp_path, m
 
 
 def test_pack_roundtrip_keeps_structure_types_and_int_keys():
-    state = {"state": {0: {"momentum_buffer": torch.arange(3.0)}, 5: {"step": torch.tensor(2.0)}},
-             "param_groups": [{"lr": 0.01, "params": [0, 5], "nesterov": True, "betas": (0.9, 0.99)}],
-             "none": None, "nan": float("nan"), "array": torch.zeros(0).numpy()}
+    state = {
+        "state": {0: {"momentum_buffer": torch.arange(3.0)}, 5: {"step": torch.tensor(2.0)}},
+        "param_groups": [{"lr": 0.01, "params": [0, 5], "nesterov": True, "betas": (0.9, 0.99)}],
+        "none": None,
+        "nan": float("nan"),
+        "array": torch.zeros(0).numpy(),
+    }
     tensors = {}
     skeleton = pack(state, "p", tensors)
     json.dumps(skeleton)  # the skeleton is plain JSON

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jascl.training.checkpoint import load_progress
-from jascl.training.stop import REQUEST, StopRequest
-
 from conftest import toy_protocol_dict
+from jascl.engine.checkpoint import load_progress
+from jascl.engine.stop import REQUEST, StopRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,12 +44,12 @@ def test_no_handlers_outside_jascl_run():
 
 
 #: makes rank 1 of a torchrun launch send itself SIGTERM right after its JASCL_SIGNAL_STEP-th optimiser step
-SITECUSTOMIZE = '''
+SITECUSTOMIZE = """
 import os
 if os.environ.get("RANK") == "1" and os.environ.get("JASCL_SIGNAL_STEP"):
     import signal
-    from jascl.methods.base import Method
-    fire, count = Method.fire, [0]
+    from jascl.engine.loop import ContinualTrainer
+    fire, count = ContinualTrainer.fire, [0]
 
     def fire_and_maybe_signal(self, event, state):
         fire(self, event, state)
@@ -59,8 +58,8 @@ if os.environ.get("RANK") == "1" and os.environ.get("JASCL_SIGNAL_STEP"):
             if count[0] == int(os.environ["JASCL_SIGNAL_STEP"]):
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    Method.fire = fire_and_maybe_signal
-'''
+    ContinualTrainer.fire = fire_and_maybe_signal
+"""
 
 
 @pytest.mark.slow
@@ -71,31 +70,59 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_checkpoint(tmp_path):
     protocol.write_text(yaml.safe_dump(spec))
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT / "src")]),
-           "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-m", "jascl", "run", "--protocol", str(protocol), "--methods", "vanilla", "--device",
-            "cpu", "--devices", "2", "--set", "checkpoint_steps=1", "--cache-dir", str(tmp_path / "cache"),
-            "--no-progress"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT / "src")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    args = [
+        sys.executable,
+        "-m",
+        "jascl",
+        "run",
+        "--protocol",
+        str(protocol),
+        "--methods",
+        "vanilla",
+        "--device",
+        "cpu",
+        "--devices",
+        "2",
+        "--set",
+        "checkpoint_steps=1",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--no-progress",
+    ]
     whole = subprocess.run([*args, "--out", str(tmp_path / "whole")], env=env, capture_output=True, text=True)
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     out = tmp_path / "stopped"
     # 8 base images at a global batch of 4: step 3 is the first of base epoch 1; rank 1 alone gets the signal
-    stopped = subprocess.run([*args, "--out", str(out)], env={**env, "JASCL_SIGNAL_STEP": "3"}, capture_output=True,
-                             text=True)
+    stopped = subprocess.run(
+        [*args, "--out", str(out)], env={**env, "JASCL_SIGNAL_STEP": "3"}, capture_output=True, text=True
+    )
     assert stopped.returncode != 0
     text = " ".join(stopped.stdout.split())
-    assert "stopped (another process received a stop signal) in base session 0 (base): its training state inside " \
-           "epoch 1, after step 1 is saved in" in text, stopped.stdout + stopped.stderr[-3000:]
+    assert (
+        "stopped (another process received a stop signal) in base session 0 (base): its training state inside "
+        "epoch 1, after step 1 is saved in" in text
+    ), stopped.stdout + stopped.stderr[-3000:]
     meta, _ = load_progress(out / "base" / "progress.safetensors")
     assert (meta["epoch"], meta["step"]) == (1, 1)
     assert not (out / "results.json").exists()
 
-    resumed = subprocess.run([sys.executable, "-m", "jascl", "run", "--resume", str(out), "--devices", "2",
-                              "--no-progress"], env=env, capture_output=True, text=True)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "jascl", "run", "--resume", str(out), "--devices", "2", "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert (json.loads((out / "results.json").read_text())["methods"]
-            == json.loads((tmp_path / "whole" / "results.json").read_text())["methods"])
+    assert (
+        json.loads((out / "results.json").read_text())["methods"]
+        == json.loads((tmp_path / "whole" / "results.json").read_text())["methods"]
+    )
 
 
 @pytest.mark.slow
@@ -108,10 +135,33 @@ def test_jascl_run_devices_passes_sigterm_on_to_its_workers(tmp_path):
     protocol.write_text(yaml.safe_dump(spec))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     out = tmp_path / "stopped"
-    proc = subprocess.Popen([sys.executable, "-m", "jascl", "run", "--protocol", str(protocol), "--methods",
-                             "vanilla,jascl", "--device", "cpu", "--devices", "2", "--set", "checkpoint_steps=1",
-                             "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--out", str(out)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jascl",
+            "run",
+            "--protocol",
+            str(protocol),
+            "--methods",
+            "vanilla,jascl",
+            "--device",
+            "cpu",
+            "--devices",
+            "2",
+            "--set",
+            "checkpoint_steps=1",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)

@@ -3,8 +3,8 @@
 import csv
 import json
 
+from jascl.experiments.sweep import GRIDS, with_shots, write_sweep
 from jascl.protocols import get_protocol
-from jascl.training.sweep import GRIDS, with_shots, write_sweep
 
 
 def test_grids_are_the_papers_values():
@@ -22,8 +22,17 @@ def test_with_shots_changes_only_incremental_sessions():
 
 
 def test_sweep_files_quote_point_names(tmp_path):
-    rows = [{"grid": "tau", "point": "tau_conf=0.6,tau_sim=0.7", "last_all": 0.35, "last_base": 0.4,
-             "total_drop": 58.0, "retention_pct": 38.9, "precision": float("nan")}]
+    rows = [
+        {
+            "grid": "tau",
+            "point": "tau_conf=0.6,tau_sim=0.7",
+            "last_all": 0.35,
+            "last_base": 0.4,
+            "total_drop": 58.0,
+            "retention_pct": 38.9,
+            "precision": float("nan"),
+        }
+    ]
     write_sweep(rows, tmp_path, get_protocol("synthetic-2d-ss"), "jascl")
     table = list(csv.reader((tmp_path / "sweep.csv").open()))
     assert table[1] == ["tau", "tau_conf=0.6,tau_sim=0.7", "0.350", "0.400", "58.0", "38.9", "—"]

@@ -3,11 +3,10 @@
 import numpy as np
 import pytest
 
+from conftest import toy_protocol_dict
 from jascl.data.datasets import LabelledDataset, training_labels
 from jascl.data.synthetic import SHAPES, SyntheticRenderer, class_intensity, load_or_generate, protocol_digest
 from jascl.protocols import get_protocol, parse_protocol
-
-from conftest import toy_protocol_dict
 
 
 def test_generation_is_deterministic_and_cached(toy_protocol, tmp_path):
@@ -86,19 +85,19 @@ def test_builtin_synthetic_2d_has_recurring_classes_in_new_domain():
 
 
 def test_unlabelled_pool_per_class_and_noise_schedule(tmp_path):
-    from jascl.training.runner import load_data
+    from jascl.data.sessions import load_sessions
 
     d = toy_protocol_dict()
     d["sessions"][1]["unlabelled"] = 2
     d["sessions"][1]["unlabelled_per_class"] = 3
-    clean = load_data(parse_protocol(d, "toy.yaml"), tmp_path)
+    clean = load_sessions(parse_protocol(d, "toy.yaml"), tmp_path)
     pool = clean[1].unlabelled
     # 2 from the domain + 3 per taught class (3 and 1); per-class samples show their class
     assert len(pool) == 2 + 3 * 2 and clean[0].unlabelled is None
     for labels, cls in zip(pool.labels[2:], [3, 3, 3, 1, 1, 1]):
         assert (labels == cls).any()
     d["unlabelled_noise"] = "heavy"
-    noisy = load_data(parse_protocol(d, "toy.yaml"), tmp_path)
+    noisy = load_sessions(parse_protocol(d, "toy.yaml"), tmp_path)
     changed = [not np.array_equal(a, b) for a, b in zip(pool.images, noisy[1].unlabelled.images)]
     assert sum(changed) == round(0.7 * len(pool))  # 70% of the pool is degraded
     assert np.array_equal(noisy[1].train.images, clean[1].train.images)  # labelled data untouched
@@ -111,8 +110,9 @@ def test_iterate_steps_matches_plain_epochs_and_extends():
     from jascl.data.datasets import iterate_steps
 
     def loader():
-        return DataLoader(TensorDataset(torch.arange(10)), batch_size=4, shuffle=True,
-                          generator=torch.Generator().manual_seed(0))
+        return DataLoader(
+            TensorDataset(torch.arange(10)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0)
+        )
 
     plain, stepped = loader(), loader()
     for _ in range(3):  # three epochs: the sampler's random stream must stay in step

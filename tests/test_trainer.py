@@ -7,14 +7,15 @@ import torch
 from safetensors.torch import load_file
 
 from jascl.data.synthetic import load_or_generate
-from jascl.methods import METHODS, Method, Plugin, create_method
+from jascl.engine.checkpoint import load_model
+from jascl.engine.loop import ContinualTrainer
+from jascl.engine.prototypes import PrototypeStore
+from jascl.experiments.runner import run_benchmark
+from jascl.methods import METHODS, Method, Plugin
 from jascl.methods.gas import GASNoise
 from jascl.methods.gas_plugin import GASPlugin
-from jascl.methods.prototypes import PrototypeStore
+from jascl.methods.registry import create_method
 from jascl.methods.replay import PrototypeReplayPlugin
-from jascl.training.checkpoint import load_model
-from jascl.training.runner import run_benchmark
-from jascl.training.trainer import ContinualTrainer
 
 
 class Recorder(Plugin):
@@ -54,8 +55,14 @@ def test_two_session_loop_with_gas_and_replay(toy_protocol, toy_config, tmp_path
     model, store = trainer.new_model(3), PrototypeStore()
     r0 = trainer.run_session(0, model, store, tmp_path / "s0")
     r1 = trainer.run_session(1, model, store, tmp_path / "s1")
-    assert rec.events == [("before_session", 0), ("after_eval", 0), ("after_session", 0),
-                          ("before_session", 1), ("after_eval", 1), ("after_session", 1)]
+    assert rec.events == [
+        ("before_session", 0),
+        ("after_eval", 0),
+        ("after_session", 0),
+        ("before_session", 1),
+        ("after_eval", 1),
+        ("after_session", 1),
+    ]
     # session 0: no GAS, no replay (nothing stored yet); session 1: both
     n0 = len([t for t in rec.loss_terms if t == ["seg"]])
     assert n0 == 2  # 8 samples / batch 4 x 1 epoch
@@ -75,7 +82,14 @@ def test_two_session_loop_with_gas_and_replay(toy_protocol, toy_config, tmp_path
     fresh = trainer.new_model(4)
     meta = load_model(fresh, tmp_path / "s1" / "model.safetensors")
     assert meta["seen"] == [0, 1, 2, 3] and torch.equal(fresh.classifier.weight, model.classifier.weight)
-    assert set(load_file(tmp_path / "s1" / "prototypes.safetensors")) == {"s0.c0", "s0.c1", "s0.c2", "s1.c0", "s1.c1", "s1.c3"}
+    assert set(load_file(tmp_path / "s1" / "prototypes.safetensors")) == {
+        "s0.c0",
+        "s0.c1",
+        "s0.c2",
+        "s1.c0",
+        "s1.c1",
+        "s1.c3",
+    }
 
 
 def test_vanilla_changes_nothing_but_the_loss(toy_protocol, toy_config, tmp_path):
@@ -94,18 +108,38 @@ def test_vanilla_changes_nothing_but_the_loss(toy_protocol, toy_config, tmp_path
 def test_runner_shares_base_writes_outputs_and_resumes(toy_protocol, toy_config, tmp_path):
     out = tmp_path / "run"
     messages = []
-    results = run_benchmark(toy_protocol, toy_config, ["vanilla", "jascl"], out, cache_dir=tmp_path / "cache",
-                            progress=False, echo=messages.append)
+    results = run_benchmark(
+        toy_protocol,
+        toy_config,
+        ["vanilla", "jascl"],
+        out,
+        cache_dir=tmp_path / "cache",
+        progress=False,
+        echo=messages.append,
+    )
     v, j = results["methods"]["vanilla"], results["methods"]["jascl"]
     assert v["sessions"][0] == j["sessions"][0]  # one shared base session
     assert sum("training the shared base model" in m for m in messages) == 1
-    for name in ("results.json", "results.csv", "results.md", "config.yaml", "manifest.json", "log.txt",
-                 "environment.json", "base/model.safetensors", "jascl/s1-inc/prototypes.safetensors",
-                 "vanilla/s1-inc/metrics.json"):
+    for name in (
+        "results.json",
+        "results.csv",
+        "results.md",
+        "config.yaml",
+        "manifest.json",
+        "log.txt",
+        "environment.json",
+        "base/model.safetensors",
+        "jascl/s1-inc/prototypes.safetensors",
+        "vanilla/s1-inc/metrics.json",
+    ):
         assert (out / name).exists(), name
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["sessions"][1]["train"] == ["s1-inc/train/00000", "s1-inc/train/00001",
-                                                "s1-inc/train/00002", "s1-inc/train/00003"]
+    assert manifest["sessions"][1]["train"] == [
+        "s1-inc/train/00000",
+        "s1-inc/train/00001",
+        "s1-inc/train/00002",
+        "s1-inc/train/00003",
+    ]
     saved = json.loads((out / "results.json").read_text())
     assert saved["methods"]["jascl"]["sessions"][1]["all"] == pytest.approx(j["sessions"][1]["all"])
     drop = v["total_drop"]
@@ -114,8 +148,15 @@ def test_runner_shares_base_writes_outputs_and_resumes(toy_protocol, toy_config,
     # resume: a second run in the same folder retrains nothing and gives the same numbers
     stamp = (out / "jascl/s1-inc/metrics.json").stat().st_mtime_ns
     messages.clear()
-    again = run_benchmark(toy_protocol, toy_config, ["vanilla", "jascl"], out, cache_dir=tmp_path / "cache",
-                          progress=False, echo=messages.append)
+    again = run_benchmark(
+        toy_protocol,
+        toy_config,
+        ["vanilla", "jascl"],
+        out,
+        cache_dir=tmp_path / "cache",
+        progress=False,
+        echo=messages.append,
+    )
     assert not any("training" in m for m in messages)
     assert (out / "jascl/s1-inc/metrics.json").stat().st_mtime_ns == stamp
     assert again["methods"]["jascl"]["sessions"] == j["sessions"]
@@ -123,8 +164,15 @@ def test_runner_shares_base_writes_outputs_and_resumes(toy_protocol, toy_config,
 
 @pytest.mark.parametrize("name", METHODS.list())
 def test_every_registered_method_runs_on_the_toy_protocol(name, toy_protocol, toy_config, tmp_path):
-    results = run_benchmark(toy_protocol, toy_config, [name], tmp_path / "run", cache_dir=tmp_path / "cache",
-                            progress=False, echo=lambda m: None)
+    results = run_benchmark(
+        toy_protocol,
+        toy_config,
+        [name],
+        tmp_path / "run",
+        cache_dir=tmp_path / "cache",
+        progress=False,
+        echo=lambda m: None,
+    )
     sessions = results["methods"][name]["sessions"]
     assert [s["session"] for s in sessions] == [0, 1]
     assert all(0.0 <= s["background"] <= 1.0 for s in sessions)
@@ -133,17 +181,31 @@ def test_every_registered_method_runs_on_the_toy_protocol(name, toy_protocol, to
 def test_gas_on_a_frozen_layer_is_a_config_error(toy_protocol, toy_config, tmp_path):
     from jascl.errors import ConfigError
 
-    toy_config.gas.layer = "encoder"
-    with pytest.raises(ConfigError, match="gas.layer='encoder' is frozen"):
-        run_benchmark(toy_protocol, toy_config, ["jascl"], tmp_path / "run", cache_dir=tmp_path / "cache",
-                      progress=False, echo=lambda m: None)
+    toy_config.method_args = {"jascl": {"gas": {"layer": "encoder"}}}
+    with pytest.raises(ConfigError, match=r"method_args\.jascl\.gas\.layer='encoder' is frozen"):
+        run_benchmark(
+            toy_protocol,
+            toy_config,
+            ["jascl"],
+            tmp_path / "run",
+            cache_dir=tmp_path / "cache",
+            progress=False,
+            echo=lambda m: None,
+        )
 
 
 def test_gas_on_encoder_layer_when_unfrozen(toy_protocol, toy_config, tmp_path):
-    toy_config.gas.layer = "encoder"
+    toy_config.method_args = {"jascl": {"gas": {"layer": "encoder"}}}
     toy_config.freeze_incremental = "none"
-    results = run_benchmark(toy_protocol, toy_config, ["jascl"], tmp_path / "run", cache_dir=tmp_path / "cache",
-                            progress=False, echo=lambda m: None)
+    results = run_benchmark(
+        toy_protocol,
+        toy_config,
+        ["jascl"],
+        tmp_path / "run",
+        cache_dir=tmp_path / "cache",
+        progress=False,
+        echo=lambda m: None,
+    )
     assert len(results["methods"]["jascl"]["sessions"]) == 2
 
 
@@ -164,11 +226,20 @@ def test_monte_carlo_evaluation_differs_from_deterministic(toy_protocol, toy_con
 
 
 def test_3d_toy_protocol_runs_with_authors_evaluation(toy_protocol_3d, tmp_path):
-    from jascl.training.config import resolve_config
+    from jascl.engine.config import resolve_config
 
-    config = resolve_config(toy_protocol_3d.training, "toy-3d.yaml", overrides=["eval_mode=authors", "patch_size=[32,32,32]"])
-    results = run_benchmark(toy_protocol_3d, config, ["vanilla", "jascl"], tmp_path / "run", cache_dir=tmp_path / "cache",
-                            progress=False, echo=lambda m: None)
+    config = resolve_config(
+        toy_protocol_3d.training, "toy-3d.yaml", overrides=["eval_mode=authors", "patch_size=[32,32,32]"]
+    )
+    results = run_benchmark(
+        toy_protocol_3d,
+        config,
+        ["vanilla", "jascl"],
+        tmp_path / "run",
+        cache_dir=tmp_path / "cache",
+        progress=False,
+        echo=lambda m: None,
+    )
     assert results["background"].startswith("included")
     last = results["methods"]["jascl"]["sessions"][-1]
     # authors' convention: the "all" mean includes background
@@ -181,14 +252,21 @@ def test_patch_size_that_does_not_fit_the_backbone_is_a_config_error(toy_protoco
 
     toy_config.patch_size = [24, 24]
     with pytest.raises(ConfigError, match=r"patch_size=\[24, 24\]: .* multiple of 16"):
-        run_benchmark(toy_protocol, toy_config, ["vanilla"], tmp_path / "run", cache_dir=tmp_path / "cache",
-                      progress=False, echo=lambda m: None)
+        run_benchmark(
+            toy_protocol,
+            toy_config,
+            ["vanilla"],
+            tmp_path / "run",
+            cache_dir=tmp_path / "cache",
+            progress=False,
+            echo=lambda m: None,
+        )
 
 
 def test_mean_teacher_with_pas_on_an_unlabelled_pool(tmp_path):
     from conftest import toy_protocol_dict
+    from jascl.engine.config import resolve_config
     from jascl.protocols import parse_protocol
-    from jascl.training.config import resolve_config
 
     d = toy_protocol_dict()
     d["sessions"][1]["unlabelled"] = 6
@@ -215,7 +293,8 @@ def test_mean_teacher_with_pas_on_an_unlabelled_pool(tmp_path):
 
         assert 0.0 <= pl["precision"] <= 1.0
         assert pl["eps_inf_predicted"] == pytest.approx(
-            asymptotic_error(pl["coverage"], pl["precision"], pl["gamma"], pl["eps0"]))
+            asymptotic_error(pl["coverage"], pl["precision"], pl["gamma"], pl["eps0"])
+        )
     saved = json.loads((tmp_path / "s1" / "metrics.json").read_text())
     assert saved["pseudo_labels"]["phases"] == 2
 
@@ -225,15 +304,30 @@ def test_ablate_flag_maps_to_component_switches():
 
     from jascl.cli import _protocol_and_overrides
 
-    args = argparse.Namespace(protocol="synthetic-2d", seed=None, set=["epochs_base=3"], backbone=None, device=None,
-                              eval_mode=None, weights=None, ablate="gas,proto")
+    args = argparse.Namespace(
+        protocol="synthetic-2d",
+        seed=None,
+        set=["epochs_base=3"],
+        backbone=None,
+        device=None,
+        eval_mode=None,
+        weights=None,
+        ablate="gas,proto",
+    )
     protocol, overrides = _protocol_and_overrides(args)
-    assert overrides == ["epochs_base=3", "jascl.gas=false", "jascl.replay=false"]
-    from jascl.training.config import resolve_config
+    assert overrides == [
+        "epochs_base=3",
+        "method_args.jascl.components.gas=false",
+        "method_args.jascl.components.replay=false",
+    ]
+    from jascl.engine.config import resolve_config
 
     cfg = resolve_config(protocol.training, protocol.path, None, overrides)
     method = create_method("jascl", cfg)
     assert [p.name for p in method.plugins] == ["cons"]
+    # the spelling of earlier versions switches the same components
+    old = resolve_config(protocol.training, protocol.path, None, ["jascl.gas=false", "jascl.replay=false"])
+    assert [p.name for p in create_method("jascl", old).plugins] == ["cons"]
 
 
 def test_other_backbone_drops_protocol_backbone_args_and_bad_args_are_config_errors():
@@ -244,8 +338,16 @@ def test_other_backbone_drops_protocol_backbone_args_and_bad_args_are_config_err
     from jascl.networks import create_segmenter
 
     def args(backbone, sets):
-        return argparse.Namespace(protocol="synthetic-2d", seed=None, set=sets, backbone=backbone, device=None,
-                                  eval_mode=None, weights=None, ablate=None)
+        return argparse.Namespace(
+            protocol="synthetic-2d",
+            seed=None,
+            set=sets,
+            backbone=backbone,
+            device=None,
+            eval_mode=None,
+            weights=None,
+            ablate=None,
+        )
 
     assert _protocol_and_overrides(args("deeplabv3plus", []))[1] == ["backbone=deeplabv3plus", "backbone_args={}"]
     assert _protocol_and_overrides(args("unet", []))[1] == ["backbone=unet"]  # the protocol's own backbone

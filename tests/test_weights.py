@@ -35,12 +35,15 @@ def test_roundtrip(tmp_path, suffix):
     _assert_same(src, dst)
 
 
-@pytest.mark.parametrize("wrap", [
-    lambda s: {"state_dict": s, "epoch": 3},
-    lambda s: {"model": {f"module.{k}": v for k, v in s.items()}},
-    lambda s: {f"backbone.{k}": v for k, v in s.items()},
-    lambda s: {"state_dict": {f"module.backbone.{k}": v for k, v in s.items()}},
-])
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda s: {"state_dict": s, "epoch": 3},
+        lambda s: {"model": {f"module.{k}": v for k, v in s.items()}},
+        lambda s: {f"backbone.{k}": v for k, v in s.items()},
+        lambda s: {"state_dict": {f"module.backbone.{k}": v for k, v in s.items()}},
+    ],
+)
 def test_wrapped_and_prefixed(tmp_path, wrap):
     src, dst = _backbone(0), _backbone(1)
     path = tmp_path / "w.pth"
@@ -80,7 +83,9 @@ def test_missing_and_unexpected_keys(tmp_path):
     state["extra.weight"] = torch.zeros(2)
     path = tmp_path / "partial.safetensors"
     save_file({k: v.contiguous() for k, v in state.items()}, str(path))
-    with pytest.raises(CheckpointError, match=r"missing in file net\.upcat_1\.convs\.conv_1\.conv\.weight \[8, 8, 3, 3\]"):
+    with pytest.raises(
+        CheckpointError, match=r"missing in file net\.upcat_1\.convs\.conv_1\.conv\.weight \[8, 8, 3, 3\]"
+    ):
         load_backbone_weights(dst, path)
     with pytest.raises(CheckpointError, match=r"not in model extra\.weight \[2\]"):
         load_backbone_weights(dst, path)
@@ -128,13 +133,22 @@ def test_bad_files(tmp_path):
 
 def test_sam_checkpoint_image_encoder_keys(tmp_path):
     """A full SAM checkpoint's ``image_encoder.*`` keys load into the backbone's ``encoder.*`` (strict=False: no decoder)."""
-    kwargs = {"img_size": 32, "embed_dim": 16, "depth": 1, "num_heads": 2, "window_size": 2, "global_attn_indexes": (0,),
-              "proj_channels": 8}
+    kwargs = {
+        "img_size": 32,
+        "embed_dim": 16,
+        "depth": 1,
+        "num_heads": 2,
+        "window_size": 2,
+        "global_attn_indexes": (0,),
+        "proj_channels": 8,
+    }
     torch.manual_seed(0)
     src = create_segmenter("sam-vitb", spatial_dims=2, in_channels=3, num_classes=2, **kwargs).backbone
     torch.manual_seed(1)
     dst = create_segmenter("sam-vitb", spatial_dims=2, in_channels=3, num_classes=2, **kwargs).backbone
-    state = {f"image_encoder.{k[len('encoder.'):]}": v for k, v in src.state_dict().items() if k.startswith("encoder.")}
+    state = {
+        f"image_encoder.{k[len('encoder.') :]}": v for k, v in src.state_dict().items() if k.startswith("encoder.")
+    }
     state["prompt_encoder.pe_layer.positional_encoding_gaussian_matrix"] = torch.zeros(2, 4)
     path = tmp_path / "sam.pth"
     torch.save(state, path)
@@ -157,7 +171,16 @@ def test_cli_run_with_mismatched_or_unsafe_weights_exits_2(tmp_path, capsys):
     proto.write_text(yaml.safe_dump(toy_protocol_dict()))
     bad = tmp_path / "bad.safetensors"
     save_file({"net.conv_0.conv_0.conv.weight": torch.zeros(4, 3, 3, 3)}, str(bad))
-    args = ["run", "--protocol", str(proto), "--methods", "vanilla", "--cache-dir", str(tmp_path / "c"), "--no-progress"]
+    args = [
+        "run",
+        "--protocol",
+        str(proto),
+        "--methods",
+        "vanilla",
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--no-progress",
+    ]
     assert main(args + ["--weights", str(bad), "--out", str(tmp_path / "o1")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.safetensors" in err[0] and "conv_0.conv_0.conv.weight" in err[0]

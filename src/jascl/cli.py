@@ -7,11 +7,11 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from jascl import __version__
-from jascl.errors import JasclError
+from jascl.errors import ConfigError, JasclError
 
 DEFAULT_PROTOCOL = "synthetic-2d"
 DEFAULT_METHODS = "vanilla,jascl"
@@ -28,7 +28,11 @@ def _echo(console):
     return lambda message: console.print(message, markup=False, highlight=False)
 
 
-ABLATIONS = {"gas": "jascl.gas=false", "pas": "jascl.pas=false", "proto": "jascl.replay=false"}
+ABLATIONS = {
+    "gas": "method_args.jascl.components.gas=false",
+    "pas": "method_args.jascl.components.pas=false",
+    "proto": "method_args.jascl.components.replay=false",
+}
 
 
 def _protocol_and_overrides(args: argparse.Namespace):
@@ -40,12 +44,20 @@ def _protocol_and_overrides(args: argparse.Namespace):
     if args.seed is not None:
         protocol = dataclasses.replace(protocol, seed=args.seed)
     overrides = list(args.set or [])
-    for flag, key in (("backbone", "backbone"), ("device", "device"), ("eval_mode", "eval_mode"), ("weights", "weights")):
+    for flag, key in (
+        ("backbone", "backbone"),
+        ("device", "device"),
+        ("eval_mode", "eval_mode"),
+        ("weights", "weights"),
+    ):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
-    if (args.backbone is not None and args.backbone != protocol.training.get("backbone")
-            and not any(o.startswith("backbone_args=") for o in overrides)):
+    if (
+        args.backbone is not None
+        and args.backbone != protocol.training.get("backbone")
+        and not any(o.startswith("backbone_args=") for o in overrides)
+    ):
         overrides.append("backbone_args={}")  # the protocol's backbone_args belong to its own backbone
     for part in filter(None, (args.ablate or "").split(",")):
         if part.strip() not in ABLATIONS:
@@ -58,8 +70,11 @@ def _data_args(args: argparse.Namespace) -> dict:
     """Dataset roots and a reused split manifest (``--root``, ``--roots``, ``--split-manifest``) as run keywords."""
     from jascl.data.real import parse_root_args
 
-    return {"roots": parse_root_args(getattr(args, "root", None)), "roots_file": getattr(args, "roots", None),
-            "split_manifest": getattr(args, "split_manifest", None)}
+    return {
+        "roots": parse_root_args(getattr(args, "root", None)),
+        "roots_file": getattr(args, "roots", None),
+        "split_manifest": getattr(args, "split_manifest", None),
+    }
 
 
 def _without_devices(argv: Sequence[str]) -> list[str]:
@@ -76,22 +91,37 @@ def _without_devices(argv: Sequence[str]) -> list[str]:
 
 
 #: options of ``jascl run`` that --resume takes from the run folder instead
-_RESUME_CONFLICTS = ("protocol", "seed", "config", "ablate", "backbone", "weights", "eval_mode", "methods", "out",
-                     "seeds", "root", "roots", "split_manifest")
+_RESUME_CONFLICTS = (
+    "protocol",
+    "seed",
+    "config",
+    "ablate",
+    "backbone",
+    "weights",
+    "eval_mode",
+    "methods",
+    "out",
+    "seeds",
+    "root",
+    "roots",
+    "split_manifest",
+)
 
 
 def _resume_setup(args: argparse.Namespace):
     """Protocol, configuration, methods and data options of the run folder ``args.resume``."""
+    from jascl.engine.config import resolve_config
     from jascl.errors import ConfigError
+    from jascl.experiments.runner import read_run_file
     from jascl.protocols import get_protocol
-    from jascl.training.config import resolve_config
-    from jascl.training.runner import read_run_file
 
     given = [f"--{k.replace('_', '-')}" for k in _RESUME_CONFLICTS if getattr(args, k, None) is not None]
     if given:
-        raise ConfigError(f"--resume {args.resume}: the run folder fixes the protocol, methods and settings; "
-                          f"drop {', '.join(given)} (only --device, --devices, --set of device/threads/"
-                          "num_workers/pin_memory/checkpoint_every/checkpoint_steps, --cache-dir and --no-progress apply)")
+        raise ConfigError(
+            f"--resume {args.resume}: the run folder fixes the protocol, methods and settings; "
+            f"drop {', '.join(given)} (only --device, --devices, --set of device/threads/"
+            "num_workers/pin_memory/checkpoint_every/checkpoint_steps, --cache-dir and --no-progress apply)"
+        )
     out = Path(args.resume)
     record = read_run_file(out)
     source = out / record["protocol_file"] if record.get("protocol_file") else record["protocol"]
@@ -100,8 +130,11 @@ def _resume_setup(args: argparse.Namespace):
     overrides = list(args.set or []) + ([f"device={args.device}"] if args.device else [])
     config = resolve_config(protocol.training, protocol.path, out / "config.yaml", overrides)
     manifest = out / "manifest.json"
-    data_args = {"roots": record.get("roots") or None, "roots_file": record.get("roots_file"),
-                 "split_manifest": str(manifest) if manifest.is_file() else record.get("split_manifest")}
+    data_args = {
+        "roots": record.get("roots") or None,
+        "roots_file": record.get("roots_file"),
+        "split_manifest": str(manifest) if manifest.is_file() else record.get("split_manifest"),
+    }
     args.cache_dir = args.cache_dir or record.get("cache_dir")
     return protocol, config, list(record["methods"]), out, data_args
 
@@ -124,16 +157,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             device = args.device or "auto"
             if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
                 if ":" in device:
-                    raise ConfigError(f"--device {device} with --devices {args.devices}: each process takes its own "
-                                      "GPU; use --device cuda")
+                    raise ConfigError(
+                        f"--device {device} with --devices {args.devices}: each process takes its own "
+                        "GPU; use --device cuda"
+                    )
                 if args.devices > torch.cuda.device_count():
-                    raise ConfigError(f"--devices {args.devices}: this machine has {torch.cuda.device_count()} GPU(s); "
-                                      "use at most that many, or --device cpu for CPU processes")
+                    raise ConfigError(
+                        f"--devices {args.devices}: this machine has {torch.cuda.device_count()} GPU(s); "
+                        "use at most that many, or --device cpu for CPU processes"
+                    )
             return distributed.launch(_without_devices(args.argv), args.devices)
     if args.resume is not None:
         protocol, config, methods, out, data_args = _resume_setup(args)
     else:
-        from jascl.training.config import resolve_config
+        from jascl.engine.config import resolve_config
 
         args.protocol = args.protocol or DEFAULT_PROTOCOL
         protocol, overrides = _protocol_and_overrides(args)
@@ -142,11 +179,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         data_args = _data_args(args)
         if args.seeds is not None:
             return _run_seeds(args, protocol, config, methods)
-        out = Path(args.out) if args.out else Path("runs") / f"{protocol.name}-seed{protocol.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+        out = (
+            Path(args.out)
+            if args.out
+            else Path("runs") / f"{protocol.name}-seed{protocol.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
     # Heavy imports (torch, MONAI) only after the protocol and configuration are valid,
     # so that input errors are reported at once.
+    from jascl.experiments.runner import run_benchmark
     from jascl.results.report import print_tables
-    from jascl.training.runner import run_benchmark
 
     config.device = distributed.init(config.device)
     if distributed.launched():
@@ -156,23 +197,35 @@ def cmd_run(args: argparse.Namespace) -> int:
     echo = _echo(console) if main else (lambda message: None)
     if main:
         ranks = f", {distributed.world_size()} processes" if distributed.active() else ""
-        console.print(f"jascl {__version__}: protocol [bold]{protocol.name}[/] (seed {protocol.seed}), "
-                      f"methods {', '.join(methods)}, backbone {config.backbone}{ranks}, output {out}")
-    from jascl.training.stop import REQUEST, Stopped
+        console.print(
+            f"jascl {__version__}: protocol [bold]{protocol.name}[/] (seed {protocol.seed}), "
+            f"methods {', '.join(methods)}, backbone {config.backbone}{ranks}, output {out}"
+        )
+    from jascl.engine.stop import REQUEST, Stopped
 
     started = time.time()
     try:
         with REQUEST.installed():  # SIGTERM / SIGUSR1: finish the step, checkpoint, exit resumable
-            results = run_benchmark(protocol, config, methods, out, cache_dir=args.cache_dir,
-                                    progress=not args.no_progress and main, echo=echo, **data_args)
+            results = run_benchmark(
+                protocol,
+                config,
+                methods,
+                out,
+                cache_dir=args.cache_dir,
+                progress=not args.no_progress and main,
+                echo=echo,
+                **data_args,
+            )
     except Stopped as exc:
         if main:
             console.print(f"{exc}; continue with: jascl run --resume {out}")
         return exc.exit_code
     except KeyboardInterrupt:
         if main:
-            console.print(f"interrupted; finished sessions and the last epoch checkpoint are saved in {out}; "
-                          f"continue with: jascl run --resume {out}")
+            console.print(
+                f"interrupted; finished sessions and the last epoch checkpoint are saved in {out}; "
+                f"continue with: jascl run --resume {out}"
+            )
         return 130
     finally:
         distributed.shutdown()
@@ -186,20 +239,31 @@ def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -
     """``jascl run --seeds N``: one run folder per seed under ``--out``, aggregated as mean ± std."""
     from rich.table import Table
 
+    from jascl.experiments.compare import compare_table, compare_title, parse_seeds, run_compare
     from jascl.methods import METHODS
-    from jascl.training.compare import compare_table, compare_title, parse_seeds, run_compare
 
     seeds = parse_seeds(args.seeds, protocol.seed)
     for name in methods:
         METHODS.get(name)
     out = Path(args.out) if args.out else Path("runs") / f"{protocol.name}-seeds{'-'.join(map(str, seeds))}"
     console = _console()
-    console.print(f"jascl {__version__}: protocol [bold]{protocol.name}[/], seeds {', '.join(map(str, seeds))}, "
-                  f"methods {', '.join(methods)}, backbone {config.backbone}, output {out}")
+    console.print(
+        f"jascl {__version__}: protocol [bold]{protocol.name}[/], seeds {', '.join(map(str, seeds))}, "
+        f"methods {', '.join(methods)}, backbone {config.backbone}, output {out}"
+    )
     started = time.time()
     try:
-        summary = run_compare(protocol, config, methods, seeds, out, cache_dir=args.cache_dir,
-                              progress=not args.no_progress, echo=_echo(console), **_data_args(args))
+        summary = run_compare(
+            protocol,
+            config,
+            methods,
+            seeds,
+            out,
+            cache_dir=args.cache_dir,
+            progress=not args.no_progress,
+            echo=_echo(console),
+            **_data_args(args),
+        )
     except KeyboardInterrupt:
         console.print(f"interrupted; finished sessions are saved in {out} and are reused if you rerun the same command")
         return 130
@@ -210,15 +274,17 @@ def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -
     for r in rows:
         table.add_row(*r)
     console.print(table)
-    console.print(f"per-seed runs in {out}/seed-*/; mean ± std written to {out}/compare.{{md,csv,json}} "
-                  f"in {time.time() - started:.0f} s")
+    console.print(
+        f"per-seed runs in {out}/seed-*/; mean ± std written to {out}/compare.{{md,csv,json}} "
+        f"in {time.time() - started:.0f} s"
+    )
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """``jascl compare``: like ``run --seeds``, default folder runs/compare-<protocol>; ``--methods all`` allowed."""
+    from jascl.engine.config import resolve_config
     from jascl.methods import METHODS
-    from jascl.training.config import resolve_config
 
     protocol, overrides = _protocol_and_overrides(args)
     config = resolve_config(protocol.training, protocol.path, args.config, overrides)
@@ -229,20 +295,29 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from jascl.training.sweep import GRIDS
+    from jascl.experiments.sweep import GRIDS
 
     protocol, overrides = _protocol_and_overrides(args)
     grids = [g.strip() for g in args.grid.split(",") if g.strip()] if args.grid != "all" else list(GRIDS)
-    from jascl.training.config import resolve_config
+    from jascl.engine.config import resolve_config
 
     resolve_config(protocol.training, protocol.path, args.config, overrides)  # fail fast on bad input
-    from jascl.training.sweep import run_sweep, sweep_table
+    from jascl.experiments.sweep import run_sweep, sweep_table
 
     out = Path(args.out) if args.out else Path("runs") / f"sweep-{protocol.name}-seed{protocol.seed}"
     console = _console()
     try:
-        rows = run_sweep(protocol, grids, out, method=args.method, config_file=args.config, overrides=overrides,
-                         cache_dir=args.cache_dir, progress=not args.no_progress, echo=_echo(console))
+        rows = run_sweep(
+            protocol,
+            grids,
+            out,
+            method=args.method,
+            config_file=args.config,
+            overrides=overrides,
+            cache_dir=args.cache_dir,
+            progress=not args.no_progress,
+            echo=_echo(console),
+        )
     except KeyboardInterrupt:
         console.print(f"interrupted; rerun the same command to resume the sweep in {out}")
         return 130
@@ -268,27 +343,44 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else Path(args.runs[0]) / "report"
     console = _console()
-    paths = write_report(args.runs, out, samples=args.samples, device=args.device, cache_dir=args.cache_dir,
-                         echo=lambda msg: console.print(msg, markup=False))  # "[report] ..." is not rich markup
+    paths = write_report(
+        args.runs,
+        out,
+        samples=args.samples,
+        device=args.device,
+        cache_dir=args.cache_dir,
+        echo=lambda msg: console.print(msg, markup=False),
+    )  # "[report] ..." is not rich markup
     console.print(f"report written to {paths['html']} (self-contained) and {paths['markdown']} (figures next to it)")
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """``jascl bench``: throughput and peak memory of plain loops vs jascl's, and the overhead ratios."""
-    from jascl.training.bench import CASES, run_bench, tables, to_markdown
+    from jascl.experiments.bench import CASES, run_bench, tables, to_markdown
 
     cases = CASES if args.cases == "all" else tuple(c.strip() for c in args.cases.split(",") if c.strip())
     console = _console()
-    summary = run_bench(args.protocol, session=args.session, epochs=args.epochs, rounds=args.rounds,
-                        device=args.device, overrides=list(args.set or []), cases=cases, cache_dir=args.cache_dir,
-                        threads=args.threads, echo=_echo(console) if not args.no_progress else (lambda m: None))
+    summary = run_bench(
+        args.protocol,
+        session=args.session,
+        epochs=args.epochs,
+        rounds=args.rounds,
+        device=args.device,
+        overrides=list(args.set or []),
+        cases=cases,
+        cache_dir=args.cache_dir,
+        threads=args.threads,
+        echo=_echo(console) if not args.no_progress else (lambda m: None),
+    )
     from rich.table import Table
 
     case_rows, ratio_rows = tables(summary)
     spec = summary["spec"]
-    table = Table(title=f"jascl bench: {spec['protocol']} session {spec['session']}, {summary['device']}, "
-                        f"{spec['epochs'] - 1} timed epochs x {args.rounds} rounds (median)")
+    table = Table(
+        title=f"jascl bench: {spec['protocol']} session {spec['session']}, {summary['device']}, "
+        f"{spec['epochs'] - 1} timed epochs x {args.rounds} rounds (median)"
+    )
     for h in ("case", "throughput", "range", "peak MiB", "between epochs (s)", "ops/step (not views)"):
         table.add_column(h)
     for r in case_rows:
@@ -301,7 +393,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ratios.add_row(*r)
     console.print(ratios)
     if args.out:
-        from jascl.results.report import atomic_write_text
+        from jascl.fileio import atomic_write_text
 
         out = Path(args.out)
         atomic_write_text(out.with_suffix(".md"), to_markdown(summary))
@@ -323,17 +415,24 @@ def cmd_protocols(args: argparse.Namespace) -> int:
             table.add_column(col)
         for s in p.sessions:
             names = lambda ids: ", ".join(f"{c}:{p.class_name(c)}" for c in ids) or "-"  # noqa: E731
-            table.add_row(f"{s.index} {s.name}", ", ".join(s.domains), names(s.new_classes), names(s.recurring_classes),
-                          "all" if s.shots is None else str(s.shots),
-                          "all" if s.shots is None and s.train is None else
-                          (f"<= {s.num_labelled}" if s.sources else str(s.num_labelled)),
-                          str(s.unlabelled) + (f" + {s.unlabelled_per_class}/class" if s.unlabelled_per_class else ""),
-                          "all" if s.test is None else str(s.test))
+            table.add_row(
+                f"{s.index} {s.name}",
+                ", ".join(s.domains),
+                names(s.new_classes),
+                names(s.recurring_classes),
+                "all" if s.shots is None else str(s.shots),
+                "all"
+                if s.shots is None and s.train is None
+                else (f"<= {s.num_labelled}" if s.sources else str(s.num_labelled)),
+                str(s.unlabelled) + (f" + {s.unlabelled_per_class}/class" if s.unlabelled_per_class else ""),
+                "all" if s.test is None else str(s.test),
+            )
         console.print(table)
         console.print(f"spatial_dims={p.spatial_dims} metric={p.metric} seed={p.seed} file={p.path}")
         for d in p.datasets.values():
-            console.print(f"dataset {d.name}: layout {d.layout}, domain {d.domain}, root name {d.root} "
-                          f"(--root {d.root}=PATH)")
+            console.print(
+                f"dataset {d.name}: layout {d.layout}, domain {d.domain}, root name {d.root} (--root {d.root}=PATH)"
+            )
         return 0
     table = Table(title="built-in protocols")
     for col in ("name", "dims", "sessions", "classes", "description"):
@@ -358,9 +457,61 @@ def _list_registry(registry, title: str) -> int:
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
-    from jascl.methods import METHODS
+    """``jascl methods``: the registry; ``jascl methods NAME``: one method's paper, notes and options."""
+    from rich.table import Table
 
-    return _list_registry(METHODS, "methods")
+    from jascl.methods import METHODS
+    from jascl.methods.registry import describe_method
+
+    if not args.name:
+        return _list_registry(METHODS, "methods")
+    info = describe_method(args.name)
+    console = _console()
+    console.print(f"[bold]{info['name']}[/bold]: {info['doc']}", highlight=False)
+    if info["paper"]:
+        console.print(f"paper: {info['paper']}", highlight=False)
+    if info["notes"]:
+        console.print(f"\n{info['notes']}\n", highlight=False)
+    if not info["options"]:
+        console.print("options: none")
+        return 0
+    table = Table(title=f"options: --set method_args.{info['options_key']}.<option>=VALUE")
+    for col in ("option", "type", "default", "allowed", "description"):
+        table.add_column(col)
+    for row in info["options"]:
+        table.add_row(row["name"], row["type"], row["default"], row["allowed"], row["doc"])
+    console.print(table)
+    return 0
+
+
+def import_modules(names: Sequence[str]) -> None:
+    """Import the user's modules (dotted names, or paths of ``.py`` files) so that what they register
+    (methods, backbones, layouts) can be named on the command line.
+
+    Raises:
+        ConfigError: a module that cannot be found or fails to import, in one line.
+    """
+    import importlib
+    import importlib.util
+
+    for name in names:
+        try:
+            if name.endswith(".py"):
+                path = Path(name)
+                if not path.is_file():
+                    raise ConfigError(f"--import {name}: no such file")
+                spec = importlib.util.spec_from_file_location(path.stem, path)
+                if spec is None or spec.loader is None:
+                    raise ConfigError(f"--import {name}: not a Python module")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[path.stem] = module
+                spec.loader.exec_module(module)
+            else:
+                importlib.import_module(name)
+        except ConfigError:
+            raise
+        except Exception as exc:  # the user's code: say which module and what went wrong, in one line
+            raise ConfigError(f"--import {name}: {type(exc).__name__}: {exc}") from None
 
 
 def cmd_backbones(args: argparse.Namespace) -> int:
@@ -370,7 +521,7 @@ def cmd_backbones(args: argparse.Namespace) -> int:
 
 
 def cmd_model_info(args: argparse.Namespace) -> int:
-    from jascl.networks.info import cmd_model_info as run
+    from jascl.experiments.model_info import cmd_model_info as run
 
     return run(args)
 
@@ -397,8 +548,11 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     """``jascl data check --protocol NAME --root NAME=PATH ...``."""
     data = subparsers.add_parser("data", help="check local copies of the public datasets against a protocol")
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    check = data_sub.add_parser("check", help="open every file, check shapes / affines / label values, K-shot "
-                                              "availability and unlabelled pools; exit 2 on any problem")
+    check = data_sub.add_parser(
+        "check",
+        help="open every file, check shapes / affines / label values, K-shot "
+        "availability and unlabelled pools; exit 2 on any problem",
+    )
     check.add_argument("--protocol", required=True, help="built-in protocol name or YAML path")
     add_root_arguments(check)
     check.add_argument("--seed", type=int, default=None, help="seed of the K-shot selection (default: the protocol's)")
@@ -408,26 +562,36 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_root_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--root", action="append", metavar="NAME=PATH",
-                   help="folder of a dataset root the protocol names (repeat per dataset); "
-                        "else a --roots file or the environment variable JASCL_ROOT_<NAME>")
+    p.add_argument(
+        "--root",
+        action="append",
+        metavar="NAME=PATH",
+        help="folder of a dataset root the protocol names (repeat per dataset); "
+        "else a --roots file or the environment variable JASCL_ROOT_<NAME>",
+    )
     p.add_argument("--roots", default=None, metavar="FILE", help="YAML file of root names to folders (NAME: PATH)")
 
 
 def add_model_info_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``model-info`` (kept here, free of torch imports, so the CLI starts fast)."""
-    p = subparsers.add_parser("model-info", help="parameters, FLOPs and training-step memory of backbones, "
-                                                 "with and without JASCL")
+    p = subparsers.add_parser(
+        "model-info", help="parameters, FLOPs and training-step memory of backbones, with and without JASCL"
+    )
     p.add_argument("backbone", help="registered backbone name, or 'all'")
     p.add_argument("--spatial-dims", type=int, default=None, help="2 or 3 (default: the backbone's paper-like setting)")
-    p.add_argument("--spatial-size", default=None,
-                   help="input size, e.g. 128x120x120 or 512 (repeated); default per backbone")
+    p.add_argument(
+        "--spatial-size", default=None, help="input size, e.g. 128x120x120 or 512 (repeated); default per backbone"
+    )
     p.add_argument("--in-channels", type=int, default=None)
     p.add_argument("--num-classes", type=int, default=None, help="classifier rows incl. background")
     p.add_argument("--batch-size", type=int, default=2, help="images per training step for the memory figure")
     p.add_argument("--backbone-args", default=None, help='YAML/JSON mapping, e.g. "{encoder_name: resnet18}"')
-    p.add_argument("--device", default=None, choices=["cuda", "meta"],
-                   help="cuda: measured memory; meta: estimate (default: cuda if available)")
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=["cuda", "meta"],
+        help="cuda: measured memory; meta: estimate (default: cuda if available)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_model_info)
     return p
@@ -446,74 +610,153 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--protocol", default=DEFAULT_PROTOCOL, help=f"built-in name or YAML path (default {DEFAULT_PROTOCOL})")
+        p.add_argument(
+            "--protocol", default=DEFAULT_PROTOCOL, help=f"built-in name or YAML path (default {DEFAULT_PROTOCOL})"
+        )
         p.add_argument("--seed", type=int, default=None, help="override the protocol's seed (data and training)")
         p.add_argument("--config", default=None, help="YAML file of run-configuration keys")
-        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a configuration key, e.g. --set epochs_base=5")
-        p.add_argument("--ablate", default=None, metavar="PARTS",
-                       help="switch JASCL components off: any of gas,pas,proto (comma-separated)")
+        p.add_argument(
+            "--set", action="append", metavar="KEY=VALUE", help="override a configuration key, e.g. --set epochs_base=5"
+        )
+        p.add_argument(
+            "--ablate",
+            default=None,
+            metavar="PARTS",
+            help="switch JASCL components off: any of gas,pas,proto (comma-separated)",
+        )
         p.add_argument("--backbone", default=None, help="backbone name (see 'jascl backbones')")
-        p.add_argument("--weights", default=None, metavar="PATH",
-                       help="local pretrained backbone weights (.safetensors, or .pth loaded with weights_only=True)")
+        p.add_argument(
+            "--weights",
+            default=None,
+            metavar="PATH",
+            help="local pretrained backbone weights (.safetensors, or .pth loaded with weights_only=True)",
+        )
         p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:1, ...")
         p.add_argument("--eval-mode", dest="eval_mode", default=None, choices=["sliding-window", "authors"])
-        p.add_argument("--cache-dir", default=None, help="where generated data is cached (default $JASCL_CACHE or ~/.cache/jascl)")
+        p.add_argument(
+            "--cache-dir", default=None, help="where generated data is cached (default $JASCL_CACHE or ~/.cache/jascl)"
+        )
         p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+        add_import(p)
+
+    def add_import(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--import",
+            dest="imports",
+            action="append",
+            default=[],
+            metavar="MODULE",
+            help="import a module (dotted name or .py file) that registers your own methods or backbones; repeatable",
+        )
 
     run = sub.add_parser("run", help="run a protocol for one or more methods and print the comparison table")
     common(run)
     run.set_defaults(protocol=None)  # so that --resume can tell an explicit --protocol from the default
     run.add_argument("--methods", default=None, help=f"comma-separated methods (default {DEFAULT_METHODS})")
-    run.add_argument("--out", default=None, help="run folder (default runs/<protocol>-seed<seed>-<time>); reused to resume")
-    run.add_argument("--resume", default=None, metavar="RUN_DIR",
-                     help="continue an interrupted run from its last checkpoint, with the folder's own protocol, "
-                          "methods and configuration")
-    run.add_argument("--devices", type=int, default=None, metavar="N",
-                     help="train with N processes on this machine (torchrun + DistributedDataParallel; one per GPU, "
-                          "or gloo processes on CPU); batch_size stays the global batch")
-    run.add_argument("--seeds", default=None, help="run several seeds in sequence (a count, or a list such as 1024,7) "
-                                                   "and aggregate mean ± std; resumable")
+    run.add_argument(
+        "--out", default=None, help="run folder (default runs/<protocol>-seed<seed>-<time>); reused to resume"
+    )
+    run.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue an interrupted run from its last checkpoint, with the folder's own protocol, "
+        "methods and configuration",
+    )
+    run.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train with N processes on this machine (torchrun + DistributedDataParallel; one per GPU, "
+        "or gloo processes on CPU); batch_size stays the global batch",
+    )
+    run.add_argument(
+        "--seeds",
+        default=None,
+        help="run several seeds in sequence (a count, or a list such as 1024,7) and aggregate mean ± std; resumable",
+    )
     add_root_arguments(run)
-    run.add_argument("--split-manifest", default=None, metavar="FILE",
-                     help="reuse the samples (K shots, test, unlabelled) of an earlier run's manifest.json")
+    run.add_argument(
+        "--split-manifest",
+        default=None,
+        metavar="FILE",
+        help="reuse the samples (K shots, test, unlabelled) of an earlier run's manifest.json",
+    )
     run.set_defaults(func=cmd_run)
 
-    compare = sub.add_parser("compare", help="run several methods over several seeds on the same splits and write "
-                                              "the paper-style table (mean ± std)")
+    compare = sub.add_parser(
+        "compare",
+        help="run several methods over several seeds on the same splits and write the paper-style table (mean ± std)",
+    )
     common(compare)
-    compare.add_argument("--methods", default=DEFAULT_METHODS,
-                         help=f"comma-separated methods, or 'all' (default {DEFAULT_METHODS}; see 'jascl methods')")
+    compare.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        help=f"comma-separated methods, or 'all' (default {DEFAULT_METHODS}; see 'jascl methods')",
+    )
     add_root_arguments(compare)
-    compare.add_argument("--seeds", default="1", help="a count (seeds from the protocol's) or a list, e.g. 1024,7 (default 1)")
-    compare.add_argument("--out", default=None, help="compare folder (default runs/compare-<protocol>); reused to resume")
+    compare.add_argument(
+        "--seeds", default="1", help="a count (seeds from the protocol's) or a list, e.g. 1024,7 (default 1)"
+    )
+    compare.add_argument(
+        "--out", default=None, help="compare folder (default runs/compare-<protocol>); reused to resume"
+    )
     compare.set_defaults(func=cmd_compare)
 
     sweep = sub.add_parser("sweep", help="run a grid of configurations (sensitivity / retention / layer-choice tables)")
     common(sweep)
-    sweep.add_argument("--grid", default="tau", help="comma-separated grids: eps, sigma2, shots, tau, gas-layer, or 'all' (default tau)")
+    sweep.add_argument(
+        "--grid",
+        default="tau",
+        help="comma-separated grids: eps, sigma2, shots, tau, gas-layer, or 'all' (default tau)",
+    )
     sweep.add_argument("--method", default="jascl", help="method to sweep (default jascl)")
-    sweep.add_argument("--out", default=None, help="sweep folder (default runs/sweep-<protocol>-seed<seed>); reused to resume")
+    sweep.add_argument(
+        "--out", default=None, help="sweep folder (default runs/sweep-<protocol>-seed<seed>); reused to resume"
+    )
     sweep.set_defaults(func=cmd_sweep)
 
-    report = sub.add_parser("report", help="HTML + Markdown report of run folders or multi-seed folders: tables, "
-                                            "curves, per-class heat maps, overlays, pseudo-labels, config, versions")
-    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folder(s) (jascl run --out) or multi-seed "
-                                                                    "folder(s) (jascl compare --out)")
+    report = sub.add_parser(
+        "report",
+        help="HTML + Markdown report of run folders or multi-seed folders: tables, "
+        "curves, per-class heat maps, overlays, pseudo-labels, config, versions",
+    )
+    report.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run folder(s) (jascl run --out) or multi-seed folder(s) (jascl compare --out)",
+    )
     report.add_argument("--out", default=None, help="output folder (default RUN_DIR/report)")
-    report.add_argument("--samples", type=int, default=2, help="test samples per session in the overlays (default 2; 0 = none)")
+    report.add_argument(
+        "--samples", type=int, default=2, help="test samples per session in the overlays (default 2; 0 = none)"
+    )
     report.add_argument("--device", default="cpu", help="where saved models run for the overlays (default cpu)")
-    report.add_argument("--cache-dir", default=None, help="synthetic data cache (default $JASCL_CACHE or ~/.cache/jascl)")
+    report.add_argument(
+        "--cache-dir", default=None, help="synthetic data cache (default $JASCL_CACHE or ~/.cache/jascl)"
+    )
     report.set_defaults(func=cmd_report)
 
-    bench = sub.add_parser("bench", help="training steps/s and peak memory of a plain PyTorch/MONAI loop vs jascl "
-                                         "(vanilla, GAS + replay, PAS) and of sliding-window evaluation, with ratios")
-    bench.add_argument("--protocol", default="bench-2d", help="workload (default bench-2d; bench-3d for volumes; bench-natural and "
-                       "bench-med: the paper's models and sizes, for a GPU)")
+    bench = sub.add_parser(
+        "bench",
+        help="training steps/s and peak memory of a plain PyTorch/MONAI loop vs jascl "
+        "(vanilla, GAS + replay, PAS) and of sliding-window evaluation, with ratios",
+    )
+    bench.add_argument(
+        "--protocol",
+        default="bench-2d",
+        help="workload (default bench-2d; bench-3d for volumes; bench-natural and "
+        "bench-med: the paper's models and sizes, for a GPU)",
+    )
     bench.add_argument("--session", type=int, default=1, help="incremental session to time (default 1)")
     bench.add_argument("--epochs", type=int, default=4, help="epochs per case; the first warms up (default 4)")
     bench.add_argument("--rounds", type=int, default=3, help="repetitions of every case, interleaved (default 3)")
-    bench.add_argument("--cases", default="all", help="comma-separated: plain, vanilla, gas+replay, plain-mt, pas, "
-                                                      "eval-plain, eval (default all)")
+    bench.add_argument(
+        "--cases",
+        default="all",
+        help="comma-separated: plain, vanilla, gas+replay, plain-mt, pas, eval-plain, eval (default all)",
+    )
     bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     bench.add_argument("--threads", type=int, default=0, help="torch CPU threads per case (0 = torch's default)")
     bench.add_argument("--set", action="append", metavar="KEY=VALUE", help="configuration key, e.g. precision=fp32")
@@ -525,7 +768,10 @@ def build_parser() -> argparse.ArgumentParser:
     protocols = sub.add_parser("protocols", help="list built-in protocols, or show one protocol's sessions")
     protocols.add_argument("name", nargs="?", help="protocol name or YAML path")
     protocols.set_defaults(func=cmd_protocols)
-    sub.add_parser("methods", help="list registered methods").set_defaults(func=cmd_methods)
+    methods = sub.add_parser("methods", help="list registered methods, or show one method's paper, notes and options")
+    methods.add_argument("name", nargs="?", help="a registered method")
+    add_import(methods)
+    methods.set_defaults(func=cmd_methods)
     sub.add_parser("backbones", help="list registered backbones").set_defaults(func=cmd_backbones)
     add_model_info_parser(sub)
     add_data_parser(sub)
@@ -544,10 +790,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (args.command != "run" or getattr(args, "seeds", None)):
-        print(f"jascl: error: '{args.command}{' --seeds' if args.command == 'run' else ''}' runs in one process; "
-              "only 'jascl run' (one seed) trains with several processes", file=sys.stderr)
+        print(
+            f"jascl: error: '{args.command}{' --seeds' if args.command == 'run' else ''}' runs in one process; "
+            "only 'jascl run' (one seed) trains with several processes",
+            file=sys.stderr,
+        )
         return 2
     try:
+        import_modules(getattr(args, "imports", []))
         return int(args.func(args) or 0)
     except JasclError as exc:
         print(f"jascl: error: {exc}", file=sys.stderr)

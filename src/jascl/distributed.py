@@ -19,7 +19,8 @@ import contextlib
 import os
 import subprocess
 import sys
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,11 +63,14 @@ def init(device: str) -> str:
     use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         if ":" in device:
-            raise ConfigError(f"device={device}: with several processes each rank takes cuda:<LOCAL_RANK>; "
-                              "use --device cuda or auto")
+            raise ConfigError(
+                f"device={device}: with several processes each rank takes cuda:<LOCAL_RANK>; use --device cuda or auto"
+            )
         if local >= torch.cuda.device_count():
-            raise ConfigError(f"LOCAL_RANK {local}: this machine has {torch.cuda.device_count()} GPU(s); "
-                              "start at most that many processes per node")
+            raise ConfigError(
+                f"LOCAL_RANK {local}: this machine has {torch.cuda.device_count()} GPU(s); "
+                "start at most that many processes per node"
+            )
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     elif device == "auto":
@@ -140,7 +144,7 @@ def main_first() -> Iterator[None]:
 
 def shard(indices: Sequence[int]) -> list[int]:
     """This rank's share of ``indices`` (every ``world_size``-th, from ``rank``)."""
-    return list(indices)[rank()::world_size()]
+    return list(indices)[rank() :: world_size()]
 
 
 def wrap(module: torch.nn.Module, device: torch.device, find_unused_parameters: bool = False) -> torch.nn.Module:
@@ -173,7 +177,7 @@ def sync_batchnorm(model: torch.nn.Module, device: torch.device) -> int:
     return count
 
 
-#: stop signals passed on to torchrun, which passes them on to its workers (``jascl.training.stop``)
+#: stop signals passed on to torchrun, which passes them on to its workers (``jascl.engine.stop``)
 FORWARDED_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
@@ -186,8 +190,16 @@ def launch(argv: Sequence[str], nproc: int) -> int:
     """
     import signal
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "jascl", *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "jascl",
+        *argv,
+    ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // nproc, 1)))
     env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")

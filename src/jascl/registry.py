@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import fnmatch
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from jascl.errors import ConfigError
 
@@ -34,6 +35,12 @@ class Registry(Generic[T]):
             return fn
 
         return decorator
+
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (e.g. to register a new version of it in a notebook, or after a test)."""
+        self.get(name)
+        del self._entries[name]
+        self._docs.pop(name, None)
 
     def get(self, name: str) -> Callable[..., T]:
         if name not in self._entries:

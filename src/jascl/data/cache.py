@@ -23,8 +23,9 @@ import logging
 import os
 import tempfile
 import zipfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar, Union
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 #: bump when the meaning of cached arrays changes (e.g. a preprocessing fix)
 CACHE_VERSION = 1
 
-Arrays = Union[dict, tuple, np.ndarray, None]
+Arrays = dict | tuple | np.ndarray | None
 T = TypeVar("T")
 
 _NONE = "__none__"
@@ -62,8 +63,11 @@ def _canonical(part: Any) -> Any:
     if isinstance(part, (list, tuple)):
         return [_canonical(p) for p in part]
     if isinstance(part, np.ndarray):
-        return {"array": hashlib.sha256(np.ascontiguousarray(part).tobytes()).hexdigest(), "shape": list(part.shape),
-                "dtype": str(part.dtype)}
+        return {
+            "array": hashlib.sha256(np.ascontiguousarray(part).tobytes()).hexdigest(),
+            "shape": list(part.shape),
+            "dtype": str(part.dtype),
+        }
     if isinstance(part, (np.integer, np.floating, np.bool_)):
         return part.item()
     if part is None or isinstance(part, (str, int, float, bool)):
@@ -111,8 +115,9 @@ def entry_path(cache_dir: str | Path, key: str) -> Path:
     return Path(cache_dir) / key[:2] / f"{key}.npz"
 
 
-def cached(key_parts: Sequence[Any], compute_fn: Callable[[], T], cache_dir: str | Path | None,
-           compress: bool = False) -> T:
+def cached(
+    key_parts: Sequence[Any], compute_fn: Callable[[], T], cache_dir: str | Path | None, compress: bool = False
+) -> T:
     """``compute_fn()``, or its stored result for the same key.
 
     Args:

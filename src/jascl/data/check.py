@@ -14,12 +14,11 @@ classes and labelled / unlabelled / test counts.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
 
-from jascl.data.real import (DatasetSource, SessionPlan, open_source, plan_sessions, resolve_roots,
-                             session_summary)
+from jascl.data.real import DatasetSource, SessionPlan, open_source, plan_sessions, resolve_roots, session_summary
 from jascl.data.synthetic import default_cache_dir
 from jascl.errors import DataError
 from jascl.protocols.schema import Protocol
@@ -52,16 +51,20 @@ class CheckReport:
             if d.get("samples") is None:
                 out.append(f"  {d['name']} ({d['layout']}): {d['status']}")
                 continue
-            out.append(f"  {d['name']} ({d['layout']}) at {d['root']}: {d['samples']} samples, training pool "
-                       f"{d['train_pool']}, test pool {d['test_pool']}, without labels {d['label_free']}"
-                       + (f", {d['excluded']} left out for problems" if d["excluded"] else ""))
+            out.append(
+                f"  {d['name']} ({d['layout']}) at {d['root']}: {d['samples']} samples, training pool "
+                f"{d['train_pool']}, test pool {d['test_pool']}, without labels {d['label_free']}"
+                + (f", {d['excluded']} left out for problems" if d["excluded"] else "")
+            )
         out.append("sessions:")
         for s in self.sessions:
             if s.get("skipped"):
                 out.append(f"  {s['session']} {s['name']}: not checked ({s['skipped']})")
                 continue
-            out.append(f"  {s['session']} {s['name']} [{', '.join(s['domains'])}]: classes {', '.join(s['classes'])}; "
-                       f"shots {s['shots']}; labelled {s['labelled']}, unlabelled {s['unlabelled']}, test {s['test']}")
+            out.append(
+                f"  {s['session']} {s['name']} [{', '.join(s['domains'])}]: classes {', '.join(s['classes'])}; "
+                f"shots {s['shots']}; labelled {s['labelled']}, unlabelled {s['unlabelled']}, test {s['test']}"
+            )
         out += [f"warning: {w}" for w in self.warnings]
         out += [f"error: {p}" for p in self.problems]
         out.append(f"{len(self.problems)} problem(s) found" if self.problems else "no problems found")
@@ -72,10 +75,14 @@ def _unique(items: list[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def check_protocol(protocol: Protocol, roots: Mapping[str, str | Path] | None = None,
-                   roots_file: str | Path | None = None, cache_dir: str | Path | None = None,
-                   environ: Mapping[str, str] | None = None,
-                   echo: Callable[[str], None] = print) -> CheckReport:
+def check_protocol(
+    protocol: Protocol,
+    roots: Mapping[str, str | Path] | None = None,
+    roots_file: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    echo: Callable[[str], None] = print,
+) -> CheckReport:
     """Check the local dataset copies named by ``roots`` (and the environment) against ``protocol``.
 
     Raises:
@@ -84,8 +91,10 @@ def check_protocol(protocol: Protocol, roots: Mapping[str, str | Path] | None = 
     if not protocol.uses_datasets:
         from jascl.errors import ConfigError
 
-        raise ConfigError(f"{protocol.path}: a synthetic protocol has no dataset copies to check; "
-                          "give a protocol with a 'datasets' section (jascl protocols)")
+        raise ConfigError(
+            f"{protocol.path}: a synthetic protocol has no dataset copies to check; "
+            "give a protocol with a 'datasets' section (jascl protocols)"
+        )
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     report = CheckReport()
     problems = report.problems
@@ -119,11 +128,16 @@ def check_protocol(protocol: Protocol, roots: Mapping[str, str | Path] | None = 
                     problems.append(
                         f"{record.label}: label value(s) {outside} are outside the label map of dataset {name} "
                         f"(native labels: {', '.join(map(str, sorted(src.known)))}); fix the label file or map the "
-                        f"value(s) in datasets.{name}.labels")
+                        f"value(s) in datasets.{name}.labels"
+                    )
                     src.excluded.add(rid)
-        entry.update(samples=len(src.records), train_pool=len([r for r in src.train_pool if r not in src.excluded]),
-                     test_pool=len([r for r in src.test_pool if r not in src.excluded]),
-                     label_free=len(src.label_free), excluded=len(src.excluded))
+        entry.update(
+            samples=len(src.records),
+            train_pool=len([r for r in src.train_pool if r not in src.excluded]),
+            test_pool=len([r for r in src.test_pool if r not in src.excluded]),
+            label_free=len(src.label_free),
+            excluded=len(src.excluded),
+        )
         sources[name] = src
 
     plans = plan_sessions(protocol, sources, problems=problems, echo=lambda m: None)

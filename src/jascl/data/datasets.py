@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -11,9 +11,9 @@ from monai.transforms import Compose, MapTransform, RandFlipd, Randomizable, Ran
 from torch.utils.data import DataLoader, Dataset
 
 from jascl.data.sampling import SeededBatchSampler, derive_seed, split_key
-from jascl.data.synthetic import Split
+from jascl.data.types import Split
+from jascl.protocols.schema import IGNORE_INDEX
 
-IGNORE_INDEX = 255
 #: share of training crops of lazy (real-data) splits centred on a taught foreground voxel;
 #: the rest are placed uniformly (as nnU-Net oversamples foreground for small structures)
 FOREGROUND_CROP_PROB = 0.5
@@ -27,8 +27,10 @@ def loader_position(loader: DataLoader) -> dict:
     plain shuffling loader draws from its ``generator``).
     """
     sampler = loader.batch_sampler
-    return {"passes": sampler.passes if isinstance(sampler, SeededBatchSampler) else None,
-            "generator": loader.generator.get_state() if loader.generator is not None else None}
+    return {
+        "passes": sampler.passes if isinstance(sampler, SeededBatchSampler) else None,
+        "generator": loader.generator.get_state() if loader.generator is not None else None,
+    }
 
 
 def set_loader_position(loader: DataLoader, position: dict) -> None:
@@ -108,7 +110,7 @@ class BatchStream:
         self._taken = 0
         self._resume: tuple[dict, int] | None = None
 
-    def __iter__(self) -> "BatchStream":
+    def __iter__(self) -> BatchStream:
         return self
 
     def __next__(self) -> dict:
@@ -191,7 +193,7 @@ class RandForegroundCropd(Randomizable, MapTransform):
         d = dict(data)
         box = self.randomize(torch.as_tensor(d[self.label_key]))
         for key in self.key_iterator(d):
-            d[key] = d[key][(slice(None), *box)]
+            d[key] = d[key][(slice(None),) + tuple(box)]
         return d
 
 
@@ -211,8 +213,15 @@ class LabelledDataset(Dataset):
     around a taught-class voxel with probability :data:`FOREGROUND_CROP_PROB`.
     """
 
-    def __init__(self, split: Split, taught: Sequence[int], other_classes: str = "background",
-                 augment: bool = False, patch_size: Sequence[int] | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        split: Split,
+        taught: Sequence[int],
+        other_classes: str = "background",
+        augment: bool = False,
+        patch_size: Sequence[int] | None = None,
+        seed: int = 0,
+    ) -> None:
         self.split = split
         self.taught = list(taught)
         self.other_classes = other_classes
@@ -220,11 +229,15 @@ class LabelledDataset(Dataset):
         transforms = []
         if isinstance(split.images, np.ndarray):
             if patch_size is not None and tuple(patch_size) != tuple(split.images.shape[2:]):
-                transforms.append(RandSpatialCropd(keys=["image", "label"], roi_size=list(patch_size), random_size=False))
+                transforms.append(
+                    RandSpatialCropd(keys=["image", "label"], roi_size=list(patch_size), random_size=False)
+                )
         elif patch_size is not None:
-            transforms += [SpatialPadd(keys="image", spatial_size=list(patch_size)),
-                           SpatialPadd(keys="label", spatial_size=list(patch_size), value=IGNORE_INDEX),
-                           RandForegroundCropd(["image", "label"], "label", patch_size, FOREGROUND_CROP_PROB)]
+            transforms += [
+                SpatialPadd(keys="image", spatial_size=list(patch_size)),
+                SpatialPadd(keys="label", spatial_size=list(patch_size), value=IGNORE_INDEX),
+                RandForegroundCropd(["image", "label"], "label", patch_size, FOREGROUND_CROP_PROB),
+            ]
         if augment:
             transforms += [RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=axis) for axis in range(dims)]
         self.seed = seed
@@ -247,5 +260,9 @@ class LabelledDataset(Dataset):
         label = label.long().contiguous()
         # whether the label holds ignore pixels, found here in the loader's worker so that the loss does not
         # have to ask the GPU at every step
-        return {"image": image.float().contiguous(), "label": label, "id": self.split.ids[index],
-                "ignore": bool((label == IGNORE_INDEX).any())}
+        return {
+            "image": image.float().contiguous(),
+            "label": label,
+            "id": self.split.ids[index],
+            "ignore": bool((label == IGNORE_INDEX).any()),
+        }

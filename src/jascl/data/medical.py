@@ -19,8 +19,9 @@ are nibabel's voxel-to-world (RAS+ world) 4 x 4 matrices, which is what MONAI's
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -129,8 +130,10 @@ def stack_channels(volumes: Sequence[np.ndarray], paths: Sequence[Path]) -> np.n
         if volume.ndim != 3:
             raise DataError(f"{path}: expected a 3D volume per channel, got shape {volume.shape}")
         if volume.shape != volumes[0].shape:
-            raise DataError(f"{path}: shape {volume.shape} differs from {paths[0].name} {volumes[0].shape}; "
-                            "all channels of a sample must share one voxel grid")
+            raise DataError(
+                f"{path}: shape {volume.shape} differs from {paths[0].name} {volumes[0].shape}; "
+                "all channels of a sample must share one voxel grid"
+            )
     return np.stack(volumes).astype(np.float32, copy=False)
 
 
@@ -149,9 +152,11 @@ def voxel_spacing(affine: np.ndarray) -> tuple[float, ...]:
 def check_label_shape(label: np.ndarray, image: np.ndarray, label_path: Path) -> None:
     """Raise DataError when a ``(X, Y, Z)`` label does not fit a ``(C, X, Y, Z)`` image."""
     if label.shape != image.shape[1:]:
-        raise DataError(f"{label_path}: label shape {label.shape} differs from its image's {image.shape[1:]}; "
-                        "the label must be on the image's voxel grid (re-export it, or resample it with nearest "
-                        "neighbour to the image)")
+        raise DataError(
+            f"{label_path}: label shape {label.shape} differs from its image's {image.shape[1:]}; "
+            "the label must be on the image's voxel grid (re-export it, or resample it with nearest "
+            "neighbour to the image)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -176,9 +181,14 @@ def read_volumes(record_id: str, images: Sequence[Path], label: Path | None, met
     return Sample(image, label_ids, affine, {"spacing": voxel_spacing(affine), "id": record_id, **meta})
 
 
-def check_volumes(images: Sequence[Path], label: Path | None = None, names: Sequence[str] | None = None,
-                  label_values: Iterable[int] | None = None, tolerance: float = AFFINE_TOLERANCE,
-                  extra_labels: Sequence[tuple[Path, str]] = ()) -> list[Problem]:
+def check_volumes(
+    images: Sequence[Path],
+    label: Path | None = None,
+    names: Sequence[str] | None = None,
+    label_values: Iterable[int] | None = None,
+    tolerance: float = AFFINE_TOLERANCE,
+    extra_labels: Sequence[tuple[Path, str]] = (),
+) -> list[Problem]:
     """Open every file of one sample and report what is wrong.
 
     The first image readable is the reference grid: every other image and the
@@ -201,8 +211,9 @@ def check_volumes(images: Sequence[Path], label: Path | None = None, names: Sequ
 
     def open_checked(path: Path, what: str, decode: bool) -> tuple[Any, np.ndarray | None] | None:
         if not path.is_file():
-            problems.append(Problem(path, f"missing {what}",
-                                    f"restore the file ({REDOWNLOAD}) or drop the sample from the dataset"))
+            problems.append(
+                Problem(path, f"missing {what}", f"restore the file ({REDOWNLOAD}) or drop the sample from the dataset")
+            )
             return None
         try:
             img = _nib().load(str(path))
@@ -222,16 +233,25 @@ def check_volumes(images: Sequence[Path], label: Path | None = None, names: Sequ
         ref_path, ref_shape, ref_affine = reference
         ok = True
         if shape != ref_shape:
-            problems.append(Problem(path, f"{what} shape {shape} differs from {ref_path.name} {ref_shape}",
-                                    f"re-export the {what} on {ref_path.name}'s voxel grid"))
+            problems.append(
+                Problem(
+                    path,
+                    f"{what} shape {shape} differs from {ref_path.name} {ref_shape}",
+                    f"re-export the {what} on {ref_path.name}'s voxel grid",
+                )
+            )
             ok = False
         diff = float(np.abs(np.asarray(img.affine) - ref_affine).max())
         if diff > tolerance:
-            problems.append(Problem(path, f"{what} affine differs from {ref_path.name}'s by up to {diff:.4g} "
-                                          f"(tolerance {tolerance:g})",
-                                    f"re-export the {what} with {ref_path.name}'s header (origin, spacing, "
-                                    "direction), or raise the layout option affine_tolerance if the difference "
-                                    "is rounding"))
+            problems.append(
+                Problem(
+                    path,
+                    f"{what} affine differs from {ref_path.name}'s by up to {diff:.4g} (tolerance {tolerance:g})",
+                    f"re-export the {what} with {ref_path.name}'s header (origin, spacing, "
+                    "direction), or raise the layout option affine_tolerance if the difference "
+                    "is rounding",
+                )
+            )
             ok = False
         return ok
 
@@ -257,8 +277,9 @@ def check_volumes(images: Sequence[Path], label: Path | None = None, names: Sequ
     return problems
 
 
-def _label_value_problems(path: Path, data: np.ndarray, declared: set[int] | None,
-                          binary: bool = False) -> list[Problem]:
+def _label_value_problems(
+    path: Path, data: np.ndarray, declared: set[int] | None, binary: bool = False
+) -> list[Problem]:
     values = np.unique(data)
     if values.dtype.kind == "f" and not np.array_equal(values, np.rint(values)):
         return [Problem(path, "label holds non-integer values", "save labels with an integer type")]
@@ -268,10 +289,16 @@ def _label_value_problems(path: Path, data: np.ndarray, declared: set[int] | Non
     if not unknown:
         return []
     if binary:
-        return [Problem(path, f"mask holds values {unknown}; a structure mask must be 0/1",
-                        "re-export the mask as binary")]
-    return [Problem(path, f"label value(s) {unknown} not declared by the dataset (declared: {sorted(declared)})",
-                    "fix the label file, or declare the value in the dataset's label list")]
+        return [
+            Problem(path, f"mask holds values {unknown}; a structure mask must be 0/1", "re-export the mask as binary")
+        ]
+    return [
+        Problem(
+            path,
+            f"label value(s) {unknown} not declared by the dataset (declared: {sorted(declared)})",
+            "fix the label file, or declare the value in the dataset's label list",
+        )
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -311,19 +338,20 @@ def preprocess_volume(sample: Sample, options: dict | None = None) -> tuple[np.n
     unknown = sorted(set(options) - set(PREPROCESS_KEYS))
     if unknown:
         raise ConfigError(f"preprocess: unknown option(s) {unknown}; known: {list(PREPROCESS_KEYS)}")
+    import torch
     from monai.data import MetaTensor
     from monai.transforms import NormalizeIntensityd, Orientationd, ScaleIntensityRanged, Spacingd
 
-    import torch
-
     affine = torch.as_tensor(sample.affine if sample.affine is not None else np.eye(4), dtype=torch.float64)
-    data = {"image": MetaTensor(torch.as_tensor(np.ascontiguousarray(sample.image), dtype=torch.float32),
-                                affine=affine)}
+    data = {
+        "image": MetaTensor(torch.as_tensor(np.ascontiguousarray(sample.image), dtype=torch.float32), affine=affine)
+    }
     keys = ["image"]
     if sample.label is not None:
         # float32 holds every native id exactly (ids << 2**24); nearest resampling keeps them exact
-        data["label"] = MetaTensor(torch.as_tensor(np.asarray(sample.label)[None], dtype=torch.float32),
-                                   affine=affine.clone())
+        data["label"] = MetaTensor(
+            torch.as_tensor(np.asarray(sample.label)[None], dtype=torch.float32), affine=affine.clone()
+        )
         keys.append("label")
     modes = ["bilinear", "nearest"][: len(keys)]
 
@@ -334,8 +362,9 @@ def preprocess_volume(sample: Sample, options: dict | None = None) -> tuple[np.n
     spacing = options.get("spacing")
     if spacing is not None:
         if not (isinstance(spacing, (list, tuple)) and len(spacing) == 3 and all(float(s) > 0 for s in spacing)):
-            raise ConfigError(f"preprocess.spacing={spacing!r}: give three positive voxel sizes in mm, "
-                              "e.g. [1.5, 1.5, 2.0]")
+            raise ConfigError(
+                f"preprocess.spacing={spacing!r}: give three positive voxel sizes in mm, e.g. [1.5, 1.5, 2.0]"
+            )
         data = Spacingd(keys=keys, pixdim=[float(s) for s in spacing], mode=modes)(data)
 
     modality = str(sample.meta.get("modality", "")).lower()

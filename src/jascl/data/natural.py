@@ -22,8 +22,9 @@ import it), hence the deferred import of :class:`~jascl.data.layouts.base.Proble
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,11 +32,11 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw, UnidentifiedImageError
 
 from jascl.errors import ConfigError, DataError
+from jascl.protocols.schema import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from jascl.data.layouts.base import Problem, Record, Sample
 
-IGNORE_INDEX = 255
 # torchvision's ImageNet statistics, on intensities scaled to [0, 1].
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -106,8 +107,10 @@ def index_mask(path: Path) -> np.ndarray:
     pixels = read_mask_pixels(path)
     if pixels.ndim == 3:
         if not (np.array_equal(pixels[..., 0], pixels[..., 1]) and np.array_equal(pixels[..., 0], pixels[..., 2])):
-            raise DataError(f"{path}: expected a single-channel id mask but found a colour image; "
-                            "use the dataset's id masks, not its colour renderings")
+            raise DataError(
+                f"{path}: expected a single-channel id mask but found a colour image; "
+                "use the dataset's id masks, not its colour renderings"
+            )
         pixels = pixels[..., 0]
     return pixels.astype(np.int64)
 
@@ -136,8 +139,9 @@ def lookup_values(values: np.ndarray, table: Mapping[int, int]) -> tuple[np.ndar
     return ids, [f"value {v}" for v in unknown]
 
 
-def lookup_colours(pixels: np.ndarray, table: Mapping[tuple[int, int, int], int],
-                   tolerance: int = 0) -> tuple[np.ndarray, list[str]]:
+def lookup_colours(
+    pixels: np.ndarray, table: Mapping[tuple[int, int, int], int], tolerance: int = 0
+) -> tuple[np.ndarray, list[str]]:
     """Map exact RGB colours through ``table`` (colour -> native id).
 
     Args:
@@ -180,7 +184,9 @@ def lookup_colours(pixels: np.ndarray, table: Mapping[tuple[int, int, int], int]
     return ids, described
 
 
-def render_polygons(path: Path, names: Mapping[str, int], background: int = IGNORE_INDEX) -> tuple[np.ndarray, list[str]]:
+def render_polygons(
+    path: Path, names: Mapping[str, int], background: int = IGNORE_INDEX
+) -> tuple[np.ndarray, list[str]]:
     """Rasterise a Cityscapes-style ``*_polygons.json`` annotation (Cityscapes, IDD).
 
     The file holds ``imgHeight``, ``imgWidth`` and a list of ``objects`` with a ``label``
@@ -244,8 +250,7 @@ def image_size(path: Path) -> tuple[int, int]:
     return image.height, image.width
 
 
-def check_image_label(record: "Record", decode_label: LabelDecoder, dataset: str,
-                      fix_values: str = "") -> list["Problem"]:
+def check_image_label(record: Record, decode_label: LabelDecoder, dataset: str, fix_values: str = "") -> list[Problem]:
     """Open a 2D record's files and report what is wrong with them.
 
     Reports: a missing or undecodable image or label file, a label whose (H, W) differs
@@ -280,14 +285,22 @@ def check_image_label(record: "Record", decode_label: LabelDecoder, dataset: str
         problems.append(Problem(record.label, _reason(error, record.label), FIX_REDOWNLOAD))
         return problems
     if size is not None and tuple(ids.shape) != size:
-        problems.append(Problem(
-            record.label,
-            f"label is {ids.shape[0]}x{ids.shape[1]} (HxW) but image {Path(record.images[0]).name} is {size[0]}x{size[1]}",
-            "use the label file that belongs to this image, at the image's resolution"))
+        problems.append(
+            Problem(
+                record.label,
+                f"label is {ids.shape[0]}x{ids.shape[1]} (HxW) but image {Path(record.images[0]).name} is {size[0]}x{size[1]}",
+                "use the label file that belongs to this image, at the image's resolution",
+            )
+        )
     if unknown:
-        problems.append(Problem(
-            record.label, f"{dataset} label has {describe(unknown)} outside the dataset's label table",
-            fix_values or f"regenerate the label with the dataset's own tools; those pixels are read as ignore ({IGNORE_INDEX})"))
+        problems.append(
+            Problem(
+                record.label,
+                f"{dataset} label has {describe(unknown)} outside the dataset's label table",
+                fix_values
+                or f"regenerate the label with the dataset's own tools; those pixels are read as ignore ({IGNORE_INDEX})",
+            )
+        )
     return problems
 
 
@@ -295,11 +308,11 @@ def _reason(error: DataError, path: Path | str) -> str:
     """The message of a DataError about ``path`` without the path prefix and the fix suffix."""
     text = str(error)
     prefix = f"{path}: "
-    text = text[len(prefix):] if text.startswith(prefix) else text
+    text = text[len(prefix) :] if text.startswith(prefix) else text
     return text.split("; ")[0]
 
 
-def read_image_label(record: "Record", decode_label: LabelDecoder, meta: Mapping[str, Any] | None = None) -> "Sample":
+def read_image_label(record: Record, decode_label: LabelDecoder, meta: Mapping[str, Any] | None = None) -> Sample:
     """Decode a 2D record into a :class:`~jascl.data.layouts.base.Sample`.
 
     Returns:
@@ -318,9 +331,11 @@ def read_image_label(record: "Record", decode_label: LabelDecoder, meta: Mapping
     if record.label is not None:
         label, _ = decode_label(Path(record.label))
         if label.shape != image.shape[1:]:
-            raise DataError(f"{record.label}: label is {label.shape[0]}x{label.shape[1]} (HxW) but image "
-                            f"{record.images[0]} is {image.shape[1]}x{image.shape[2]}; use the label file that "
-                            "belongs to this image")
+            raise DataError(
+                f"{record.label}: label is {label.shape[0]}x{label.shape[1]} (HxW) but image "
+                f"{record.images[0]} is {image.shape[1]}x{image.shape[2]}; use the label file that "
+                "belongs to this image"
+            )
     return Sample(image=image, label=label, affine=None, meta={**record.meta, **(meta or {})})
 
 
@@ -337,14 +352,18 @@ def wanted_splits(options: Mapping[str, Any], known: Iterable[str], layout: str)
     requested = [requested] if isinstance(requested, str) else list(requested)
     bad = [s for s in requested if s not in known]
     if bad:
-        raise ConfigError(f"{layout} layout: unknown split(s) {', '.join(map(repr, bad))}; choose from {', '.join(known)}")
+        raise ConfigError(
+            f"{layout} layout: unknown split(s) {', '.join(map(repr, bad))}; choose from {', '.join(known)}"
+        )
     return set(requested)
 
 
 def require_root(root: Path, layout: str, expected: str) -> None:
     """Raise a one-line DataError unless ``root`` is an existing folder."""
     if not root.is_dir():
-        raise DataError(f"{root}: {layout} root does not exist; point the dataset root at the folder that holds {expected}")
+        raise DataError(
+            f"{root}: {layout} root does not exist; point the dataset root at the folder that holds {expected}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +372,7 @@ def require_root(root: Path, layout: str, expected: str) -> None:
 _PREPROCESS_KEYS = {"size", "scale", "normalize"}
 
 
-def preprocess_image(sample: "Sample", options: Mapping[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+def preprocess_image(sample: Sample, options: Mapping[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """Resize and normalise a decoded 2D sample.
 
     Args:
@@ -376,8 +395,10 @@ def preprocess_image(sample: "Sample", options: Mapping[str, Any] | None = None)
     options = dict(options or {})
     unknown = sorted(set(options) - _PREPROCESS_KEYS)
     if unknown:
-        raise ConfigError(f"preprocess option(s) {', '.join(map(repr, unknown))} not known; "
-                          f"2D preprocessing takes {', '.join(sorted(_PREPROCESS_KEYS))}")
+        raise ConfigError(
+            f"preprocess option(s) {', '.join(map(repr, unknown))} not known; "
+            f"2D preprocessing takes {', '.join(sorted(_PREPROCESS_KEYS))}"
+        )
     image = np.asarray(sample.image, dtype=np.float32)
     if image.ndim != 3:
         raise ConfigError(f"2D preprocessing needs a (C, H, W) image, got shape {tuple(image.shape)}")
@@ -388,8 +409,7 @@ def preprocess_image(sample: "Sample", options: Mapping[str, Any] | None = None)
     if target != (height, width):
         tensor = torch.from_numpy(np.ascontiguousarray(image))[None]
         shrinking = target[0] < height or target[1] < width
-        image = F.interpolate(tensor, size=target, mode="bilinear", align_corners=False,
-                              antialias=shrinking)[0].numpy()
+        image = F.interpolate(tensor, size=target, mode="bilinear", align_corners=False, antialias=shrinking)[0].numpy()
         if label is not None:
             # float32 holds every id up to 2**24 exactly; "nearest-exact" samples pixel centres.
             resized = F.interpolate(torch.from_numpy(label)[None, None].float(), size=target, mode="nearest-exact")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from monai.transforms import GaussianSmooth, SobelGradients
 
-from jascl.data.synthetic import Split
+from jascl.data.types import Split
 
 SCHEDULES: dict[str, dict] = {
     "moderate": {"blur": (0.5, 1.5), "contrast": 0.15, "noise": 0.02},

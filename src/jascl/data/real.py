@@ -56,17 +56,19 @@ import os
 import re
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import yaml
 
 from jascl.data.cache import cached
-from jascl.data.synthetic import SessionData, Split, default_cache_dir
+from jascl.data.synthetic import default_cache_dir
+from jascl.data.types import SessionData, Split
 from jascl.errors import ConfigError, DataError
-from jascl.protocols.schema import IGNORE_ID, DatasetSpec, Protocol
+from jascl.protocols.schema import IGNORE_INDEX, DatasetSpec, Protocol
 
 log = logging.getLogger("jascl")
 
@@ -120,9 +122,13 @@ def root_names(protocol: Protocol) -> dict[str, list[str]]:
     return out
 
 
-def resolve_roots(protocol: Protocol, given: Mapping[str, str | Path] | None = None,
-                  roots_file: str | Path | None = None, environ: Mapping[str, str] | None = None,
-                  problems: list[str] | None = None) -> dict[str, Path]:
+def resolve_roots(
+    protocol: Protocol,
+    given: Mapping[str, str | Path] | None = None,
+    roots_file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    problems: list[str] | None = None,
+) -> dict[str, Path]:
     """Folder of every root name the protocol uses: ``given`` (``--root``) > roots file > environment.
 
     Args:
@@ -138,8 +144,10 @@ def resolve_roots(protocol: Protocol, given: Mapping[str, str | Path] | None = N
     given = dict(given or {})
     unknown = sorted(set(given) - set(names))
     if unknown:
-        raise ConfigError(f"--root {unknown[0]}=...: protocol {protocol.name} has no dataset root of that name "
-                          f"(its roots: {', '.join(sorted(names)) or 'none'})")
+        raise ConfigError(
+            f"--root {unknown[0]}=...: protocol {protocol.name} has no dataset root of that name "
+            f"(its roots: {', '.join(sorted(names)) or 'none'})"
+        )
     from_file = read_roots_file(roots_file) if roots_file is not None else {}
     out: dict[str, Path] = {}
     for name, users in sorted(names.items()):
@@ -147,8 +155,9 @@ def resolve_roots(protocol: Protocol, given: Mapping[str, str | Path] | None = N
         if path:
             out[name] = Path(path).expanduser()
             continue
-        message = (f"dataset root {name!r} ({', '.join(users)}) is not set; pass --root {name}=PATH "
-                   f"or set {env_var(name)}")
+        message = (
+            f"dataset root {name!r} ({', '.join(users)}) is not set; pass --root {name}=PATH or set {env_var(name)}"
+        )
         if problems is None:
             raise DataError(f"{protocol.path}: {message}")
         problems.append(message)
@@ -220,8 +229,13 @@ class DatasetSource:
     def contains(self, record_id: str, natives: set[int]) -> bool:
         return bool(self.presence.get(record_id, frozenset()) & natives)
 
-    def index(self, cache_dir: Path, record_ids: Iterable[str] | None = None, echo: Callable[[str], None] = print,
-              problems: list[str] | None = None) -> None:
+    def index(
+        self,
+        cache_dir: Path,
+        record_ids: Iterable[str] | None = None,
+        echo: Callable[[str], None] = print,
+        problems: list[str] | None = None,
+    ) -> None:
         """Read which native labels every labelled record contains (cached on disk).
 
         Args:
@@ -229,10 +243,15 @@ class DatasetSource:
             problems: if given, unreadable labels are appended here (and the record is
                 excluded) instead of raising.
         """
-        ids = [r for r in (record_ids if record_ids is not None else self.train_pool + self.test_pool)
-               if r not in self.excluded]
-        key = hashlib.sha1(f"{self.spec.layout}|{Path(self.layout.root).resolve()}|"
-                           f"{json.dumps(dict(self.spec.options), sort_keys=True, default=str)}".encode()).hexdigest()[:12]
+        ids = [
+            r
+            for r in (record_ids if record_ids is not None else self.train_pool + self.test_pool)
+            if r not in self.excluded
+        ]
+        key = hashlib.sha1(
+            f"{self.spec.layout}|{Path(self.layout.root).resolve()}|"
+            f"{json.dumps(dict(self.spec.options), sort_keys=True, default=str)}".encode()
+        ).hexdigest()[:12]
         path = cache_dir / "real" / f"labels-{self.spec.layout}-{key}.json"
         try:
             stored = json.loads(path.read_text()) if path.is_file() else {}
@@ -302,13 +321,15 @@ def _layouts():
     return LAYOUTS
 
 
-def open_source(protocol: Protocol, spec: DatasetSpec, root: Path,
-                problems: list[str] | None = None) -> DatasetSource | None:
+def open_source(
+    protocol: Protocol, spec: DatasetSpec, root: Path, problems: list[str] | None = None
+) -> DatasetSource | None:
     """Open dataset entry ``spec`` on ``root``: scan it, build its pools, resolve its label map.
 
     Returns None (with the problem appended) when ``problems`` is given and the
     dataset cannot be opened at all.
     """
+
     def fail(message: str) -> None:
         if problems is None:
             raise DataError(message)
@@ -316,8 +337,10 @@ def open_source(protocol: Protocol, spec: DatasetSpec, root: Path,
 
     layouts = _layouts()
     if spec.layout not in layouts:
-        raise ConfigError(f"{protocol.path}: datasets.{spec.name}.layout: unknown layout {spec.layout!r}; "
-                          f"choose one of {', '.join(layouts.list())}")
+        raise ConfigError(
+            f"{protocol.path}: datasets.{spec.name}.layout: unknown layout {spec.layout!r}; "
+            f"choose one of {', '.join(layouts.list())}"
+        )
     try:
         layout = layouts.create(spec.layout, root=root, **dict(spec.options))
         records = {r.id: r for r in layout.scan()}
@@ -333,7 +356,7 @@ def open_source(protocol: Protocol, spec: DatasetSpec, root: Path,
         return None
     # 255 is every layout's "ignore" (values a 2D layout cannot decode are read as 255), and a
     # label the dataset names "background" is background whatever the unmapped policy
-    native.setdefault(IGNORE_ID, IGNORE_ID)
+    native.setdefault(IGNORE_INDEX, IGNORE_INDEX)
     for i, n in names.items():
         if _normalise_name(n) == "background":
             native.setdefault(i, 0)
@@ -346,18 +369,23 @@ def open_source(protocol: Protocol, spec: DatasetSpec, root: Path,
         test_pool = sorted(r.id for r in labelled if r.split in spec.test_splits)
     else:
         train_pool, test_pool = _hold_out(spec, [records[i] for i in train_pool])
-    for what, pool, splits in (("training", train_pool, spec.train_splits),
-                               ("test", test_pool, spec.test_splits or spec.train_splits)):
+    for what, pool, splits in (
+        ("training", train_pool, spec.train_splits),
+        ("test", test_pool, spec.test_splits or spec.train_splits),
+    ):
         if not pool:
             found = sorted({r.split for r in labelled}) or ["none with labels"]
-            fail(f"dataset {spec.name} ({root}): no labelled samples for the {what} pool (splits {list(splits)}; "
-                 f"labelled splits found: {', '.join(found)}); set datasets.{spec.name}."
-                 f"{'train_splits' if what == 'training' else 'test_splits / test_fraction'} to fit the copy")
+            fail(
+                f"dataset {spec.name} ({root}): no labelled samples for the {what} pool (splits {list(splits)}; "
+                f"labelled splits found: {', '.join(found)}); set datasets.{spec.name}."
+                f"{'train_splits' if what == 'training' else 'test_splits / test_fraction'} to fit the copy"
+            )
     return DatasetSource(spec, layout, records, train_pool, test_pool, label_free, native, known)
 
 
-def _resolve_label_map(protocol: Protocol, spec: DatasetSpec, names: Mapping[int, str], root: Path,
-                       fail: Callable[[str], None]) -> dict[int, int] | None:
+def _resolve_label_map(
+    protocol: Protocol, spec: DatasetSpec, names: Mapping[int, str], root: Path, fail: Callable[[str], None]
+) -> dict[int, int] | None:
     """Native keys given as names -> ids via the layout's label names; ids are checked against them."""
     by_name: dict[str, list[int]] = {}
     for i, n in names.items():
@@ -370,17 +398,21 @@ def _resolve_label_map(protocol: Protocol, spec: DatasetSpec, names: Mapping[int
             ids = by_name.get(_normalise_name(key), [])
             if len(ids) != 1:
                 reason = "is ambiguous" if ids else "is not"
-                fail(f"{where}: {key!r} {reason} a label name of the {spec.layout} dataset at {root} "
-                     f"(its labels: {', '.join(f'{i}={n}' for i, n in sorted(names.items())) or 'none declared'}); "
-                     "use a native id or one of those names")
+                fail(
+                    f"{where}: {key!r} {reason} a label name of the {spec.layout} dataset at {root} "
+                    f"(its labels: {', '.join(f'{i}={n}' for i, n in sorted(names.items())) or 'none declared'}); "
+                    "use a native id or one of those names"
+                )
                 ok = False
                 continue
             out[ids[0]] = gid
         else:
-            if names and key not in names and key != IGNORE_ID:
-                fail(f"{where}: native label {key} is not a label of the {spec.layout} dataset at {root} "
-                     f"(its labels: {', '.join(map(str, sorted(names)))}); fix the protocol's label map "
-                     "or use the dataset release it was written for")
+            if names and key not in names and key != IGNORE_INDEX:
+                fail(
+                    f"{where}: native label {key} is not a label of the {spec.layout} dataset at {root} "
+                    f"(its labels: {', '.join(map(str, sorted(names)))}); fix the protocol's label map "
+                    "or use the dataset release it was written for"
+                )
                 ok = False
                 continue
             out[int(key)] = gid
@@ -411,8 +443,9 @@ def _hold_out(spec: DatasetSpec, records: Sequence[Any]) -> tuple[list[str], lis
 # ------------------------------------------------------------------------------------------------ selection
 
 
-def select_k_shot(candidates: Mapping[int, Sequence[str]], classes_of: Callable[[str], set[int]],
-                  k: int) -> tuple[list[str], dict[int, int]]:
+def select_k_shot(
+    candidates: Mapping[int, Sequence[str]], classes_of: Callable[[str], set[int]], k: int
+) -> tuple[list[str], dict[int, int]]:
     """Fewest samples such that each class is contained in at least ``k`` of them, greedily.
 
     Classes are served rarest first (fewest candidates, then lowest id); each takes
@@ -467,8 +500,12 @@ def split_ref(ref: str) -> tuple[str, str]:
     return dataset, rid
 
 
-def plan_sessions(protocol: Protocol, sources: Mapping[str, DatasetSource],
-                  problems: list[str] | None = None, echo: Callable[[str], None] = print) -> list[SessionPlan]:
+def plan_sessions(
+    protocol: Protocol,
+    sources: Mapping[str, DatasetSource],
+    problems: list[str] | None = None,
+    echo: Callable[[str], None] = print,
+) -> list[SessionPlan]:
     """Seeded K-shot / test / unlabelled selection of every session (see the module docstring).
 
     Args:
@@ -476,6 +513,7 @@ def plan_sessions(protocol: Protocol, sources: Mapping[str, DatasetSource],
         problems: if given, impossible requests are appended as one-line messages
             (and the session keeps what is possible) instead of raising DataError.
     """
+
     def fail(message: str) -> None:
         if problems is None:
             raise DataError(message)
@@ -521,26 +559,37 @@ def plan_sessions(protocol: Protocol, sources: Mapping[str, DatasetSource],
             if session.train is not None:
                 train = train[: session.train]
             if not train:
-                fail(f"{where}: no training sample contains any of its classes "
-                     f"{_names(protocol, session.classes)}; check the datasets' label maps and roots")
+                fail(
+                    f"{where}: no training sample contains any of its classes "
+                    f"{_names(protocol, session.classes)}; check the datasets' label maps and roots"
+                )
         else:
             candidates = {c: [r for r in pool_order if contains_class(r, c)] for c in session.classes}
             train, counts = select_k_shot(
-                candidates, lambda r: {c for c in session.classes if contains_class(r, c)}, session.shots)
+                candidates, lambda r: {c for c in session.classes if contains_class(r, c)}, session.shots
+            )
             for c in session.classes:
                 if counts[c] < session.shots:
-                    fail(f"{where}: class {c} ({protocol.class_name(c)}) is in only {len(candidates[c])} training "
-                         f"sample(s) of {', '.join(class_natives[c]) or 'its datasets'}, fewer than shots K="
-                         f"{session.shots}; lower 'shots' or add data")
+                    fail(
+                        f"{where}: class {c} ({protocol.class_name(c)}) is in only {len(candidates[c])} training "
+                        f"sample(s) of {', '.join(class_natives[c]) or 'its datasets'}, fewer than shots K="
+                        f"{session.shots}; lower 'shots' or add data"
+                    )
         # --- test samples
-        test_pool = [_ref(src.name, r) for spec, src in srcs for r in src.test_pool if r not in src.excluded
-                     and src.contains(r, set().union(*src.natives_of(spec.classes).values()))]
+        test_pool = [
+            _ref(src.name, r)
+            for spec, src in srcs
+            for r in src.test_pool
+            if r not in src.excluded and src.contains(r, set().union(*src.natives_of(spec.classes).values()))
+        ]
         test = ordered(test_pool, used_test)
         if session.test is not None:
             test = test[: session.test]
         if not test:
-            fail(f"{where}: no test sample contains any of its classes {_names(protocol, session.classes)}; "
-                 "add test data or change the datasets' test_splits / test_fraction")
+            fail(
+                f"{where}: no test sample contains any of its classes {_names(protocol, session.classes)}; "
+                "add test data or change the datasets' test_splits / test_fraction"
+            )
         # --- unlabelled pool
         unlabelled: list[str] | None = None
         shortfalls: list[str] = []
@@ -553,12 +602,14 @@ def plan_sessions(protocol: Protocol, sources: Mapping[str, DatasetSource],
             if session.unlabelled_per_class:
                 cands = {c: [r for r in rest_order if contains_class(r, c)] for c in session.classes}
                 unlabelled, counts = select_k_shot(
-                    cands, lambda r: {c for c in session.classes if contains_class(r, c)},
-                    session.unlabelled_per_class)
+                    cands, lambda r: {c for c in session.classes if contains_class(r, c)}, session.unlabelled_per_class
+                )
                 for c in session.classes:
                     if counts[c] < session.unlabelled_per_class:
-                        shortfalls.append(f"class {c} ({protocol.class_name(c)}): {counts[c]} unlabelled of "
-                                          f"{session.unlabelled_per_class} requested")
+                        shortfalls.append(
+                            f"class {c} ({protocol.class_name(c)}): {counts[c]} unlabelled of "
+                            f"{session.unlabelled_per_class} requested"
+                        )
             if session.unlabelled:
                 chosen = set(unlabelled)
                 extra = [r for r in rest_order if r not in chosen][: session.unlabelled]
@@ -566,9 +617,11 @@ def plan_sessions(protocol: Protocol, sources: Mapping[str, DatasetSource],
                     shortfalls.append(f"{len(extra)} unlabelled of {session.unlabelled} requested")
                 unlabelled += extra
             if not unlabelled:
-                fail(f"{where}: the protocol asks for an unlabelled pool but none of "
-                     f"{', '.join(src.name for _, src in srcs)} has samples left beyond the labelled shots; "
-                     "add unlabelled data (e.g. imagesTs/) or set unlabelled: 0")
+                fail(
+                    f"{where}: the protocol asks for an unlabelled pool but none of "
+                    f"{', '.join(src.name for _, src in srcs)} has samples left beyond the labelled shots; "
+                    "add unlabelled data (e.g. imagesTs/) or set unlabelled: 0"
+                )
             for s in shortfalls:
                 echo(f"[data] warning: session {t} ({session.name}): {s}")
         for ref in train + (unlabelled or []):
@@ -577,8 +630,16 @@ def plan_sessions(protocol: Protocol, sources: Mapping[str, DatasetSource],
         for ref in test:
             d, rid = split_ref(ref)
             used_test[d].add(rid)
-        plans.append(SessionPlan(t, session.name, sorted(train), sorted(test),
-                                 sorted(unlabelled) if unlabelled is not None else None, shortfalls))
+        plans.append(
+            SessionPlan(
+                t,
+                session.name,
+                sorted(train),
+                sorted(test),
+                sorted(unlabelled) if unlabelled is not None else None,
+                shortfalls,
+            )
+        )
     return plans
 
 
@@ -591,16 +652,25 @@ def _names(protocol: Protocol, classes: Iterable[int]) -> str:
 
 def manifest_dict(protocol: Protocol, data: Sequence[SessionData], roots: Mapping[str, Path] | None = None) -> dict:
     """The K-shot manifest of a run: sample ids of every split, per session (written as ``manifest.json``)."""
-    manifest: dict[str, Any] = {"format": MANIFEST_FORMAT, "protocol": protocol.name, "seed": protocol.seed,
-                                "sessions": []}
+    manifest: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "protocol": protocol.name,
+        "seed": protocol.seed,
+        "sessions": [],
+    }
     if protocol.uses_datasets:
-        manifest["datasets"] = {n: {"layout": s.layout, "root": s.root,
-                                    "path": str(roots[s.root]) if roots and s.root in roots else None}
-                                for n, s in protocol.datasets.items()}
+        manifest["datasets"] = {
+            n: {"layout": s.layout, "root": s.root, "path": str(roots[s.root]) if roots and s.root in roots else None}
+            for n, s in protocol.datasets.items()
+        }
     for s, d in zip(protocol.sessions, data):
-        entry: dict[str, Any] = {"session": s.index, "name": s.name,
-                                 "shots": s.shots if s.shots is not None else "all",
-                                 "train": list(d.train.ids), "test": list(d.test.ids)}
+        entry: dict[str, Any] = {
+            "session": s.index,
+            "name": s.name,
+            "shots": s.shots if s.shots is not None else "all",
+            "train": list(d.train.ids),
+            "test": list(d.test.ids),
+        }
         if s.sources:
             entry["sources"] = [{"dataset": src.dataset, "classes": list(src.classes)} for src in s.sources]
         if d.unlabelled is not None:
@@ -629,7 +699,9 @@ def load_manifest(path: str | Path, protocol: Protocol) -> dict:
         raise DataError(f"{p}: made for protocol {m.get('protocol')!r}, not {protocol.name!r}; {fix}")
     sessions = m["sessions"]
     if len(sessions) != len(protocol.sessions):
-        raise DataError(f"{p}: has {len(sessions)} sessions, protocol {protocol.name} has {len(protocol.sessions)}; {fix}")
+        raise DataError(
+            f"{p}: has {len(sessions)} sessions, protocol {protocol.name} has {len(protocol.sessions)}; {fix}"
+        )
     for s, entry in zip(protocol.sessions, sessions):
         if not isinstance(entry, dict) or not all(isinstance(entry.get(k), list) for k in ("train", "test")):
             raise DataError(f"{p}: sessions[{s.index}] lacks 'train' / 'test' id lists; {fix}")
@@ -637,16 +709,21 @@ def load_manifest(path: str | Path, protocol: Protocol) -> dict:
             raise DataError(f"{p}: sessions[{s.index}] is {entry.get('name')!r}, the protocol's is {s.name!r}; {fix}")
         shots = s.shots if s.shots is not None else "all"
         if entry.get("shots") != shots:
-            raise DataError(f"{p}: sessions[{s.index}] ({s.name}) was selected with shots={entry.get('shots')}, "
-                            f"the protocol asks for shots={shots}; {fix}")
+            raise DataError(
+                f"{p}: sessions[{s.index}] ({s.name}) was selected with shots={entry.get('shots')}, "
+                f"the protocol asks for shots={shots}; {fix}"
+            )
         if (entry.get("unlabelled") is not None) != bool(s.unlabelled or s.unlabelled_per_class):
-            raise DataError(f"{p}: sessions[{s.index}] ({s.name}) unlabelled pool does not match the protocol's "
-                            f"(unlabelled={s.unlabelled}, unlabelled_per_class={s.unlabelled_per_class}); {fix}")
+            raise DataError(
+                f"{p}: sessions[{s.index}] ({s.name}) unlabelled pool does not match the protocol's "
+                f"(unlabelled={s.unlabelled}, unlabelled_per_class={s.unlabelled_per_class}); {fix}"
+            )
     return m
 
 
-def plans_from_manifest(manifest: dict, protocol: Protocol, sources: Mapping[str, DatasetSource],
-                        source_path: str = "manifest") -> list[SessionPlan]:
+def plans_from_manifest(
+    manifest: dict, protocol: Protocol, sources: Mapping[str, DatasetSource], source_path: str = "manifest"
+) -> list[SessionPlan]:
     """Session plans read from a checked manifest; every id must exist and come from the session's sources."""
     plans = []
     test_ids = {ref for e in manifest["sessions"] for ref in e["test"]}
@@ -658,20 +735,35 @@ def plans_from_manifest(manifest: dict, protocol: Protocol, sources: Mapping[str
                 try:
                     d, rid = split_ref(str(ref))
                 except ValueError:
-                    raise DataError(f"{source_path}: sessions[{s.index}].{split}: {ref!r} is not a "
-                                    "'<dataset>/<record id>' sample id; use a manifest of this protocol") from None
+                    raise DataError(
+                        f"{source_path}: sessions[{s.index}].{split}: {ref!r} is not a "
+                        "'<dataset>/<record id>' sample id; use a manifest of this protocol"
+                    ) from None
                 if d not in allowed:
-                    raise DataError(f"{source_path}: sessions[{s.index}].{split}: {ref} comes from dataset {d!r}, "
-                                    f"not one of the session's sources {sorted(allowed)}; use a manifest of this protocol")
+                    raise DataError(
+                        f"{source_path}: sessions[{s.index}].{split}: {ref} comes from dataset {d!r}, "
+                        f"not one of the session's sources {sorted(allowed)}; use a manifest of this protocol"
+                    )
                 if rid not in sources[d].records:
-                    raise DataError(f"{source_path}: sessions[{s.index}].{split}: sample {rid!r} is not in dataset "
-                                    f"{d} at {sources[d].layout.root}; point --root {sources[d].spec.root} at the "
-                                    "copy the manifest was made on")
+                    raise DataError(
+                        f"{source_path}: sessions[{s.index}].{split}: sample {rid!r} is not in dataset "
+                        f"{d} at {sources[d].layout.root}; point --root {sources[d].spec.root} at the "
+                        "copy the manifest was made on"
+                    )
                 if split != "test" and ref in test_ids:
-                    raise DataError(f"{source_path}: sessions[{s.index}].{split}: {ref} is also a test sample; "
-                                    "the manifest mixes training and test data")
-        plans.append(SessionPlan(s.index, s.name, list(entry["train"]), list(entry["test"]),
-                                 list(entry["unlabelled"]) if entry.get("unlabelled") is not None else None))
+                    raise DataError(
+                        f"{source_path}: sessions[{s.index}].{split}: {ref} is also a test sample; "
+                        "the manifest mixes training and test data"
+                    )
+        plans.append(
+            SessionPlan(
+                s.index,
+                s.name,
+                list(entry["train"]),
+                list(entry["test"]),
+                list(entry["unlabelled"]) if entry.get("unlabelled") is not None else None,
+            )
+        )
     return plans
 
 
@@ -681,17 +773,17 @@ def plans_from_manifest(manifest: dict, protocol: Protocol, sources: Mapping[str
 def label_lut(protocol: Protocol, source: DatasetSource, session: int) -> Callable[[np.ndarray], np.ndarray]:
     """Native -> global label mapping of ``source`` samples in session ``session`` (see the module docstring)."""
     taught = protocol.taught_from(source.name, session)
-    unmapped = 0 if source.spec.unmapped == "background" else IGNORE_ID
+    unmapped = 0 if source.spec.unmapped == "background" else IGNORE_INDEX
     values: dict[int, int] = {}
     for native, g in source.native.items():
-        values[native] = g if g in (0, IGNORE_ID) or g in taught else IGNORE_ID
+        values[native] = g if g in (0, IGNORE_INDEX) or g in taught else IGNORE_INDEX
     known = source.known
 
     def value_of(v: int) -> int:
         if v in values:
             return values[v]
         if known is not None and v not in known:
-            return IGNORE_ID
+            return IGNORE_INDEX
         return unmapped
 
     def apply(label: np.ndarray) -> np.ndarray:
@@ -743,18 +835,28 @@ class SampleStore:
 
         def compute() -> tuple[np.ndarray, np.ndarray | None]:
             image, label = self.preprocess(source, source.layout.read(record))
-            return (np.ascontiguousarray(image, dtype=np.float32),
-                    None if label is None else np.ascontiguousarray(label, dtype=np.int32))
+            return (
+                np.ascontiguousarray(image, dtype=np.float32),
+                None if label is None else np.ascontiguousarray(label, dtype=np.int32),
+            )
 
         # keyed by the files (paths, sizes, times), the layout and its options and the preprocessing
-        key = [PREPROCESS_VERSION, source.spec.layout, list(record.files), dict(source.spec.options),
-               dict(source.spec.preprocess), self.protocol.spatial_dims]
+        key = [
+            PREPROCESS_VERSION,
+            source.spec.layout,
+            list(record.files),
+            dict(source.spec.options),
+            dict(source.spec.preprocess),
+            self.protocol.spatial_dims,
+        ]
         image, label = cached(key, compute, self.cache_dir / "real" / "samples")
         item = (image, label)
         if item[0].ndim != self.protocol.spatial_dims + 1 or item[0].shape[0] != self.protocol.in_channels:
-            raise DataError(f"{record.images[0]}: preprocessed image has shape {tuple(item[0].shape)}, protocol "
-                            f"{self.protocol.name} expects {self.protocol.in_channels} channel(s) and "
-                            f"{self.protocol.spatial_dims} spatial dims; fix in_channels or the layout options")
+            raise DataError(
+                f"{record.images[0]}: preprocessed image has shape {tuple(item[0].shape)}, protocol "
+                f"{self.protocol.name} expects {self.protocol.in_channels} channel(s) and "
+                f"{self.protocol.spatial_dims} spatial dims; fix in_channels or the layout options"
+            )
         self._memo[ref] = item
         while len(self._memo) > 2:
             self._memo.popitem(last=False)
@@ -774,8 +876,14 @@ class SplitBackend:
         seed: seed of the crop stream.
     """
 
-    def __init__(self, store: SampleStore, refs: Sequence[str], luts: Mapping[str, Callable],
-                 crop: Sequence[int] | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        store: SampleStore,
+        refs: Sequence[str],
+        luts: Mapping[str, Callable],
+        crop: Sequence[int] | None = None,
+        seed: int = 0,
+    ) -> None:
         self.store = store
         self.refs = list(refs)
         self.luts = luts
@@ -805,7 +913,7 @@ class SplitBackend:
         image, native = self.store.load(ref)
         spatial = image.shape[1:]
         if native is None:
-            label = np.full(spatial, IGNORE_ID, dtype=np.uint8)  # no ground truth at all
+            label = np.full(spatial, IGNORE_INDEX, dtype=np.uint8)  # no ground truth at all
         else:
             label = self.luts[split_ref(ref)[0]](native)
         if self.crop is not None:
@@ -813,8 +921,9 @@ class SplitBackend:
         return image, label
 
 
-def random_crop(image: np.ndarray, label: np.ndarray, size: Sequence[int],
-                rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def random_crop(
+    image: np.ndarray, label: np.ndarray, size: Sequence[int], rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """A uniformly placed crop of ``size``; image padded with 0 and label with 255 where smaller.
 
     Shapes: image (C, *spatial), label (*spatial) -> (C, *size), (*size).
@@ -823,10 +932,10 @@ def random_crop(image: np.ndarray, label: np.ndarray, size: Sequence[int],
     if any(pad):
         widths = [(p // 2, p - p // 2) for p in pad]
         image = np.pad(image, [(0, 0), *widths])
-        label = np.pad(label, widths, constant_values=IGNORE_ID)
+        label = np.pad(label, widths, constant_values=IGNORE_INDEX)
     starts = [int(rng.integers(0, n - s + 1)) for s, n in zip(size, label.shape)]
     box = tuple(slice(a, a + s) for a, s in zip(starts, size))
-    return np.ascontiguousarray(image[(slice(None), *box)]), np.ascontiguousarray(label[box])
+    return np.ascontiguousarray(image[(slice(None),) + tuple(box)]), np.ascontiguousarray(label[box])
 
 
 class LazySamples:
@@ -835,8 +944,14 @@ class LazySamples:
     See the module docstring for what it supports (indexing, slicing, ``ndim``, ``shape``).
     """
 
-    def __init__(self, backend: SplitBackend, part: str, spatial_dims: int, channels: int,
-                 uniform_shape: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        backend: SplitBackend,
+        part: str,
+        spatial_dims: int,
+        channels: int,
+        uniform_shape: Sequence[int] | None = None,
+    ) -> None:
         self.backend = backend
         self.part = part
         self.ndim = spatial_dims + (2 if part == "image" else 1)
@@ -877,8 +992,14 @@ class LazySamples:
         raise TypeError("a lazy split is not held in memory as one array; index it sample by sample")
 
 
-def lazy_split(store: SampleStore, refs: Sequence[str], luts: Mapping[str, Callable], protocol: Protocol,
-               crop: Sequence[int] | None = None, seed: int = 0) -> Split:
+def lazy_split(
+    store: SampleStore,
+    refs: Sequence[str],
+    luts: Mapping[str, Callable],
+    protocol: Protocol,
+    crop: Sequence[int] | None = None,
+    seed: int = 0,
+) -> Split:
     backend = SplitBackend(store, refs, luts, crop, seed)
     args = (protocol.spatial_dims, protocol.in_channels)
     return Split(LazySamples(backend, "image", *args), LazySamples(backend, "label", *args), list(refs))
@@ -887,8 +1008,13 @@ def lazy_split(store: SampleStore, refs: Sequence[str], luts: Mapping[str, Calla
 # ------------------------------------------------------------------------------------------------ entry point
 
 
-def open_sources(protocol: Protocol, roots: Mapping[str, Path], cache_dir: Path, echo: Callable[[str], None] = print,
-                 problems: list[str] | None = None) -> dict[str, DatasetSource]:
+def open_sources(
+    protocol: Protocol,
+    roots: Mapping[str, Path],
+    cache_dir: Path,
+    echo: Callable[[str], None] = print,
+    problems: list[str] | None = None,
+) -> dict[str, DatasetSource]:
     """Open and index every dataset entry whose root is known."""
     out: dict[str, DatasetSource] = {}
     for name, spec in protocol.datasets.items():
@@ -902,10 +1028,15 @@ def open_sources(protocol: Protocol, roots: Mapping[str, Path], cache_dir: Path,
     return out
 
 
-def load_real(protocol: Protocol, roots: Mapping[str, str | Path] | None = None, cache_dir: str | Path | None = None,
-              echo: Callable[[str], None] = print, split_manifest: str | Path | None = None,
-              roots_file: str | Path | None = None, unlabelled_crop: Sequence[int] | None = None
-              ) -> tuple[list[SessionData], dict]:
+def load_real(
+    protocol: Protocol,
+    roots: Mapping[str, str | Path] | None = None,
+    cache_dir: str | Path | None = None,
+    echo: Callable[[str], None] = print,
+    split_manifest: str | Path | None = None,
+    roots_file: str | Path | None = None,
+    unlabelled_crop: Sequence[int] | None = None,
+) -> tuple[list[SessionData], dict]:
     """One :class:`SessionData` per session of a protocol on public datasets, and its manifest.
 
     Args:
@@ -935,9 +1066,11 @@ def load_real(protocol: Protocol, roots: Mapping[str, str | Path] | None = None,
         luts = {name: label_lut(protocol, src, session.index) for name, src in sources.items()}
         train = lazy_split(store, plan.train, luts, protocol)
         test = lazy_split(store, plan.test, luts, protocol)
-        unlabelled = (lazy_split(store, plan.unlabelled, luts, protocol, crop=unlabelled_crop,
-                                 seed=protocol.seed + session.index)
-                      if plan.unlabelled is not None else None)
+        unlabelled = (
+            lazy_split(store, plan.unlabelled, luts, protocol, crop=unlabelled_crop, seed=protocol.seed + session.index)
+            if plan.unlabelled is not None
+            else None
+        )
         data.append(SessionData(session, train, test, unlabelled))
     return data, manifest_dict(protocol, data, resolved)
 
@@ -946,14 +1079,42 @@ def session_summary(protocol: Protocol, plans: Sequence[SessionPlan]) -> list[di
     """Per session: classes and labelled / unlabelled / test counts (for ``jascl data check``)."""
     rows = []
     for s, p in zip(protocol.sessions, plans):
-        rows.append({"session": s.index, "name": s.name, "domains": list(s.domains),
-                     "classes": [f"{c}:{protocol.class_name(c)}" for c in s.classes],
-                     "shots": "all" if s.shots is None else s.shots, "labelled": len(p.train),
-                     "unlabelled": len(p.unlabelled) if p.unlabelled is not None else 0, "test": len(p.test)})
+        rows.append(
+            {
+                "session": s.index,
+                "name": s.name,
+                "domains": list(s.domains),
+                "classes": [f"{c}:{protocol.class_name(c)}" for c in s.classes],
+                "shots": "all" if s.shots is None else s.shots,
+                "labelled": len(p.train),
+                "unlabelled": len(p.unlabelled) if p.unlabelled is not None else 0,
+                "test": len(p.test),
+            }
+        )
     return rows
 
 
-__all__ = ["DatasetSource", "LazySamples", "SampleStore", "SessionPlan", "SplitBackend", "env_var", "label_lut",
-           "lazy_split", "load_manifest", "load_real", "manifest_dict", "open_source", "open_sources",
-           "parse_root_args", "plan_sessions", "plans_from_manifest", "random_crop", "read_roots_file",
-           "resolve_roots", "select_k_shot", "session_summary", "split_ref"]
+__all__ = [
+    "DatasetSource",
+    "LazySamples",
+    "SampleStore",
+    "SessionPlan",
+    "SplitBackend",
+    "env_var",
+    "label_lut",
+    "lazy_split",
+    "load_manifest",
+    "load_real",
+    "manifest_dict",
+    "open_source",
+    "open_sources",
+    "parse_root_args",
+    "plan_sessions",
+    "plans_from_manifest",
+    "random_crop",
+    "read_roots_file",
+    "resolve_roots",
+    "select_k_shot",
+    "session_summary",
+    "split_ref",
+]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -52,8 +52,15 @@ class SeededBatchSampler(Sampler[list[tuple[int, int]]]):
         rank, world: this rank and the number of ranks (default: torch.distributed's).
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int, shuffle: bool = True, rank: int | None = None,
-                 world: int | None = None) -> None:
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        rank: int | None = None,
+        world: int | None = None,
+    ) -> None:
         if n < 1 or batch_size < 1:
             raise ValueError(f"need at least one sample and batch_size >= 1 (got n={n}, batch_size={batch_size})")
         self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
@@ -77,7 +84,7 @@ class SeededBatchSampler(Sampler[list[tuple[int, int]]]):
         if self.world == 1:
             return batch
         if len(batch) >= self.world:
-            return batch[self.rank::self.world]
+            return batch[self.rank :: self.world]
         return [batch[self.rank % len(batch)]]
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
@@ -86,7 +93,7 @@ class SeededBatchSampler(Sampler[list[tuple[int, int]]]):
         first, self.skip = self.skip * self.batch_size, 0
         perm = self.permutation(pass_index)
         for start in range(first, self.n, self.batch_size):
-            yield [(pass_index, i) for i in self.local(perm[start:start + self.batch_size])]
+            yield [(pass_index, i) for i in self.local(perm[start : start + self.batch_size])]
 
     def state_dict(self) -> dict:
         return {"passes": self.passes}

@@ -31,14 +31,14 @@ import hashlib
 import json
 import os
 import zlib
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 import numpy as np
 import torch
 from monai.transforms import GaussianSmooth
 
+from jascl.data.types import SessionData, Split
 from jascl.errors import DataError
 from jascl.protocols.schema import DomainSpec, Protocol, SessionSpec
 
@@ -113,34 +113,6 @@ SHAPES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
-@dataclass
-class Split:
-    """One split of a session.
-
-    Attributes:
-        images: (N, C, *spatial) float32 intensities.
-        labels: (N, *spatial) uint8 full ground truth in global class ids (0 = background).
-        ids: stable sample ids (used in K-shot manifests).
-    """
-
-    images: np.ndarray
-    labels: np.ndarray
-    ids: list[str]
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-@dataclass
-class SessionData:
-    """The data of one session: labelled ``train``, ``test`` and an optional ``unlabelled`` pool."""
-
-    session: SessionSpec
-    train: Split
-    test: Split
-    unlabelled: Split | None = None
-
-
 def _stable_int(*parts: object) -> int:
     return zlib.crc32("/".join(map(str, parts)).encode())
 
@@ -183,7 +155,9 @@ class SyntheticRenderer:
         self.shapes = {c.id: c.shape for c in protocol.classes if c.id != 0}
         for cid, shape in self.shapes.items():
             if shape not in SHAPES:
-                raise DataError(f"{protocol.path}: class {cid} has unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+                raise DataError(
+                    f"{protocol.path}: class {cid} has unknown shape {shape!r}; choose one of {', '.join(SHAPES)}"
+                )
 
     def _object_mask(self, rng: np.random.Generator, shape: str) -> np.ndarray:
         lo, hi = self.spec.object_radius
@@ -232,8 +206,9 @@ class SyntheticRenderer:
         earlier = [c for s in self.protocol.sessions[: session.index] for c in s.new_classes]
         return [c for c in earlier if c not in session.classes]
 
-    def _sample_objects(self, rng: np.random.Generator, session: SessionSpec, primary: int | None,
-                        distractors: bool) -> list[int]:
+    def _sample_objects(
+        self, rng: np.random.Generator, session: SessionSpec, primary: int | None, distractors: bool
+    ) -> list[int]:
         lo, hi = self.spec.objects_per_image
         if primary is None:
             objects = [int(c) for c in rng.choice(session.classes, size=int(rng.integers(lo, hi + 1)))]
@@ -257,8 +232,11 @@ class SyntheticRenderer:
             labels.append(label)
             ids.append(f"s{session.index}-{session.name}/{split}/{i:05d}")
         shape = (0, self.protocol.in_channels, *self.size)
-        return Split(np.stack(images) if images else np.zeros(shape, np.float32),
-                     np.stack(labels) if labels else np.zeros((0, *self.size), np.uint8), ids)
+        return Split(
+            np.stack(images) if images else np.zeros(shape, np.float32),
+            np.stack(labels) if labels else np.zeros((0, *self.size), np.uint8),
+            ids,
+        )
 
     def session(self, session: SessionSpec) -> SessionData:
         """Generate all splits of ``session``."""
@@ -287,8 +265,20 @@ def protocol_digest(protocol: Protocol) -> str:
         "classes": [(c.id, c.shape) for c in protocol.classes],
         "domains": {k: dict(v.appearance) for k, v in protocol.domains.items()},
         "synthetic": protocol.synthetic.__dict__ if protocol.synthetic else None,
-        "sessions": [(s.name, s.domains, s.new_classes, s.recurring_classes, s.shots, s.train, s.test,
-                      s.unlabelled, s.unlabelled_per_class) for s in protocol.sessions],
+        "sessions": [
+            (
+                s.name,
+                s.domains,
+                s.new_classes,
+                s.recurring_classes,
+                s.shots,
+                s.train,
+                s.test,
+                s.unlabelled,
+                s.unlabelled_per_class,
+            )
+            for s in protocol.sessions
+        ],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=list).encode()).hexdigest()[:12]
 
@@ -324,8 +314,9 @@ def _load_npz(path: Path, session: SessionSpec) -> SessionData:
     return SessionData(session, splits["train"], splits["test"], splits.get("unlabelled"))
 
 
-def load_or_generate(protocol: Protocol, cache_dir: str | Path | None = None,
-                     progress: Callable[[str], None] | None = None) -> list[SessionData]:
+def load_or_generate(
+    protocol: Protocol, cache_dir: str | Path | None = None, progress: Callable[[str], None] | None = None
+) -> list[SessionData]:
     """All sessions of a synthetic protocol, generated once and cached on disk.
 
     The cache key is the protocol name plus :func:`protocol_digest` (seed and
@@ -351,5 +342,7 @@ def load_or_generate(protocol: Protocol, cache_dir: str | Path | None = None,
 
 def domain_intensities(protocol: Protocol) -> Mapping[str, dict[int, float]]:
     """Per-domain class intensities, for documentation and inspection."""
-    return {name: {c.id: class_intensity(protocol.seed, d, c.id) for c in protocol.classes if c.id}
-            for name, d in protocol.domains.items()}
+    return {
+        name: {c.id: class_intensity(protocol.seed, d, c.id) for c in protocol.classes if c.id}
+        for name, d in protocol.domains.items()
+    }

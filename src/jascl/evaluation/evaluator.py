@@ -31,24 +31,23 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from monai.inferers import sliding_window_inference
 
 from jascl import distributed
-from jascl.data.synthetic import Split
+from jascl.data.types import Split
 from jascl.evaluation.metrics import ConfusionAccumulator, dice_from_confusion, iou_from_confusion
-from jascl.methods.gas import GASNoise
 from jascl.networks.base import Segmenter
 
 #: default bound on B x K x voxels of one stitched sliding-window output (float32: 2 GiB). A 512 x 512 x 300
 #: CT with 16 classes then takes 4 blocks and 256 window evaluations instead of 196 (2 ** 28: 14 blocks, 416)
-MAX_BLOCK_ELEMENTS = 2 ** 29
+MAX_BLOCK_ELEMENTS = 2**29
 #: voxels per confusion-matrix update (its int64 temporaries cost ~60 bytes per voxel)
-CONFUSION_CHUNK = 2 ** 22
+CONFUSION_CHUNK = 2**22
 
 
 @dataclass
@@ -64,9 +63,13 @@ class EvalResult:
 
 
 @contextlib.contextmanager
-def gas_noise(model: Segmenter, enabled: bool) -> Iterator[None]:
-    """Temporarily switch GAS noise on in an otherwise eval-mode model (Monte-Carlo evaluation)."""
-    modules = [m for m in model.modules() if isinstance(m, GASNoise)] if enabled else []
+def monte_carlo(model: Segmenter, enabled: bool) -> Iterator[None]:
+    """Temporarily switch a model's sampling modules on in an otherwise eval-mode model (Monte-Carlo evaluation).
+
+    A sampling module is any module with a true class attribute ``monte_carlo`` (e.g. GAS noise,
+    :class:`jascl.methods.gas.GASNoise`): it samples in training mode and is deterministic in eval mode.
+    """
+    modules = [m for m in model.modules() if getattr(m, "monte_carlo", False)] if enabled else []
     for m in modules:
         m.train(True)
     try:
@@ -143,14 +146,21 @@ def _axis_options(size: int, roi: int, overlap: float) -> list[tuple[int, int, l
             continue
         seen.add(per_chunk)
         chunks = _axis_chunks(size, roi, overlap, per_chunk)
-        windows = sum(len([s for s in window_starts(size, roi, overlap) if src.start <= s < src.stop - roi + 1])
-                      for src, _ in chunks) if count > 1 else 1
+        windows = (
+            sum(
+                len([s for s in window_starts(size, roi, overlap) if src.start <= s < src.stop - roi + 1])
+                for src, _ in chunks
+            )
+            if count > 1
+            else 1
+        )
         options.append((max(src.stop - src.start for src, _ in chunks), windows, chunks))
     return options
 
 
-def plan_blocks(spatial: Sequence[int], roi: Sequence[int], overlap: float, elements_per_voxel: int,
-                max_elements: int | None) -> list[Block]:
+def plan_blocks(
+    spatial: Sequence[int], roi: Sequence[int], overlap: float, elements_per_voxel: int, max_elements: int | None
+) -> list[Block]:
     """Split a sliding-window pass over ``spatial`` into blocks of bounded output size.
 
     Among all per-axis chunkings of MONAI's window grid, picks the one that
@@ -180,8 +190,10 @@ def plan_blocks(spatial: Sequence[int], roi: Sequence[int], overlap: float, elem
             best, best_key = combo, key
     if best_key[0]:  # nothing fits: the finest chunking on every axis
         best = [options[-1] for options in per_axis]
-    return [Block(tuple(src for src, _ in parts), tuple(tgt for _, tgt in parts))
-            for parts in itertools.product(*(chunks for _, _, chunks in best))]
+    return [
+        Block(tuple(src for src, _ in parts), tuple(tgt for _, tgt in parts))
+        for parts in itertools.product(*(chunks for _, _, chunks in best))
+    ]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -200,23 +212,25 @@ def _probabilities(model: Segmenter, x: torch.Tensor, mc_samples: int) -> torch.
     """(B, K, *spatial) softmax of one whole-input forward (averaged over GAS draws when mc_samples > 0)."""
     if mc_samples <= 0:
         return torch.softmax(torch.as_tensor(model(x)).float(), dim=1)
-    with gas_noise(model, True):
+    with monte_carlo(model, True):
         return _softmax_mean(lambda: model(x), mc_samples)
 
 
-def _block_scores(model: Segmenter, x: torch.Tensor, roi: Sequence[int], sw_batch: int, overlap: float,
-                  mc_samples: int) -> torch.Tensor:
+def _block_scores(
+    model: Segmenter, x: torch.Tensor, roi: Sequence[int], sw_batch: int, overlap: float, mc_samples: int
+) -> torch.Tensor:
     """(B, K, *block) scores whose argmax is the prediction: stitched logits, or mean softmax under MC-GAS.
 
     The deterministic pass skips the softmax: it is monotonic per voxel, so the
     argmax is the same, and it would cost another K-channel volume.
     """
+
     def once() -> torch.Tensor:
         return torch.as_tensor(sliding_window_inference(x, list(roi), sw_batch, model, overlap=overlap))
 
     if mc_samples <= 0:
         return once().float()
-    with gas_noise(model, True):
+    with monte_carlo(model, True):
         return _softmax_mean(once, mc_samples)
 
 
@@ -225,7 +239,7 @@ def _centred_crop(label: np.ndarray, size: Sequence[int], rng: np.random.Generat
     fg = np.argwhere(label > 0)
     centre = fg.mean(0) if len(fg) else np.array(label.shape) / 2
     slices = []
-    for axis, (c, s, n) in enumerate(zip(centre, size, label.shape)):
+    for c, s, n in zip(centre, size, label.shape):
         s = min(s, n)
         c = c + rng.uniform(-0.1, 0.1) * s
         start = int(np.clip(round(c - s / 2), 0, n - s))
@@ -258,7 +272,7 @@ class _Shard:
         return len(self.indices)
 
 
-def _shape_groups(split: "_Shard", batch_size: int) -> Iterator[tuple[list[int], list[np.ndarray], list[np.ndarray]]]:
+def _shape_groups(split: _Shard, batch_size: int) -> Iterator[tuple[list[int], list[np.ndarray], list[np.ndarray]]]:
     """Consecutive samples of one shape, at most ``batch_size`` at a time, with their indices in the split.
 
     Samples are fetched one by one (``split.images[i]``), so a lazily loading
@@ -284,23 +298,35 @@ def _stack(arrays: list[np.ndarray]) -> np.ndarray:
     return np.ascontiguousarray(arrays[0][None]) if len(arrays) == 1 else np.stack(arrays)
 
 
-def _update_confusion(confusion: ConfusionAccumulator, ids: torch.Tensor, rows: torch.Tensor,
-                      target: np.ndarray) -> None:
+def _update_confusion(
+    confusion: ConfusionAccumulator, ids: torch.Tensor, rows: torch.Tensor, target: np.ndarray
+) -> None:
     """Add (B, *spatial) predictions (classifier rows) against ``target`` in chunks along the first spatial axis."""
     rows = rows.cpu()
     per_slice = max(math.prod(rows.shape) // max(rows.shape[1], 1), 1)
     step = max(CONFUSION_CHUNK // per_slice, 1)
     for start in range(0, rows.shape[1], step):
-        pred = ids[rows[:, start:start + step]]
-        confusion.update(pred, torch.from_numpy(np.ascontiguousarray(target[:, start:start + step])).long())
+        pred = ids[rows[:, start : start + step]]
+        confusion.update(pred, torch.from_numpy(np.ascontiguousarray(target[:, start : start + step])).long())
 
 
 @torch.no_grad()
-def evaluate(model: Segmenter, splits: Sequence[Split], seen: Sequence[int], device: torch.device,
-             mode: str = "sliding-window", roi: Sequence[int] | None = None, batch_size: int = 4,
-             sw_batch_size: int = 4, overlap: float = 0.25, mc_samples: int = 0, seed: int = 0,
-             before_split: Callable[[int], None] | None = None,
-             max_block_elements: int | None = MAX_BLOCK_ELEMENTS, progress: bool = False) -> EvalResult:
+def evaluate(
+    model: Segmenter,
+    splits: Sequence[Split],
+    seen: Sequence[int],
+    device: torch.device,
+    mode: str = "sliding-window",
+    roi: Sequence[int] | None = None,
+    batch_size: int = 4,
+    sw_batch_size: int = 4,
+    overlap: float = 0.25,
+    mc_samples: int = 0,
+    seed: int = 0,
+    before_split: Callable[[int], None] | None = None,
+    max_block_elements: int | None = MAX_BLOCK_ELEMENTS,
+    progress: bool = False,
+) -> EvalResult:
     """Score ``model`` on the union of ``splits`` over the classes ``seen`` (row order of the classifier).
 
     Args:
@@ -312,7 +338,8 @@ def evaluate(model: Segmenter, splits: Sequence[Split], seen: Sequence[int], dev
         mode: "sliding-window" or "authors".
         roi: sliding-window ROI / authors' crop size (None = whole sample).
         batch_size: samples per forward when whole samples go through the model.
-        sw_batch_size, overlap: MONAI sliding-window batch and window overlap.
+        sw_batch_size: MONAI sliding-window batch (windows per forward).
+        overlap: MONAI sliding-window overlap.
         mc_samples: 0 = deterministic; N > 0 = mean softmax over N GAS noise draws.
         seed: seeds the authors' crop jitter (drawn per sample from (seed, split, sample)).
         before_split: called with the index of each split before it is scored
@@ -328,8 +355,7 @@ def evaluate(model: Segmenter, splits: Sequence[Split], seen: Sequence[int], dev
     from tqdm.auto import tqdm
 
     splits = [_Shard(split) for split in splits]
-    bar = tqdm(total=sum(len(split) for split in splits), desc="eval", unit="sample", leave=False,
-               disable=not progress)
+    bar = tqdm(total=sum(len(split) for split in splits), desc="eval", unit="sample", leave=False, disable=not progress)
     model.eval()
     ids = torch.as_tensor(list(seen), dtype=torch.long)
     confusion = ConfusionAccumulator(list(seen))
@@ -350,9 +376,10 @@ def evaluate(model: Segmenter, splits: Sequence[Split], seen: Sequence[int], dev
             crop = mode == "authors" and roi is not None and len(spatial) == 3
             if crop:
                 # jitter drawn per sample, so a split shared out over ranks gets the same crops
-                crops = [_centred_crop(lab, roi, np.random.default_rng([seed, index, i]))
-                         for i, lab in zip(indices, labels)]
-                images = [img[(slice(None), *c)] for img, c in zip(images, crops)]
+                crops = [
+                    _centred_crop(lab, roi, np.random.default_rng([seed, index, i])) for i, lab in zip(indices, labels)
+                ]
+                images = [img[(slice(None),) + tuple(c)] for img, c in zip(images, crops)]
                 labels = [lab[c] for lab, c in zip(labels, crops)]
                 spatial = images[0].shape[1:]
             windowed = mode != "authors" and roi is not None and any(r < s for r, s in zip(roi, spatial))
@@ -361,11 +388,17 @@ def evaluate(model: Segmenter, splits: Sequence[Split], seen: Sequence[int], dev
                 for image, label in zip(images, labels):
                     x = torch.from_numpy(np.ascontiguousarray(image[None])).float().to(device)
                     for block in plan_blocks(spatial, roi, overlap, k, budget):
-                        scores = _block_scores(model, x[(slice(None), slice(None), *block.source)], roi,
-                                               sw_batch_size, overlap, mc_samples)
-                        rows = scores[(slice(None), slice(None), *block.local)].argmax(1)
+                        scores = _block_scores(
+                            model,
+                            x[(slice(None), slice(None)) + tuple(block.source)],
+                            roi,
+                            sw_batch_size,
+                            overlap,
+                            mc_samples,
+                        )
+                        rows = scores[(slice(None), slice(None)) + tuple(block.local)].argmax(1)
                         del scores
-                        _update_confusion(confusion, ids, rows, label[None][(slice(None), *block.target)])
+                        _update_confusion(confusion, ids, rows, label[None][(slice(None),) + tuple(block.target)])
                     bar.update(1)
                 continue
             x = torch.from_numpy(_stack(images)).float().to(device)

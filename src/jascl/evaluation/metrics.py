@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from jascl.errors import DataError
+from jascl.protocols.schema import IGNORE_INDEX
 
 __all__ = [
     "ConfusionAccumulator",
@@ -52,7 +53,7 @@ class ConfusionAccumulator:
             ``ignore_index``.
     """
 
-    def __init__(self, class_ids: Sequence[int], ignore_index: int = 255) -> None:
+    def __init__(self, class_ids: Sequence[int], ignore_index: int = IGNORE_INDEX) -> None:
         ids = [int(c) for c in class_ids]
         if not ids:
             raise ValueError("class_ids must not be empty")
@@ -102,9 +103,7 @@ class ConfusionAccumulator:
                 non-ignored prediction) value is not in ``class_ids``.
         """
         if pred.shape != target.shape:
-            raise ValueError(
-                f"pred shape {tuple(pred.shape)} != target shape {tuple(target.shape)}"
-            )
+            raise ValueError(f"pred shape {tuple(pred.shape)} != target shape {tuple(target.shape)}")
         for name, t in (("pred", pred), ("target", target)):
             if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
                 raise DataError(f"{name} label map must be an integer tensor, got {t.dtype}")
@@ -176,9 +175,7 @@ def iou_from_confusion(cm: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, tp / den.clamp(min=1), torch.full_like(den, math.nan))
 
 
-def soft_dice_per_class(
-    probs: torch.Tensor, onehot_target: torch.Tensor, smooth: float = 1e-5
-) -> torch.Tensor:
+def soft_dice_per_class(probs: torch.Tensor, onehot_target: torch.Tensor, smooth: float = 1e-5) -> torch.Tensor:
     """Soft Dice per class, pooled over the whole batch.
 
     ``(2 * sum(p * g) + smooth) / (sum(p) + sum(g) + smooth)`` with sums over
@@ -194,9 +191,7 @@ def soft_dice_per_class(
         Tensor ``(C,)`` of soft Dice scores.
     """
     if probs.shape != onehot_target.shape:
-        raise ValueError(
-            f"probs shape {tuple(probs.shape)} != onehot_target shape {tuple(onehot_target.shape)}"
-        )
+        raise ValueError(f"probs shape {tuple(probs.shape)} != onehot_target shape {tuple(onehot_target.shape)}")
     if probs.ndim < 2:
         raise ValueError(f"expected (B, C, *spatial), got shape {tuple(probs.shape)}")
     p = probs.float()
@@ -263,10 +258,7 @@ def _nanmean(values: Iterable[float]) -> float:
 
 
 def summarise(
-    per_class: Mapping[int, float],
-    old: Iterable[int],
-    new: Iterable[int],
-    include_background: bool = False,
+    per_class: Mapping[int, float], old: Iterable[int], new: Iterable[int], include_background: bool = False
 ) -> dict[str, float]:
     """Aggregates per-class scores into all / old / new / background.
 
@@ -295,9 +287,4 @@ def summarise(
     def group(ids: set[int]) -> float:
         return _nanmean(scores.get(c, math.nan) for c in sorted(ids))
 
-    return {
-        "all": group(seen),
-        "old": group(old_fg),
-        "new": group(new_fg),
-        "background": scores.get(0, math.nan),
-    }
+    return {"all": group(seen), "old": group(old_fg), "new": group(new_fg), "background": scores.get(0, math.nan)}

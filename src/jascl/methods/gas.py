@@ -61,6 +61,9 @@ class GASNoise(nn.Module):
     gradient w.r.t. the stored weight equals the gradient w.r.t. the perturbed one.
     """
 
+    #: sampled during Monte-Carlo evaluation (:func:`jascl.evaluation.evaluator.monte_carlo`)
+    monte_carlo = True
+
     def __init__(self, shape: torch.Size, eps: float = 1e-8, sigma2: float = 1.0) -> None:
         super().__init__()
         self.eps = eps
@@ -111,7 +114,8 @@ def detach_gas(layer: nn.Module) -> None:
 
 def is_gas_attached(layer: nn.Module) -> bool:
     return parametrize.is_parametrized(layer, "weight") and any(
-        isinstance(p, GASNoise) for p in layer.parametrizations["weight"])
+        isinstance(p, GASNoise) for p in layer.parametrizations["weight"]
+    )
 
 
 def clean_weight(layer: nn.Module) -> torch.Tensor:

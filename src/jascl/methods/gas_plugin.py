@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jascl.methods.base import Plugin
+import torch
+
+from jascl.engine.plugin import Plugin
 from jascl.methods.gas import attach_gas, detach_gas, record_sq_grad
 
 if TYPE_CHECKING:
-    from jascl.training.state import LoopState
+    from jascl.engine.state import LoopState
 
 
 class GASPlugin(Plugin):
@@ -23,34 +25,38 @@ class GASPlugin(Plugin):
 
     name = "gas"
 
-    def __init__(self, layer: str = "classifier", eps: float = 1e-8, sigma2: float = 1.0, in_base: bool = False) -> None:
+    def __init__(
+        self, layer: str = "classifier", eps: float = 1e-8, sigma2: float = 1.0, in_base: bool = False
+    ) -> None:
         self.layer_name = layer
         self.eps = eps
         self.sigma2 = sigma2
         self.in_base = in_base
         self.changes_base_session = in_base
-        self._layer = None
+        self._layer: torch.nn.Module | None = None
 
-    def _active(self, state: "LoopState") -> bool:
+    def _active(self, state: LoopState) -> bool:
         return self.in_base or state.session.index > 0
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         if not self._active(state):
             return
         self._layer = state.model.resolve_layer(self.layer_name)
         if not self._layer.weight.requires_grad:
             from jascl.errors import ConfigError
 
-            raise ConfigError(f"gas.layer={self.layer_name!r} is frozen in session {state.session.index} "
-                              f"(freeze policy {state.config.freeze_incremental!r}); choose a trainable layer or "
-                              "set freeze_incremental=none")
+            raise ConfigError(
+                f"method_args.jascl.gas.layer={self.layer_name!r} is frozen in session {state.session.index} "
+                f"(freeze policy {state.config.freeze_incremental!r}); choose a trainable layer or "
+                "set freeze_incremental=none"
+            )
         attach_gas(self._layer, self.eps, self.sigma2)
 
-    def after_backward(self, state: "LoopState") -> None:
+    def after_backward(self, state: LoopState) -> None:
         if self._layer is not None:
             record_sq_grad(self._layer)
 
-    def after_session(self, state: "LoopState") -> None:
+    def after_session(self, state: LoopState) -> None:
         if self._layer is not None:
             detach_gas(self._layer)
             self._layer = None

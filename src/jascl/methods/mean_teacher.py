@@ -13,14 +13,22 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from jascl import distributed
 from jascl.data.datasets import BatchStream
 from jascl.data.sampling import derive_seed, seeded_loader, split_key
-from jascl.methods.base import Plugin
+from jascl.engine.plugin import Plugin
 from jascl.methods.gas import clean_state_dict
-from jascl.methods.pas import (AnchorGroups, EMAPairs, FilterCounters, asymptotic_error, consistency_loss_probs,
-                               pas_filter, prototype_matrix)
+from jascl.methods.pas import (
+    AnchorGroups,
+    EMAPairs,
+    FilterCounters,
+    asymptotic_error,
+    consistency_loss_probs,
+    pas_filter,
+    prototype_matrix,
+)
+from jascl.networks.base import eval_mode
 
 if TYPE_CHECKING:
-    from jascl.data.synthetic import Split
-    from jascl.training.state import LoopState
+    from jascl.data.types import Split
+    from jascl.engine.state import LoopState
 
 log = logging.getLogger("jascl")
 
@@ -34,7 +42,7 @@ class UnlabelledDataset(Dataset):
     loader's worker processes.
     """
 
-    def __init__(self, split: "Split", views: tuple[Compose, ...] = (), seed: int = 0) -> None:
+    def __init__(self, split: Split, views: tuple[Compose, ...] = (), seed: int = 0) -> None:
         self.split = split
         self.views = views
         self.seed = seed
@@ -45,11 +53,15 @@ class UnlabelledDataset(Dataset):
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
         pass_index, index = split_key(key)
         image = torch.from_numpy(np.asarray(self.split.images[index])).float()
-        item = {"image": image, "index": index,
-                "truth": torch.from_numpy(np.asarray(self.split.labels[index]).astype("int64"))}
+        item = {
+            "image": image,
+            "index": index,
+            "truth": torch.from_numpy(np.asarray(self.split.labels[index]).astype("int64")),
+        }
         if self.views:
-            item["views"] = torch.stack([apply_view(t, image, derive_seed(self.seed, v, pass_index, index))
-                                         for v, t in enumerate(self.views)])
+            item["views"] = torch.stack(
+                [apply_view(t, image, derive_seed(self.seed, v, pass_index, index)) for v, t in enumerate(self.views)]
+            )
         return item
 
 
@@ -62,11 +74,13 @@ def apply_view(transform: Compose, image: torch.Tensor, seed: int) -> torch.Tens
 
 def view_transform(seed: int) -> Compose:
     """Intensity-only augmentation (pixels stay aligned between the student's and the teacher's views)."""
-    return Compose([
-        RandScaleIntensity(factors=0.1, prob=1.0),
-        RandAdjustContrast(gamma=(0.8, 1.25), prob=1.0),
-        RandGaussianNoise(std=0.03, prob=1.0),
-    ]).set_random_state(seed)
+    return Compose(
+        [
+            RandScaleIntensity(factors=0.1, prob=1.0),
+            RandAdjustContrast(gamma=(0.8, 1.25), prob=1.0),
+            RandGaussianNoise(std=0.03, prob=1.0),
+        ]
+    ).set_random_state(seed)
 
 
 class MeanTeacherPlugin(Plugin):
@@ -121,9 +135,20 @@ class MeanTeacherPlugin(Plugin):
     #: a phase's set-up is in the checkpoint: the stream's position, the anchors' source tensor
     mid_epoch_resume = True
 
-    def __init__(self, filter: str = "pas", tau_conf: float = 0.7, tau_sim: float = 0.7, weight: float = 0.05,
-                 ema_decay: float = 0.99, start_epoch: int = 25, every: int = 25, batch_size: int | None = None,
-                 normalize_pixels: bool = True, anchors: str = "per-sample", max_anchors: int = 16) -> None:
+    def __init__(
+        self,
+        filter: str = "pas",
+        tau_conf: float = 0.7,
+        tau_sim: float = 0.7,
+        weight: float = 0.05,
+        ema_decay: float = 0.99,
+        start_epoch: int = 25,
+        every: int = 25,
+        batch_size: int | None = None,
+        normalize_pixels: bool = True,
+        anchors: str = "per-sample",
+        max_anchors: int = 16,
+    ) -> None:
         if filter not in ("pas", "confidence"):
             raise ValueError(f"filter must be 'pas' or 'confidence', got {filter!r}")
         if anchors not in ("mean", "per-sample"):
@@ -146,7 +171,7 @@ class MeanTeacherPlugin(Plugin):
 
     # ---------------------------------------------------------------- events
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         self.teacher = None
         pool = state.data.unlabelled
         if state.session.index == 0 or pool is None or len(pool) == 0:
@@ -157,9 +182,12 @@ class MeanTeacherPlugin(Plugin):
         self._ema = EMAPairs(self.teacher, clean_state_dict(state.model))
         t = state.session.index
         views = (view_transform(state.seed + 1), view_transform(state.seed + 2))
-        self._loader = seeded_loader(UnlabelledDataset(pool, views, derive_seed(state.seed, "views", t)),
-                                     self.batch_size or state.config.batch_size,
-                                     derive_seed(state.seed, "unlabelled", t), **state.loader_options)
+        self._loader = seeded_loader(
+            UnlabelledDataset(pool, views, derive_seed(state.seed, "views", t)),
+            self.batch_size or state.config.batch_size,
+            derive_seed(state.seed, "unlabelled", t),
+            **state.loader_options,
+        )
         self._batches = BatchStream(self._loader)
         self._seen = torch.as_tensor(state.seen, device=state.device)  # classifier row -> global class id
         # counted side by side on the same predictions: PAS (the filter in use), confidence-only (for
@@ -171,27 +199,31 @@ class MeanTeacherPlugin(Plugin):
     def _is_phase(self, epoch: int) -> bool:
         return epoch >= self.start_epoch and (epoch - self.start_epoch) % max(self.every, 1) == 0
 
-    def epoch_iterations(self, state: "LoopState") -> int | None:
+    def epoch_iterations(self, state: LoopState) -> int | None:
         if self.teacher is not None and self._is_phase(state.epoch):
             return len(self._loader)
         return None
 
-    def before_epoch(self, state: "LoopState") -> None:
+    def before_epoch(self, state: LoopState) -> None:
         self._phase = self.teacher is not None and self._is_phase(state.epoch)
         if not self._phase:
             return
         self._batches = BatchStream(self._loader)
         if self.filter == "pas":
-            current = state.compute_prototypes([0, *state.session.classes], normalize_pixels=self.normalize_pixels,
-                                               per_sample=self.anchors == "per-sample")
-            self._anchor_source = prototype_matrix(state.seen, current, state.prototypes,
-                                                   state.model.backbone.feature_channels, self.max_anchors)
+            current = state.compute_prototypes(
+                [0, *state.session.classes],
+                normalize_pixels=self.normalize_pixels,
+                per_sample=self.anchors == "per-sample",
+            )
+            self._anchor_source = prototype_matrix(
+                state.seen, current, state.prototypes, state.model.backbone.feature_channels, self.max_anchors
+            )
             self._anchors = AnchorGroups(self._anchor_source, state.device)
         if self.eps0 is None:  # the student trained on labelled data only so far
             self.eps0 = self.pool_error(state, state.model)
         self.phases += 1
 
-    def resume_epoch(self, state: "LoopState") -> None:
+    def resume_epoch(self, state: LoopState) -> None:
         if self._phase and self.filter == "pas" and self._anchor_source is not None:
             self._anchors = AnchorGroups(self._anchor_source, state.device)
 
@@ -199,7 +231,7 @@ class MeanTeacherPlugin(Plugin):
         """The student's and the teacher's view of an unlabelled batch, each (B, C, *spatial)."""
         return batch["views"][:, 0], batch["views"][:, 1]
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if not self._phase:
             return
         batch = next(self._batches)
@@ -219,29 +251,25 @@ class MeanTeacherPlugin(Plugin):
         both = torch.stack([valid, conf_only])
         self.counters.update(torch.cat([both, both & (pred_ids != 0)]), pred_ids, batch["truth"].to(state.device))
 
-    def after_update(self, state: "LoopState") -> None:
+    def after_update(self, state: LoopState) -> None:
         if self.teacher is not None:
             self._ema.step(self.ema_decay)
 
     @torch.no_grad()
-    def pool_error(self, state: "LoopState", model: torch.nn.Module) -> float:
+    def pool_error(self, state: LoopState, model: torch.nn.Module) -> float:
         """Pixel error rate of ``model`` on the unlabelled pool (hidden ground truth), GAS noise off."""
         seen = torch.as_tensor(state.seen, device=state.device)
         counts = torch.zeros(2, dtype=torch.long, device=state.device)  # wrong, total
-        modes = {m: m.training for m in model.modules()}
-        model.eval()
         pool = Subset(UnlabelledDataset(state.data.unlabelled), distributed.shard(range(len(state.data.unlabelled))))
-        with state.autocast():
+        with eval_mode(model), state.autocast():
             for batch in DataLoader(pool, batch_size=self._loader.batch_sampler.batch_size):
                 pred = seen[model(batch["image"].to(state.device)).argmax(1)]
                 truth = batch["truth"].to(state.device)
                 counts += torch.stack([(pred != truth).sum(), torch.tensor(truth.numel(), device=state.device)])
-        for m, mode in modes.items():
-            m.train(mode)
         wrong, total = (int(v) for v in distributed.all_reduce_sum(counts))
         return wrong / total if total else float("nan")
 
-    def after_training(self, state: "LoopState") -> None:
+    def after_training(self, state: LoopState) -> None:
         if self.teacher is None:
             return
         self.counters.all_reduce()
@@ -250,24 +278,35 @@ class MeanTeacherPlugin(Plugin):
         eps_final = self.pool_error(state, self.teacher)
         eps0 = self.eps0 if self.eps0 is not None else eps_final
         stats = {
-            "filter": self.filter, "phases": self.phases, "coverage": c.coverage, "precision": c.precision,
+            "filter": self.filter,
+            "phases": self.phases,
+            "coverage": c.coverage,
+            "precision": c.precision,
             "confidence_only_coverage": conf.coverage,
             "confidence_only_precision": conf.precision,
             "foreground_precision": fg.precision,
             "confidence_only_foreground_precision": fg_conf.precision,
             "per_class": {str(k): {"kept": n, "precision": r} for k, (n, r) in c.per_class().items()},
-            "confidence_only_per_class": {str(k): {"kept": n, "precision": r}
-                                          for k, (n, r) in conf.per_class().items()},
-            "gamma": gamma, "eps0": eps0,
+            "confidence_only_per_class": {
+                str(k): {"kept": n, "precision": r} for k, (n, r) in conf.per_class().items()
+            },
+            "gamma": gamma,
+            "eps0": eps0,
             "eps_inf_predicted": asymptotic_error(c.coverage, c.precision, gamma, eps0) if c.kept else eps0,
             "teacher_error_final": eps_final,
         }
-        state.metrics["pseudo_labels"] = stats
-        log.info("session %d pseudo-labels: %s", state.session.index,
-                 ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
-                           if not isinstance(v, dict)))
+        state.report["pseudo_labels"] = stats
+        log.info(
+            "session %d pseudo-labels: %s",
+            state.session.index,
+            ", ".join(
+                f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in stats.items()
+                if not isinstance(v, dict)
+            ),
+        )
 
-    def after_session(self, state: "LoopState") -> None:
+    def after_session(self, state: LoopState) -> None:
         self.teacher = None
         self._ema = None
         self._loader = None

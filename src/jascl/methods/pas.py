@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from jascl.methods.prototypes import PrototypeStore
+from jascl.engine.prototypes import PrototypeStore
 
 
 @dataclass
@@ -58,8 +58,9 @@ def select_anchors(anchors: torch.Tensor, limit: int) -> torch.Tensor:
     return anchors[sorted(chosen)]
 
 
-def prototype_matrix(seen: list[int], current: dict[int, torch.Tensor], store: PrototypeStore,
-                     dim: int, max_anchors: int = 0) -> torch.Tensor:
+def prototype_matrix(
+    seen: list[int], current: dict[int, torch.Tensor], store: PrototypeStore, dim: int, max_anchors: int = 0
+) -> torch.Tensor:
     """(K, A, D) anchors aligned with the classifier rows ``seen`` (looked up by class id).
 
     The session's own prototypes (``current``: class id -> (D,) or (A_c, D), e.g.
@@ -74,8 +75,11 @@ def prototype_matrix(seen: list[int], current: dict[int, torch.Tensor], store: P
         p = current.get(c)
         if p is None:
             p = store.latest(c)
-        rows.append(select_anchors(p.float().reshape(-1, dim), max_anchors) if p is not None
-                    else torch.full((1, dim), float("nan")))
+        rows.append(
+            select_anchors(p.float().reshape(-1, dim), max_anchors)
+            if p is not None
+            else torch.full((1, dim), float("nan"))
+        )
     out = torch.full((len(rows), max(r.shape[0] for r in rows), dim), float("nan"))
     for k, r in enumerate(rows):
         out[k, : r.shape[0]] = r
@@ -83,7 +87,7 @@ def prototype_matrix(seen: list[int], current: dict[int, torch.Tensor], store: P
 
 
 #: bound on B x K x anchors x pixels of one block of dot products in :func:`best_anchor_similarity`
-ANCHOR_BLOCK_ELEMENTS = 2 ** 26
+ANCHOR_BLOCK_ELEMENTS = 2**26
 
 
 class AnchorGroups:
@@ -124,12 +128,14 @@ class AnchorGroups:
             if counts[c] == 0:
                 position[c] = placed
         #: None when every row keeps its own index (one group, no row without anchors): no remapping per call
-        self.position = (None if position == list(range(self.k))
-                         else torch.tensor(position, dtype=torch.long, device=device))
+        self.position = (
+            None if position == list(range(self.k)) else torch.tensor(position, dtype=torch.long, device=device)
+        )
 
 
-def best_anchor_similarity(features: torch.Tensor, anchors: "AnchorGroups | torch.Tensor",
-                           pred: torch.Tensor) -> torch.Tensor:
+def best_anchor_similarity(
+    features: torch.Tensor, anchors: AnchorGroups | torch.Tensor, pred: torch.Tensor
+) -> torch.Tensor:
     """Cosine similarity of every pixel's feature to the best-matching anchor of its predicted class.
 
     Args:
@@ -159,7 +165,7 @@ def best_anchor_similarity(features: torch.Tensor, anchors: "AnchorGroups | torc
         best = None
         step = max(1, ANCHOR_BLOCK_ELEMENTS // max(group.shape[0] * batch * n, 1))
         for a0 in range(0, size, step):
-            block = group[:, a0:a0 + step].to(flat.dtype)
+            block = group[:, a0 : a0 + step].to(flat.dtype)
             dots = torch.matmul(block.reshape(-1, anchors.dim), flat)  # (B, k_g * c, N), contiguous
             dots = dots.view(batch, group.shape[0], block.shape[1], n).amax(2)
             best = dots if best is None else torch.maximum(best, dots)
@@ -174,8 +180,14 @@ def best_anchor_similarity(features: torch.Tensor, anchors: "AnchorGroups | torc
     return sim.view_as(pred)
 
 
-def pas_filter(logits: torch.Tensor, features: torch.Tensor, prototypes: "AnchorGroups | torch.Tensor | None",
-               tau_conf: float, tau_sim: float, probs: torch.Tensor | None = None) -> PseudoLabels:
+def pas_filter(
+    logits: torch.Tensor,
+    features: torch.Tensor,
+    prototypes: AnchorGroups | torch.Tensor | None,
+    tau_conf: float,
+    tau_sim: float,
+    probs: torch.Tensor | None = None,
+) -> PseudoLabels:
     """The PAS validity test (eqs. 3-4) for one model.
 
     Args:
@@ -213,11 +225,14 @@ def consistency_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
         student_logits, teacher_logits: (B, K, *spatial).
         valid: (B, *spatial) bool, pixels valid for both models.
     """
-    return consistency_loss_probs(torch.softmax(student_logits.float(), dim=1),
-                                  torch.softmax(teacher_logits.detach().float(), dim=1), valid)
+    return consistency_loss_probs(
+        torch.softmax(student_logits.float(), dim=1), torch.softmax(teacher_logits.detach().float(), dim=1), valid
+    )
 
 
-def consistency_loss_probs(student_probs: torch.Tensor, teacher_probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def consistency_loss_probs(
+    student_probs: torch.Tensor, teacher_probs: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
     """:func:`consistency_loss` from the two softmax outputs, (B, K, *spatial) each (the teacher's is detached)."""
     per_pixel = ((student_probs - teacher_probs.detach()) ** 2).sum(dim=1)
     # no branch on the count: testing it would wait for the GPU at every step
@@ -258,8 +273,9 @@ class FilterStats:
 
     def per_class(self) -> dict[int, tuple[int, float]]:
         """Pseudo-label class -> (kept pixels with known truth, precision among them)."""
-        return {c: (row[1] + row[2], row[2] / (row[1] + row[2])) for c, row in enumerate(self.by_class)
-                if row[1] + row[2]}
+        return {
+            c: (row[1] + row[2], row[2] / (row[1] + row[2])) for c, row in enumerate(self.by_class) if row[1] + row[2]
+        }
 
 
 @dataclass

@@ -1,77 +1,208 @@
-"""Registered methods: plain fine-tuning and the JASCL preset with switchable components."""
+"""Registered methods: plain fine-tuning, the JASCL preset and its ablations and comparisons.
+
+Every JASCL-family method reads one options block, ``method_args.jascl``
+(:class:`JasclOptions`): GAS (``gas``), prototype replay (``replay``), the mean
+teacher with PAS (``pas``) and the preset's switches (``components``), so an
+ablation and the full method always run with the same settings. The spellings of
+earlier versions (``--set gas.eps=1e-9``, a protocol's ``training.pas``) are read
+as ``method_args.jascl.<section>`` (:func:`jascl.engine.config.resolve_config`).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-from jascl.methods.base import METHODS, Method
+from jascl.engine.config import RunConfig
+from jascl.engine.plugin import Method, Plugin
 from jascl.methods.gas_plugin import GASPlugin
 from jascl.methods.mean_teacher import MeanTeacherPlugin
+from jascl.methods.options import option, read_options
+from jascl.methods.registry import METHODS
 from jascl.methods.replay import PrototypeReplayPlugin
 
-if TYPE_CHECKING:
-    from jascl.training.config import RunConfig
+PAPER = "JASCL (ICML 2026)"
 
 
-@METHODS.register("vanilla", doc="plain fine-tuning of the same backbone (the paper's 'Vanilla' row)")
-def vanilla(config: "RunConfig") -> Method:
+@dataclass
+class GASOptions:
+    """GAS (paper eq. 1; defaults from the paper's appendix on GAS robustness).
+
+    Attributes:
+        layer: the perturbed layer: "classifier" (paper), "encoder", "decoder" or a module path.
+        eps: stabiliser of the inverse gradient.
+        sigma2: variance of the Gaussian noise.
+        in_base: also perturb in session 0 (the authors apply GAS in incremental sessions only).
+    """
+
+    layer: str = "classifier"
+    eps: float = option(1e-8, gt=0)
+    sigma2: float = option(1.0, ge=0)
+    in_base: bool = False
+
+
+@dataclass
+class ReplayOptions:
+    """Prototype replay (L_proto): weight 0.1 and a sum over prototypes, as in the authors' medical code.
+
+    Attributes:
+        weight: loss weight of L_proto.
+        reduction: "sum" (authors) or "mean" over the replayed prototypes.
+    """
+
+    weight: float = option(0.1, ge=0)
+    reduction: str = option("sum", choices=("sum", "mean"))
+
+
+@dataclass
+class PASOptions:
+    """The mean teacher and PAS on unlabelled pools.
+
+    Defaults: tau_conf = tau_sim = 0.7 (paper, "Hyperparameters"); lambda_cons 0.05, EMA
+    decay 0.99, an unlabelled phase every 25 epochs from epoch 25 (the authors' medical
+    semi-supervised code, per AUTHORS-CODE-NOTES). The pool baselines (UaD-CE, CSL,
+    RETRIEVE) use the same phase schedule, so semi-supervised methods compare on equal terms.
+
+    Attributes:
+        tau_conf: confidence threshold of eq. 4.
+        tau_sim: prototype-similarity threshold of eq. 4.
+        weight: lambda_cons, weight of the consistency loss (eq. 5).
+        ema_decay: the teacher's EMA decay.
+        start_epoch: first epoch of an unlabelled phase.
+        every: epochs between unlabelled phases.
+        batch_size: unlabelled batch size (null: the labelled one).
+        normalize_pixels: session prototypes average L2-normalised pixel features (the authors'
+            get_prototype); false: eq. 2's plain feature mean.
+        anchors: "per-sample" (every labelled sample's prototype, the summands of eq. 2; the best
+            match counts) or "mean" (eq. 2's class prototype).
+        max_anchors: per class at most this many per-sample anchors, a spread-out subset (0 = all).
+    """
+
+    tau_conf: float = option(0.7, ge=0, le=1)
+    tau_sim: float = option(0.7, ge=0, le=1)
+    weight: float = option(0.05, ge=0)
+    ema_decay: float = option(0.99, ge=0, lt=1)
+    start_epoch: int = option(25, ge=0)
+    every: int = option(25, ge=1)
+    batch_size: int | None = option(None, ge=1)
+    normalize_pixels: bool = True
+    anchors: str = option("per-sample", choices=("per-sample", "mean"))
+    max_anchors: int = option(16, ge=0)
+
+
+@dataclass
+class Components:
+    """Switches of the ``jascl`` preset, for ablations (``--ablate gas,pas,proto``).
+
+    Attributes:
+        gas: gradient-adaptive stabilization.
+        replay: prototype replay.
+        pas: the mean teacher with PAS on unlabelled pools.
+    """
+
+    gas: bool = True
+    replay: bool = True
+    pas: bool = True
+
+
+@dataclass
+class JasclOptions:
+    """``method_args.jascl``: the options every JASCL-family method reads."""
+
+    gas: GASOptions = field(default_factory=GASOptions)
+    replay: ReplayOptions = field(default_factory=ReplayOptions)
+    pas: PASOptions = field(default_factory=PASOptions)
+    components: Components = field(default_factory=Components)
+
+
+def jascl_options(config: RunConfig) -> JasclOptions:
+    """The run's ``method_args.jascl`` (for methods outside the family that share its unlabelled schedule)."""
+    return read_options(JasclOptions, config, "jascl")
+
+
+def _gas(o: JasclOptions) -> GASPlugin:
+    return GASPlugin(layer=o.gas.layer, eps=o.gas.eps, sigma2=o.gas.sigma2, in_base=o.gas.in_base)
+
+
+def _replay(o: JasclOptions) -> PrototypeReplayPlugin:
+    return PrototypeReplayPlugin(weight=o.replay.weight, reduction=o.replay.reduction)
+
+
+def _mean_teacher(o: JasclOptions, filter: str) -> MeanTeacherPlugin:
+    p = o.pas
+    return MeanTeacherPlugin(
+        filter=filter,
+        tau_conf=p.tau_conf,
+        tau_sim=p.tau_sim,
+        weight=p.weight,
+        ema_decay=p.ema_decay,
+        start_epoch=p.start_epoch,
+        every=p.every,
+        batch_size=p.batch_size,
+        normalize_pixels=p.normalize_pixels,
+        anchors=p.anchors,
+        max_anchors=p.max_anchors,
+    )
+
+
+def _family(name: str, doc: str):
+    return METHODS.register(name, doc=doc, options=JasclOptions, options_key="jascl", paper=PAPER)
+
+
+@METHODS.register("vanilla", doc="plain fine-tuning of the same backbone (the paper's 'Vanilla' row)", paper=PAPER)
+def vanilla(config: RunConfig) -> Method:
+    """Fine-tuning with the loop's defaults only: DiceCE, prototype-imprinted new rows, no protection of old classes."""
     return Method("vanilla", [], "plain fine-tuning")
 
 
-def _gas(config: "RunConfig") -> GASPlugin:
-    g = config.gas
-    return GASPlugin(layer=g.layer, eps=g.eps, sigma2=g.sigma2, in_base=g.in_base)
+@_family("jascl", "GAS + prototype replay + PAS mean teacher on unlabelled pools (--ablate gas,pas,proto)")
+def jascl(o: JasclOptions, config: RunConfig) -> Method:
+    """JASCL: GAS on the classifier (eq. 1), prototype replay (L_proto) and the PAS mean teacher (eqs. 2-5).
 
-
-def _replay(config: "RunConfig") -> PrototypeReplayPlugin:
-    return PrototypeReplayPlugin(weight=config.replay.weight, reduction=config.replay.reduction)
-
-
-def _mean_teacher(config: "RunConfig", filter: str) -> MeanTeacherPlugin:
-    p = config.pas
-    return MeanTeacherPlugin(filter=filter, tau_conf=p.tau_conf, tau_sim=p.tau_sim, weight=p.weight,
-                             ema_decay=p.ema_decay, start_epoch=p.start_epoch, every=p.every, batch_size=p.batch_size,
-                             normalize_pixels=p.normalize_pixels, anchors=p.anchors, max_anchors=p.max_anchors)
-
-
-@METHODS.register("jascl", doc="GAS + prototype replay + PAS mean teacher on unlabelled pools (--ablate gas,pas,proto)")
-def jascl(config: "RunConfig") -> Method:
-    plugins = []
-    if config.jascl.gas:
-        plugins.append(_gas(config))
-    if config.jascl.replay:
-        plugins.append(_replay(config))
-    if config.jascl.pas:
-        plugins.append(_mean_teacher(config, "pas"))
+    ``components`` switches each part off for ablations; ``jascl methods jascl`` lists every option.
+    """
+    plugins: list[Plugin] = []
+    if o.components.gas:
+        plugins.append(_gas(o))
+    if o.components.replay:
+        plugins.append(_replay(o))
+    if o.components.pas:
+        plugins.append(_mean_teacher(o, "pas"))
     return Method("jascl", plugins, "gradient-adaptive stabilization + prototype replay + PAS")
 
 
-@METHODS.register("jascl-no-unlabelled", doc="comparison: JASCL ignoring unlabelled pools (GAS + prototype replay)")
-def jascl_no_unlabelled(config: "RunConfig") -> Method:
-    return Method("jascl-no-unlabelled", [_gas(config), _replay(config)], "GAS + prototype replay, labelled data only")
+@_family("jascl-no-unlabelled", "comparison: JASCL ignoring unlabelled pools (GAS + prototype replay)")
+def jascl_no_unlabelled(o: JasclOptions, config: RunConfig) -> Method:
+    """GAS + prototype replay, labelled data only."""
+    return Method("jascl-no-unlabelled", [_gas(o), _replay(o)], "GAS + prototype replay, labelled data only")
 
 
-@METHODS.register("jascl-conf", doc="comparison: JASCL with a confidence-only mean teacher (no prototype check)")
-def jascl_conf(config: "RunConfig") -> Method:
-    return Method("jascl-conf", [_gas(config), _replay(config), _mean_teacher(config, "confidence")],
-                  "GAS + prototype replay + mean teacher with confidence-only filtering")
+@_family("jascl-conf", "comparison: JASCL with a confidence-only mean teacher (no prototype check)")
+def jascl_conf(o: JasclOptions, config: RunConfig) -> Method:
+    """GAS + prototype replay + a mean teacher whose pseudo-labels pass eq. 4's confidence test alone."""
+    return Method(
+        "jascl-conf",
+        [_gas(o), _replay(o), _mean_teacher(o, "confidence")],
+        "GAS + prototype replay + mean teacher with confidence-only filtering",
+    )
 
 
-@METHODS.register("mean-teacher-conf", doc="baseline: fine-tuning + mean teacher with confidence-only pseudo-labels")
-def mean_teacher_conf(config: "RunConfig") -> Method:
-    return Method("mean-teacher-conf", [_mean_teacher(config, "confidence")],
-                  "plain fine-tuning + mean teacher with confidence-only filtering")
+@_family("mean-teacher-conf", "baseline: fine-tuning + mean teacher with confidence-only pseudo-labels")
+def mean_teacher_conf(o: JasclOptions, config: RunConfig) -> Method:
+    """Plain fine-tuning plus the mean teacher with confidence-only filtering (the semi-supervised baseline)."""
+    return Method(
+        "mean-teacher-conf",
+        [_mean_teacher(o, "confidence")],
+        "plain fine-tuning + mean teacher with confidence-only filtering",
+    )
 
 
-@METHODS.register("jascl-no-gas", doc="ablation: JASCL without GAS (prototype replay + PAS)")
-def jascl_no_gas(config: "RunConfig") -> Method:
-    return Method("jascl-no-gas", [_replay(config), _mean_teacher(config, "pas")], "prototype replay + PAS")
+@_family("jascl-no-gas", "ablation: JASCL without GAS (prototype replay + PAS)")
+def jascl_no_gas(o: JasclOptions, config: RunConfig) -> Method:
+    """The ablation without GAS."""
+    return Method("jascl-no-gas", [_replay(o), _mean_teacher(o, "pas")], "prototype replay + PAS")
 
 
-@METHODS.register("jascl-no-replay", doc="ablation: JASCL without prototype replay (GAS + PAS)")
-def jascl_no_replay(config: "RunConfig") -> Method:
-    return Method("jascl-no-replay", [_gas(config), _mean_teacher(config, "pas")], "GAS + PAS")
-
-
-def create_method(name: str, config: "RunConfig") -> Method:
-    return METHODS.create(name, config=config)
+@_family("jascl-no-replay", "ablation: JASCL without prototype replay (GAS + PAS)")
+def jascl_no_replay(o: JasclOptions, config: RunConfig) -> Method:
+    """The ablation without prototype replay."""
+    return Method("jascl-no-replay", [_gas(o), _mean_teacher(o, "pas")], "GAS + PAS")

@@ -7,14 +7,19 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from jascl.methods.base import Plugin
+from jascl.engine.plugin import Plugin
 
 if TYPE_CHECKING:
-    from jascl.training.state import LoopState
+    from jascl.engine.state import LoopState
 
 
-def prototype_replay_loss(classifier: torch.nn.Module, prototypes: torch.Tensor, targets: torch.Tensor,
-                          reduction: str = "sum", unit: bool = False) -> torch.Tensor:
+def prototype_replay_loss(
+    classifier: torch.nn.Module,
+    prototypes: torch.Tensor,
+    targets: torch.Tensor,
+    reduction: str = "sum",
+    unit: bool = False,
+) -> torch.Tensor:
     """Cross-entropy of the classifier applied to stored prototypes.
 
     Args:
@@ -47,7 +52,7 @@ class PrototypeReplayPlugin(Plugin):
         self._targets: torch.Tensor | None = None
         self._unit = False
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         self._protos = None
         if state.session.index == 0:
             return
@@ -63,8 +68,9 @@ class PrototypeReplayPlugin(Plugin):
                 self._protos = F.normalize(self._protos, dim=1)
             self._targets = state.class_index(class_ids).to(state.device)
 
-    def after_forward(self, state: "LoopState") -> None:
-        if self._protos is not None and self.weight > 0:
-            loss = prototype_replay_loss(state.model.classifier, self._protos, self._targets, self.reduction,
-                                         unit=self._unit)
+    def after_forward(self, state: LoopState) -> None:
+        if self._protos is not None and self._targets is not None and self.weight > 0:
+            loss = prototype_replay_loss(
+                state.model.classifier, self._protos, self._targets, self.reduction, unit=self._unit
+            )
             state.losses[self.name] = self.weight * loss

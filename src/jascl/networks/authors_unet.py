@@ -9,7 +9,7 @@ it is written here with plain torch layers, 2D and 3D sharing one code path.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -75,43 +75,62 @@ class AuthorsUNet(Backbone):
 
     layer_aliases = {"encoder": "down.4.2.conv", "decoder": "up.1.1.conv"}
 
-    def __init__(self, spatial_dims: int = 3, in_channels: int = 1, base_channels: int = 32,
-                 kernels: Sequence[Sequence[int]] | None = None, scales: Sequence[Sequence[int]] | None = None,
-                 norm: str = "batch") -> None:
+    def __init__(
+        self,
+        spatial_dims: int = 3,
+        in_channels: int = 1,
+        base_channels: int = 32,
+        kernels: Sequence[Sequence[int]] | None = None,
+        scales: Sequence[Sequence[int]] | None = None,
+        norm: str = "batch",
+    ) -> None:
         super().__init__()
         if spatial_dims not in (2, 3):
             raise ConfigError(f"spatial_dims={spatial_dims}: unet3d-authors supports 2 or 3")
-        kernels = [list(k) for k in (kernels or [k[3 - spatial_dims:] for k in AUTHORS_KERNELS_3D])]
-        scales = [list(s) for s in (scales or [s[3 - spatial_dims:] for s in AUTHORS_SCALES_3D])]
+        kernels = [list(k) for k in (kernels or [k[3 - spatial_dims :] for k in AUTHORS_KERNELS_3D])]
+        scales = [list(s) for s in (scales or [s[3 - spatial_dims :] for s in AUTHORS_SCALES_3D])]
         if len(kernels) != 5 or len(scales) != 4 or any(len(k) != spatial_dims for k in kernels + scales):
-            raise ConfigError(f"unet3d-authors needs 5 kernels and 4 scales of length {spatial_dims}, "
-                              f"got kernels={kernels}, scales={scales}")
+            raise ConfigError(
+                f"unet3d-authors needs 5 kernels and 4 scales of length {spatial_dims}, "
+                f"got kernels={kernels}, scales={scales}"
+            )
         self.spatial_dims = spatial_dims
         self.in_channels = in_channels
         self.feature_channels = base_channels
         self.scales = scales
         ch = [base_channels * m for m in (1, 2, 4, 8, 10)]
         pool = nn.MaxPool3d if spatial_dims == 3 else nn.MaxPool2d
-        stem = _conv(spatial_dims)(in_channels, ch[0], tuple(kernels[0]), padding=tuple(k // 2 for k in kernels[0]),
-                                   bias=False)
+        stem = _conv(spatial_dims)(
+            in_channels, ch[0], tuple(kernels[0]), padding=tuple(k // 2 for k in kernels[0]), bias=False
+        )
         self.down = nn.ModuleList([nn.Sequential(stem, ConvNormAct(spatial_dims, ch[0], ch[0], kernels[0], norm))])
         for lvl in range(1, 5):
-            self.down.append(nn.Sequential(pool(tuple(scales[lvl - 1])),
-                                           ConvNormAct(spatial_dims, ch[lvl - 1], ch[lvl], kernels[lvl], norm),
-                                           ConvNormAct(spatial_dims, ch[lvl], ch[lvl], kernels[lvl], norm)))
+            self.down.append(
+                nn.Sequential(
+                    pool(tuple(scales[lvl - 1])),
+                    ConvNormAct(spatial_dims, ch[lvl - 1], ch[lvl], kernels[lvl], norm),
+                    ConvNormAct(spatial_dims, ch[lvl], ch[lvl], kernels[lvl], norm),
+                )
+            )
         # up[i] produces decoder level 3 - i from level 4 - i and the skip of level 3 - i
         self.up = nn.ModuleList()
         for lvl in range(3, -1, -1):
-            self.up.append(nn.Sequential(ConvNormAct(spatial_dims, ch[lvl + 1] + ch[lvl], ch[lvl], kernels[lvl], norm),
-                                         ConvNormAct(spatial_dims, ch[lvl], ch[lvl], kernels[lvl], norm)))
+            self.up.append(
+                nn.Sequential(
+                    ConvNormAct(spatial_dims, ch[lvl + 1] + ch[lvl], ch[lvl], kernels[lvl], norm),
+                    ConvNormAct(spatial_dims, ch[lvl], ch[lvl], kernels[lvl], norm),
+                )
+            )
         self._mode = "trilinear" if spatial_dims == 3 else "bilinear"
 
     def check_input_size(self, size: tuple[int, ...], what: str) -> None:
         # interpolation to the skip sizes accepts any size; the bottom level needs >= 2 voxels per axis
         need = [2 * int(torch.tensor([s[i] for s in self.scales]).prod()) for i in range(self.spatial_dims)]
         if any(s < n for s, n in zip(size, need)):
-            raise ConfigError(f"{what}={list(size)}: unet3d-authors needs at least {need} "
-                              f"(four poolings by {self.scales}); set patch_size accordingly")
+            raise ConfigError(
+                f"{what}={list(size)}: unet3d-authors needs at least {need} "
+                f"(four poolings by {self.scales}); set patch_size accordingly"
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         skips = []
@@ -126,6 +145,8 @@ class AuthorsUNet(Backbone):
         return out
 
 
-@BACKBONES.register("unet3d-authors", doc="the authors' 3D U-Net (32-320 ch, BatchNorm, anisotropic first levels); 16.27 M")
+@BACKBONES.register(
+    "unet3d-authors", doc="the authors' 3D U-Net (32-320 ch, BatchNorm, anisotropic first levels); 16.27 M"
+)
 def unet3d_authors(spatial_dims: int = 3, in_channels: int = 1, **kwargs) -> Backbone:
     return AuthorsUNet(spatial_dims=spatial_dims, in_channels=in_channels, **kwargs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +41,7 @@ class Backbone(nn.Module):
         """
         return []
 
-    def train(self, mode: bool = True) -> "Backbone":
+    def train(self, mode: bool = True) -> Backbone:
         super().train(mode)
         for module in self.frozen_modules():
             module.train(False)  # frozen means frozen: no dropout, no running-statistics updates
@@ -49,11 +51,41 @@ class Backbone(nn.Module):
         """Raise a ConfigError if a training patch / image size does not fit this backbone."""
         d = self.size_divisor
         if d and any(s % d or s < 2 * d for s in size):
-            raise ConfigError(f"{what}={list(size)}: the {type(self).__name__} backbone needs every size to be a "
-                              f"multiple of {d} and at least {2 * d}; set patch_size accordingly")
+            raise ConfigError(
+                f"{what}={list(size)}: the {type(self).__name__} backbone needs every size to be a "
+                f"multiple of {d} and at least {2 * d}; set patch_size accordingly"
+            )
 
 
 BACKBONES: Registry[Backbone] = Registry("backbone")
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode for the block; every submodule's own train/eval mode is restored afterwards
+    (a frozen encoder stays in eval mode, a training model goes back to training)."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, mode in modes.items():
+            module.train(mode)
+
+
+def resize(
+    x: torch.Tensor, size: Sequence[int], mode: str = "linear", align_corners: bool | None = False
+) -> torch.Tensor:
+    """(B, C, *spatial) resized to ``size`` in 2D or 3D alike: "linear" (bilinear / trilinear) or "nearest".
+
+    Returns ``x`` itself when it has that size already.
+    """
+    if tuple(x.shape[2:]) == tuple(size):
+        return x
+    if mode == "nearest":
+        return nn.functional.interpolate(x, size=tuple(size), mode="nearest")
+    linear = {1: "linear", 2: "bilinear", 3: "trilinear"}[x.dim() - 2]
+    return nn.functional.interpolate(x, size=tuple(size), mode=linear, align_corners=align_corners)
 
 
 @dataclass
@@ -82,10 +114,7 @@ class Segmenter(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> SegmenterOutput:
         features = self.backbone(x)
-        logits = self.classifier(features)
-        if logits.shape[2:] != x.shape[2:]:
-            mode = "bilinear" if self.spatial_dims == 2 else "trilinear"
-            logits = nn.functional.interpolate(logits, size=x.shape[2:], mode=mode, align_corners=False)
+        logits = resize(self.classifier(features), x.shape[2:])
         return SegmenterOutput(logits, features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,16 +131,27 @@ class Segmenter(nn.Module):
             return self.get_submodule(target)
         except AttributeError:
             aliases = ", ".join(["classifier", *self.backbone.layer_aliases])
-            raise ConfigError(f"layer {name!r} not found; use one of {aliases} or a module path such as 'backbone.<...>'") from None
+            raise ConfigError(
+                f"layer {name!r} not found; use one of {aliases} or a module path such as 'backbone.<...>'"
+            ) from None
 
 
-def create_segmenter(name: str, spatial_dims: int, in_channels: int, num_classes: int, cosine: bool = True,
-                     temperature: float = 10.0, **backbone_args) -> Segmenter:
+def create_segmenter(
+    name: str,
+    spatial_dims: int,
+    in_channels: int,
+    num_classes: int,
+    cosine: bool = True,
+    temperature: float = 10.0,
+    **backbone_args,
+) -> Segmenter:
     """Build a registered backbone and put a classifier with ``num_classes`` rows on it."""
     factory = BACKBONES.get(name)
     try:
         backbone = factory(spatial_dims=spatial_dims, in_channels=in_channels, **backbone_args)
     except TypeError as exc:
-        raise ConfigError(f"backbone_args {sorted(backbone_args)} do not fit backbone {name!r} ({exc}); "
-                          "fix them with --set backbone_args={...}") from None
+        raise ConfigError(
+            f"backbone_args {sorted(backbone_args)} do not fit backbone {name!r} ({exc}); "
+            "fix them with --set backbone_args={...}"
+        ) from None
     return Segmenter(backbone, num_classes, cosine=cosine, temperature=temperature)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -15,8 +15,9 @@ def _import_smp():
     try:
         import segmentation_models_pytorch as smp
     except ImportError:
-        raise ConfigError("backbone 'deeplabv3plus' needs segmentation-models-pytorch; "
-                          "install it with: pip install 'jascl[natural]'") from None
+        raise ConfigError(
+            "backbone 'deeplabv3plus' needs segmentation-models-pytorch; install it with: pip install 'jascl[natural]'"
+        ) from None
     return smp
 
 
@@ -54,25 +55,43 @@ class DeepLabV3PlusBackbone(Backbone):
 
     size_divisor = 16
 
-    def __init__(self, spatial_dims: int = 2, in_channels: int = 3, encoder_name: str = "resnet50",
-                 output_stride: int = 16, atrous_rates: Sequence[int] = (6, 12, 18), decoder_channels: int = 256,
-                 aspp_dropout: float = 0.5) -> None:
+    def __init__(
+        self,
+        spatial_dims: int = 2,
+        in_channels: int = 3,
+        encoder_name: str = "resnet50",
+        output_stride: int = 16,
+        atrous_rates: Sequence[int] = (6, 12, 18),
+        decoder_channels: int = 256,
+        aspp_dropout: float = 0.5,
+    ) -> None:
         super().__init__()
         if spatial_dims != 2:
-            raise ConfigError(f"backbone 'deeplabv3plus' is 2D only, got spatial_dims={spatial_dims}; "
-                              "use unet3d-authors, monai-unet, swinunetr or medformer for 3D")
+            raise ConfigError(
+                f"backbone 'deeplabv3plus' is 2D only, got spatial_dims={spatial_dims}; "
+                "use unet3d-authors, monai-unet, swinunetr or medformer for 3D"
+            )
         smp = _import_smp()
         self.spatial_dims = 2
         self.in_channels = in_channels
         self.feature_channels = int(decoder_channels)
         self.size_divisor = output_stride
-        self.net = smp.DeepLabV3Plus(encoder_name=encoder_name, encoder_weights=None, in_channels=in_channels,
-                                     classes=1, encoder_output_stride=output_stride,
-                                     decoder_atrous_rates=tuple(atrous_rates), decoder_channels=decoder_channels,
-                                     decoder_aspp_dropout=aspp_dropout)
+        self.net = smp.DeepLabV3Plus(
+            encoder_name=encoder_name,
+            encoder_weights=None,
+            in_channels=in_channels,
+            classes=1,
+            encoder_output_stride=output_stride,
+            decoder_atrous_rates=tuple(atrous_rates),
+            decoder_channels=decoder_channels,
+            decoder_aspp_dropout=aspp_dropout,
+        )
         self.net.segmentation_head = nn.Identity()  # replaced by the segmenter's classifier
-        last_encoder_conv = [n for n, m in self.net.encoder.named_modules() if n.startswith("layer4")
-                             and isinstance(m, nn.Conv2d) and "downsample" not in n][-1]
+        last_encoder_conv = [
+            n
+            for n, m in self.net.encoder.named_modules()
+            if n.startswith("layer4") and isinstance(m, nn.Conv2d) and "downsample" not in n
+        ][-1]
         self.layer_aliases = {"encoder": f"net.encoder.{last_encoder_conv}", "decoder": "net.decoder.aspp.0.project.0"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ Features = the last up stage's output (``channels[-1]`` channels, input resoluti
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -75,8 +75,14 @@ class BasicBlock(nn.Module):
     def __init__(self, dims: int, in_ch: int, out_ch: int, norm: str, act: str) -> None:
         super().__init__()
         conv = _conv(dims)
-        self.body = nn.Sequential(_norm(dims, in_ch, norm), _act(act), conv(in_ch, out_ch, 3, padding=1, bias=False),
-                                  _norm(dims, out_ch, norm), _act(act), conv(out_ch, out_ch, 3, padding=1, bias=False))
+        self.body = nn.Sequential(
+            _norm(dims, in_ch, norm),
+            _act(act),
+            conv(in_ch, out_ch, 3, padding=1, bias=False),
+            _norm(dims, out_ch, norm),
+            _act(act),
+            conv(out_ch, out_ch, 3, padding=1, bias=False),
+        )
         self.shortcut = nn.Identity() if in_ch == out_ch else conv(in_ch, out_ch, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,10 +115,18 @@ class BidirectionalBlock(nn.Module):
         self.qkv_s = nn.Linear(channels, 3 * channels)
         self.out_x = conv(channels, channels, 1)
         self.out_s = nn.Linear(channels, channels)
-        self.mlp_x = nn.Sequential(_norm(dims, channels, norm), conv(channels, expansion * channels, 1), _act(act),
-                                   conv(expansion * channels, channels, 1))
-        self.mlp_s = nn.Sequential(nn.LayerNorm(channels), nn.Linear(channels, expansion * channels), _act(act),
-                                   nn.Linear(expansion * channels, channels))
+        self.mlp_x = nn.Sequential(
+            _norm(dims, channels, norm),
+            conv(channels, expansion * channels, 1),
+            _act(act),
+            conv(expansion * channels, channels, 1),
+        )
+        self.mlp_s = nn.Sequential(
+            nn.LayerNorm(channels),
+            nn.Linear(channels, expansion * channels),
+            _act(act),
+            nn.Linear(expansion * channels, channels),
+        )
 
     def _split(self, t: torch.Tensor) -> torch.Tensor:  # (B, L, C) -> (B, heads, L, C / heads)
         b, n, c = t.shape
@@ -135,19 +149,35 @@ class BidirectionalBlock(nn.Module):
 class Stage(nn.Module):
     """Conv blocks then B-MHA blocks at one resolution; returns (features, semantic map or None)."""
 
-    def __init__(self, dims: int, in_ch: int, out_ch: int, conv_num: int, trans_num: int, heads: int, map_size: int,
-                 expansion: int, norm: str, act: str, own_map: bool = True) -> None:
+    def __init__(
+        self,
+        dims: int,
+        in_ch: int,
+        out_ch: int,
+        conv_num: int,
+        trans_num: int,
+        heads: int,
+        map_size: int,
+        expansion: int,
+        norm: str,
+        act: str,
+        own_map: bool = True,
+    ) -> None:
         super().__init__()
-        blocks: list[nn.Module] = [BasicBlock(dims, in_ch if i == 0 else out_ch, out_ch, norm, act) for i in range(conv_num)]
+        blocks: list[nn.Module] = [
+            BasicBlock(dims, in_ch if i == 0 else out_ch, out_ch, norm, act) for i in range(conv_num)
+        ]
         if not conv_num:  # channels still change: a 1x1 projection (norm + act)
             blocks = [nn.Sequential(_conv(dims)(in_ch, out_ch, 1, bias=False), _norm(dims, out_ch, norm), _act(act))]
         self.convs = nn.Sequential(*blocks)
-        self.transformer = nn.ModuleList([BidirectionalBlock(dims, out_ch, heads, expansion, norm, act)
-                                          for _ in range(trans_num)])
+        self.transformer = nn.ModuleList(
+            [BidirectionalBlock(dims, out_ch, heads, expansion, norm, act) for _ in range(trans_num)]
+        )
         self.map_size = map_size
         # an up stage that receives a fused map from its skip level needs no map of its own
-        self.map_init = (_conv(dims)(out_ch, out_ch, 3, padding=1, groups=out_ch, bias=False)
-                         if trans_num and own_map else None)
+        self.map_init = (
+            _conv(dims)(out_ch, out_ch, 3, padding=1, groups=out_ch, bias=False) if trans_num and own_map else None
+        )
         self._pool = F.adaptive_avg_pool3d if dims == 3 else F.adaptive_avg_pool2d
 
     def initial_map(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,15 +196,17 @@ class Stage(nn.Module):
 class SemanticMapFusion(nn.Module):
     """Mixes the semantic maps of several levels with a small transformer (paper: "semantic map fusion")."""
 
-    def __init__(self, level_channels: Sequence[int], tokens: int, dim: int, heads: int, depth: int,
-                 expansion: int) -> None:
+    def __init__(
+        self, level_channels: Sequence[int], tokens: int, dim: int, heads: int, depth: int, expansion: int
+    ) -> None:
         super().__init__()
         self.inp = nn.ModuleList([nn.Linear(c, dim) for c in level_channels])
         self.out = nn.ModuleList([nn.Linear(dim, c) for c in level_channels])
         self.pos = nn.Parameter(torch.zeros(1, tokens * len(level_channels), dim))
         nn.init.trunc_normal_(self.pos, std=0.02)
-        layer = nn.TransformerEncoderLayer(dim, heads, expansion * dim, dropout=0.0, activation="gelu",
-                                           batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            dim, heads, expansion * dim, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
 
     def forward(self, maps: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -205,12 +237,22 @@ class MedFormer(Backbone):
 
     size_divisor = 16  # four 2x poolings; the bottom keeps >= 2 voxels for instance norm
 
-    def __init__(self, spatial_dims: int = 3, in_channels: int = 1,
-                 channels: Sequence[int] = (64, 128, 256, 320, 256, 128, 64, 32),
-                 conv_num: Sequence[int] = (2, 1, 0, 0, 0, 1, 2, 2), trans_num: Sequence[int] = (0, 1, 4, 6, 4, 1, 0, 0),
-                 num_heads: Sequence[int] = (1, 4, 8, 10, 8, 4, 1, 1), map_size: int = 4, fusion_depth: int = 2,
-                 fusion_dim: int = 320, fusion_heads: int = 10, expansion: int = 4, norm: str = "instance",
-                 act: str = "relu") -> None:
+    def __init__(
+        self,
+        spatial_dims: int = 3,
+        in_channels: int = 1,
+        channels: Sequence[int] = (64, 128, 256, 320, 256, 128, 64, 32),
+        conv_num: Sequence[int] = (2, 1, 0, 0, 0, 1, 2, 2),
+        trans_num: Sequence[int] = (0, 1, 4, 6, 4, 1, 0, 0),
+        num_heads: Sequence[int] = (1, 4, 8, 10, 8, 4, 1, 1),
+        map_size: int = 4,
+        fusion_depth: int = 2,
+        fusion_dim: int = 320,
+        fusion_heads: int = 10,
+        expansion: int = 4,
+        norm: str = "instance",
+        act: str = "relu",
+    ) -> None:
         super().__init__()
         if spatial_dims not in (2, 3):
             raise ConfigError(f"spatial_dims={spatial_dims}: medformer supports 2 or 3")
@@ -221,22 +263,38 @@ class MedFormer(Backbone):
         self.in_channels = in_channels
         self.feature_channels = int(channels[7])
         stem_ch = channels[7]
-        self.stem = nn.Sequential(_conv(d)(in_channels, stem_ch, 3, padding=1, bias=False),
-                                  BasicBlock(d, stem_ch, stem_ch, norm, act))
+        self.stem = nn.Sequential(
+            _conv(d)(in_channels, stem_ch, 3, padding=1, bias=False), BasicBlock(d, stem_ch, stem_ch, norm, act)
+        )
         self.pool = (nn.MaxPool3d if d == 3 else nn.MaxPool2d)(2)
         args = dict(map_size=map_size, expansion=expansion, norm=norm, act=act)
         ins = [stem_ch, *channels[:3]]
-        self.down = nn.ModuleList([Stage(d, ins[i], channels[i], conv_num[i], trans_num[i], num_heads[i], **args)
-                                   for i in range(4)])
+        self.down = nn.ModuleList(
+            [Stage(d, ins[i], channels[i], conv_num[i], trans_num[i], num_heads[i], **args) for i in range(4)]
+        )
         skips = [channels[2], channels[1], channels[0], stem_ch]  # skip of up stage j
         has_map = [0 <= 2 - j and bool(trans_num[2 - j]) for j in range(4)]  # skip level of up stage j has a map
-        self.up = nn.ModuleList([Stage(d, channels[3 + j] + skips[j], channels[4 + j], conv_num[4 + j], trans_num[4 + j],
-                                       num_heads[4 + j], own_map=not has_map[j], **args) for j in range(4)])
+        self.up = nn.ModuleList(
+            [
+                Stage(
+                    d,
+                    channels[3 + j] + skips[j],
+                    channels[4 + j],
+                    conv_num[4 + j],
+                    trans_num[4 + j],
+                    num_heads[4 + j],
+                    own_map=not has_map[j],
+                    **args,
+                )
+                for j in range(4)
+            ]
+        )
         self.fused_levels = [i for i in range(4) if trans_num[i]]
         self.fusion = None
         if self.fused_levels and fusion_depth:
-            self.fusion = SemanticMapFusion([channels[i] for i in self.fused_levels], map_size ** d, fusion_dim,
-                                            fusion_heads, fusion_depth, expansion)
+            self.fusion = SemanticMapFusion(
+                [channels[i] for i in self.fused_levels], map_size**d, fusion_dim, fusion_heads, fusion_depth, expansion
+            )
         # an up stage with B-MHA reads the (fused) map of its skip level, projected if the channels differ
         self.map_proj = nn.ModuleDict()
         for j in range(4):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,9 @@ def _import_sam():
         from segment_anything.modeling import ImageEncoderViT
         from segment_anything.modeling.common import LayerNorm2d
     except ImportError:
-        raise ConfigError("backbone 'sam-vitb' needs segment-anything; install it with: pip install 'jascl[natural]'") from None
+        raise ConfigError(
+            "backbone 'sam-vitb' needs segment-anything; install it with: pip install 'jascl[natural]'"
+        ) from None
     return ImageEncoderViT, LayerNorm2d
 
 
@@ -67,10 +69,20 @@ class SAMBackbone(Backbone):
 
     size_divisor = 16
 
-    def __init__(self, spatial_dims: int = 2, in_channels: int = 3, img_size: int = 1024, embed_dim: int = 768,
-                 depth: int = 12, num_heads: int = 12, window_size: int = 14,
-                 global_attn_indexes: Sequence[int] = (2, 5, 8, 11), out_chans: int = 256,
-                 proj_channels: int | None = 256, use_neck: bool = False) -> None:
+    def __init__(
+        self,
+        spatial_dims: int = 2,
+        in_channels: int = 3,
+        img_size: int = 1024,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        window_size: int = 14,
+        global_attn_indexes: Sequence[int] = (2, 5, 8, 11),
+        out_chans: int = 256,
+        proj_channels: int | None = 256,
+        use_neck: bool = False,
+    ) -> None:
         super().__init__()
         if spatial_dims != 2:
             raise ConfigError(f"backbone 'sam-vitb' is 2D only, got spatial_dims={spatial_dims}")
@@ -80,11 +92,24 @@ class SAMBackbone(Backbone):
         self.spatial_dims = 2
         self.in_channels = in_channels
         self.use_neck = use_neck
-        self.encoder = ImageEncoderViT(img_size=img_size, patch_size=16, in_chans=3, embed_dim=embed_dim, depth=depth,
-                                       num_heads=num_heads, mlp_ratio=4.0, out_chans=out_chans, qkv_bias=True,
-                                       norm_layer=partial(nn.LayerNorm, eps=1e-6), act_layer=nn.GELU,
-                                       use_abs_pos=True, use_rel_pos=True, rel_pos_zero_init=True,
-                                       window_size=window_size, global_attn_indexes=tuple(global_attn_indexes))
+        self.encoder = ImageEncoderViT(
+            img_size=img_size,
+            patch_size=16,
+            in_chans=3,
+            embed_dim=embed_dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=4.0,
+            out_chans=out_chans,
+            qkv_bias=True,
+            norm_layer=partial(nn.LayerNorm, eps=1e-6),
+            act_layer=nn.GELU,
+            use_abs_pos=True,
+            use_rel_pos=True,
+            rel_pos_zero_init=True,
+            window_size=window_size,
+            global_attn_indexes=tuple(global_attn_indexes),
+        )
         if not use_neck:
             self.encoder.neck = nn.Identity()  # unused; keeps the parameter count honest
         self.encoder.requires_grad_(False)
@@ -110,8 +135,9 @@ class SAMBackbone(Backbone):
         tokens = enc.patch_embed(x)  # (B, H/16, W/16, embed_dim)
         pos = enc.pos_embed
         if pos.shape[1:3] != tokens.shape[1:3]:
-            pos = F.interpolate(pos.permute(0, 3, 1, 2), size=tokens.shape[1:3], mode="bicubic",
-                                align_corners=False).permute(0, 2, 3, 1)
+            pos = F.interpolate(
+                pos.permute(0, 3, 1, 2), size=tokens.shape[1:3], mode="bicubic", align_corners=False
+            ).permute(0, 2, 3, 1)
         tokens = tokens + pos
         for block in enc.blocks:
             tokens = block(tokens)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from monai.networks.nets import SwinUNETR
@@ -35,22 +35,42 @@ class SwinUNETRBackbone(Backbone):
         use_v2: SwinUNETR-v2 (residual conv blocks at each stage).
     """
 
-    layer_aliases = {"encoder": "net.swinViT.layers4.0.blocks.0.mlp.linear2",
-                     "decoder": "net.decoder3.conv_block.conv2.conv"}
+    layer_aliases = {
+        "encoder": "net.swinViT.layers4.0.blocks.0.mlp.linear2",
+        "decoder": "net.decoder3.conv_block.conv2.conv",
+    }
 
-    def __init__(self, spatial_dims: int = 3, in_channels: int = 1, feature_size: int = 48,
-                 depths: Sequence[int] = (2, 2, 2, 2), num_heads: Sequence[int] = (3, 6, 12, 24),
-                 window_size: int = 7, drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
-                 dropout_path_rate: float = 0.0, use_v2: bool = False) -> None:
+    def __init__(
+        self,
+        spatial_dims: int = 3,
+        in_channels: int = 1,
+        feature_size: int = 48,
+        depths: Sequence[int] = (2, 2, 2, 2),
+        num_heads: Sequence[int] = (3, 6, 12, 24),
+        window_size: int = 7,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        dropout_path_rate: float = 0.0,
+        use_v2: bool = False,
+    ) -> None:
         super().__init__()
         self.spatial_dims = spatial_dims
         self.in_channels = in_channels
         self.feature_channels = int(feature_size)
         self.size_divisor = 32  # patch_size 2, to the power 5 (MONAI's own input check)
-        self.net = SwinUNETR(in_channels=in_channels, out_channels=1, spatial_dims=spatial_dims,
-                             feature_size=feature_size, depths=tuple(depths), num_heads=tuple(num_heads),
-                             window_size=window_size, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
-                             dropout_path_rate=dropout_path_rate, use_v2=use_v2)
+        self.net = SwinUNETR(
+            in_channels=in_channels,
+            out_channels=1,
+            spatial_dims=spatial_dims,
+            feature_size=feature_size,
+            depths=tuple(depths),
+            num_heads=tuple(num_heads),
+            window_size=window_size,
+            drop_rate=drop_rate,
+            attn_drop_rate=attn_drop_rate,
+            dropout_path_rate=dropout_path_rate,
+            use_v2=use_v2,
+        )
         self.net.out = nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from monai.networks.nets import BasicUNet
@@ -30,16 +30,28 @@ class MonaiUNet(Backbone):
     layer_aliases = {"encoder": "net.down_4.convs.conv_1.conv", "decoder": "net.upcat_1.convs.conv_0.conv"}
     size_divisor = 16  # four 2x poolings; instance norm needs more than one voxel at the bottom
 
-    def __init__(self, spatial_dims: int = 2, in_channels: int = 1, features: Sequence[int] = (16, 16, 32, 64, 128, 16),
-                 norm: str | tuple = ("instance", {"affine": True}), dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        spatial_dims: int = 2,
+        in_channels: int = 1,
+        features: Sequence[int] = (16, 16, 32, 64, 128, 16),
+        norm: str | tuple = ("instance", {"affine": True}),
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         if len(features) != 6:
             raise ValueError(f"features must have 6 entries, got {features!r}")
         self.spatial_dims = spatial_dims
         self.in_channels = in_channels
         self.feature_channels = int(features[5])
-        self.net = BasicUNet(spatial_dims=spatial_dims, in_channels=in_channels, out_channels=1,
-                             features=tuple(features), norm=norm, dropout=dropout)
+        self.net = BasicUNet(
+            spatial_dims=spatial_dims,
+            in_channels=in_channels,
+            out_channels=1,
+            features=tuple(features),
+            norm=norm,
+            dropout=dropout,
+        )
         self.net.final_conv = nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,10 +85,18 @@ class MonaiResUNet(Backbone):
         dropout: dropout probability inside the blocks.
     """
 
-    def __init__(self, spatial_dims: int = 2, in_channels: int = 1, feature_channels: int = 32,
-                 channels: Sequence[int] = (32, 64, 128, 256, 320), strides: Sequence[int] = (2, 2, 2, 2),
-                 num_res_units: int = 2, norm: str | tuple = ("instance", {"affine": True}), act: str | tuple = "prelu",
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        spatial_dims: int = 2,
+        in_channels: int = 1,
+        feature_channels: int = 32,
+        channels: Sequence[int] = (32, 64, 128, 256, 320),
+        strides: Sequence[int] = (2, 2, 2, 2),
+        num_res_units: int = 2,
+        norm: str | tuple = ("instance", {"affine": True}),
+        act: str | tuple = "prelu",
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         from monai.networks.blocks import ADN
         from monai.networks.nets import UNet
@@ -87,14 +107,27 @@ class MonaiResUNet(Backbone):
         self.in_channels = in_channels
         self.feature_channels = int(feature_channels)
         self.size_divisor = 2 * int(torch.tensor(list(strides)).prod())  # bottom level keeps >= 2 voxels for the norm
-        self.net = UNet(spatial_dims=spatial_dims, in_channels=in_channels, out_channels=self.feature_channels,
-                        channels=tuple(channels), strides=tuple(strides), num_res_units=num_res_units, norm=norm,
-                        act=act, dropout=dropout)
+        self.net = UNet(
+            spatial_dims=spatial_dims,
+            in_channels=in_channels,
+            out_channels=self.feature_channels,
+            channels=tuple(channels),
+            strides=tuple(strides),
+            num_res_units=num_res_units,
+            norm=norm,
+            act=act,
+            dropout=dropout,
+        )
         self.out_norm = ADN(ordering="NA", in_channels=self.feature_channels, act=act, norm=norm, norm_dim=spatial_dims)
-        convs = [name for name, m in self.net.named_modules() if isinstance(m, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d,
-                                                                                 nn.ConvTranspose3d))]
+        convs = [
+            name
+            for name, m in self.net.named_modules()
+            if isinstance(m, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d))
+        ]
         # the deepest encoder conv (last conv of the bottom block) and a conv halfway up the decoder
-        bottom = [name for name in convs if ".unit" in name and self.net.get_submodule(name).out_channels == channels[-1]]
+        bottom = [
+            name for name in convs if ".unit" in name and self.net.get_submodule(name).out_channels == channels[-1]
+        ]
         self.layer_aliases = {"encoder": f"net.{bottom[-1]}", "decoder": f"net.{_middle_up_conv(convs, len(channels))}"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -47,8 +47,10 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         try:
             data = torch.load(str(path), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise CheckpointError(f"{path}: not a plain tensor file (the pickle needs code execution, refused: "
-                                  f"{_first_line(exc)}); convert it to .safetensors in a trusted environment") from None
+            raise CheckpointError(
+                f"{path}: not a plain tensor file (the pickle needs code execution, refused: "
+                f"{_first_line(exc)}); convert it to .safetensors in a trusted environment"
+            ) from None
         except Exception as exc:
             raise CheckpointError(f"{path}: cannot read weights ({type(exc).__name__}: {_first_line(exc)})") from None
     else:
@@ -60,8 +62,9 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
                 break
             data = inner
     if not isinstance(data, dict) or not _has_tensors(data):
-        raise CheckpointError(f"{path}: no tensors found (expected a state dict, optionally under "
-                              f"{'/'.join(WRAPPER_KEYS)})")
+        raise CheckpointError(
+            f"{path}: no tensors found (expected a state dict, optionally under {'/'.join(WRAPPER_KEYS)})"
+        )
     return {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
 
 
@@ -93,14 +96,19 @@ def load_backbone_weights(backbone: nn.Module, path: str | Path, strict: bool = 
         channel = _in_channel_mismatch(backbone, state, shape_errors)
         if channel:
             problems.append(channel)
-        problems.append("shape mismatch " + ", ".join(
-            f"{k}: model {list(expected[k])} vs file {list(state[k].shape)}" for k in shape_errors[:_SHOW])
-            + _more(shape_errors))
+        problems.append(
+            "shape mismatch "
+            + ", ".join(f"{k}: model {list(expected[k])} vs file {list(state[k].shape)}" for k in shape_errors[:_SHOW])
+            + _more(shape_errors)
+        )
     if strict and missing:
-        problems.append("missing in file " + ", ".join(f"{k} {list(expected[k])}" for k in missing[:_SHOW]) + _more(missing))
+        problems.append(
+            "missing in file " + ", ".join(f"{k} {list(expected[k])}" for k in missing[:_SHOW]) + _more(missing)
+        )
     if strict and unexpected:
-        problems.append("not in model " + ", ".join(f"{k} {list(state[k].shape)}" for k in unexpected[:_SHOW])
-                        + _more(unexpected))
+        problems.append(
+            "not in model " + ", ".join(f"{k} {list(state[k].shape)}" for k in unexpected[:_SHOW]) + _more(unexpected)
+        )
     if problems:
         hint = "; pass strict=False to load a subset" if strict and not shape_errors else ""
         raise CheckpointError(f"{path}: weights do not fit {type(backbone).__name__}: " + "; ".join(problems) + hint)
@@ -124,8 +132,12 @@ def _strip_prefixes(state: dict[str, torch.Tensor], expected: dict) -> dict[str,
     """
     candidates, frontier = [state], [state]
     for _ in range(3):
-        frontier = [{k[len(p):]: v for k, v in s.items() if k.startswith(p)}
-                    for s in frontier for p in PREFIXES if any(k.startswith(p) for k in s)]
+        frontier = [
+            {k[len(p) :]: v for k, v in s.items() if k.startswith(p)}
+            for s in frontier
+            for p in PREFIXES
+            if any(k.startswith(p) for k in s)
+        ]
         candidates += frontier
     tops = sorted({k.split(".", 1)[0] + "." for k in expected if "." in k})
     candidates += [{t + k: v for k, v in c.items()} for c in list(candidates) for t in tops]

@@ -5,12 +5,29 @@ from __future__ import annotations
 from pathlib import Path
 
 from jascl.errors import ConfigError
-from jascl.protocols.schema import ClassSpec, DomainSpec, Protocol, SessionSpec, SyntheticSpec, load_protocol, parse_protocol
+from jascl.protocols.schema import (
+    ClassSpec,
+    DomainSpec,
+    Protocol,
+    SessionSpec,
+    SyntheticSpec,
+    load_protocol,
+    parse_protocol,
+)
 
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 
-__all__ = ["ClassSpec", "DomainSpec", "Protocol", "SessionSpec", "SyntheticSpec", "builtin_protocols",
-           "get_protocol", "load_protocol", "parse_protocol"]
+__all__ = [
+    "ClassSpec",
+    "DomainSpec",
+    "Protocol",
+    "SessionSpec",
+    "SyntheticSpec",
+    "builtin_protocols",
+    "get_protocol",
+    "load_protocol",
+    "parse_protocol",
+]
 
 
 def builtin_protocols() -> dict[str, Path]:

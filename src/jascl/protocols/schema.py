@@ -24,10 +24,10 @@ manifests) lives in :mod:`jascl.data.real`.
 from __future__ import annotations
 
 import dataclasses
-
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -35,8 +35,9 @@ from jascl.errors import ConfigError
 
 OTHER_CLASS_POLICIES = ("background", "ignore")
 METRICS = ("dice", "iou")
-#: global id of "ignore" in label maps (excluded from losses and metrics)
-IGNORE_ID = 255
+#: global id of "ignore" in labels and label maps: excluded from losses, prototypes and metrics. The one
+#: definition every module imports.
+IGNORE_INDEX = 255
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class SessionSpec:
     unlabelled_per_class: int = 0
     source: str = "synthetic"
     other_classes: str = "background"
-    sources: tuple["SourceSpec", ...] = ()
+    sources: tuple[SourceSpec, ...] = ()
 
     @property
     def classes(self) -> tuple[int, ...]:
@@ -140,7 +141,7 @@ class DatasetSpec:
         domain: the imaging domain of the dataset's samples.
         options: layout options (e.g. the TotalSegmentator structure list).
         labels: native label (id, or name as the layout reports it) -> global class id;
-            ``IGNORE_ID`` (255) marks native labels to ignore. Several native labels may share
+            ``IGNORE_INDEX`` (255) marks native labels to ignore. Several native labels may share
             a global id; a class recurring in a new domain maps to its existing global id.
         unmapped: what native labels that are known to the layout but absent from ``labels``
             become: "background" (0) or "ignore" (255).
@@ -171,7 +172,7 @@ class DatasetSpec:
 
     def targets(self) -> set[int]:
         """Global class ids this dataset provides labels for (ignore excluded)."""
-        return {g for g in self.labels.values() if g not in (0, IGNORE_ID)}
+        return {g for g in self.labels.values() if g not in (0, IGNORE_INDEX)}
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ class Protocol:
         domains: declared domains by name.
         sessions: sessions in order.
         synthetic: generator options when the data source is synthetic.
-        training: recommended training defaults (validated by ``jascl.training.config``).
+        training: recommended training defaults (validated by ``jascl.engine.config``).
         unlabelled_noise: boundary-aware degradation of unlabelled pools: "none",
             "moderate" or "heavy" (the paper's limitations section, ``jascl.data.noise``).
         datasets: local dataset copies by entry name, for protocols on public datasets
@@ -272,12 +273,14 @@ class _Reader:
     def fail(self, key: str, message: str) -> ConfigError:
         return ConfigError(f"{self.source}: {key}: {message}" if key else f"{self.source}: {message}")
 
-    def mapping(self, value: Any, key: str, allowed: set[str], required: set[str] = frozenset()) -> dict:
+    def mapping(self, value: Any, key: str, allowed: set[str], required: Collection[str] = frozenset()) -> dict:
         if not isinstance(value, Mapping):
             raise self.fail(key, f"must be a mapping (got {type(value).__name__})")
         for k in value:
             if k not in allowed:
-                raise self.fail(f"{key}.{k}" if key else str(k), f"unknown key; allowed keys: {', '.join(sorted(allowed))}")
+                raise self.fail(
+                    f"{key}.{k}" if key else str(k), f"unknown key; allowed keys: {', '.join(sorted(allowed))}"
+                )
         for k in sorted(required):
             if k not in value:
                 raise self.fail(f"{key}.{k}" if key else k, "is required")
@@ -310,16 +313,62 @@ class _Reader:
         return tuple(self.integer(v, f"{key}[{i}]", minimum=0) for i, v in enumerate(value))
 
 
-_TOP_KEYS = {"name", "description", "seed", "spatial_dims", "in_channels", "metric", "classes", "domains",
-             "sessions", "synthetic", "training", "unlabelled_noise", "datasets"}
+_TOP_KEYS = {
+    "name",
+    "description",
+    "seed",
+    "spatial_dims",
+    "in_channels",
+    "metric",
+    "classes",
+    "domains",
+    "sessions",
+    "synthetic",
+    "training",
+    "unlabelled_noise",
+    "datasets",
+}
 NOISE_SCHEDULES = ("none", "moderate", "heavy")
-_SESSION_KEYS = {"name", "domains", "new_classes", "recurring_classes", "shots", "train", "test", "unlabelled",
-                 "unlabelled_per_class", "source", "other_classes", "sources"}
-_DATASET_KEYS = {"layout", "root", "domain", "options", "labels", "unmapped", "train_splits", "test_splits",
-                 "test_fraction", "group_by", "preprocess"}
+_SESSION_KEYS = {
+    "name",
+    "domains",
+    "new_classes",
+    "recurring_classes",
+    "shots",
+    "train",
+    "test",
+    "unlabelled",
+    "unlabelled_per_class",
+    "source",
+    "other_classes",
+    "sources",
+}
+_DATASET_KEYS = {
+    "layout",
+    "root",
+    "domain",
+    "options",
+    "labels",
+    "unmapped",
+    "train_splits",
+    "test_splits",
+    "test_fraction",
+    "group_by",
+    "preprocess",
+}
 _SYNTHETIC_KEYS = {"size", "objects_per_image", "object_radius", "distractors"}
-APPEARANCE_KEYS = {"background", "class_intensity", "jitter", "noise", "speckle", "blur", "texture", "invert",
-                   "bias_field", "gamma"}
+APPEARANCE_KEYS = {
+    "background",
+    "class_intensity",
+    "jitter",
+    "noise",
+    "speckle",
+    "blur",
+    "texture",
+    "invert",
+    "bias_field",
+    "gamma",
+}
 
 
 def parse_protocol(data: Any, source: str = "<protocol>", name: str | None = None) -> Protocol:
@@ -359,7 +408,10 @@ def parse_protocol(data: Any, source: str = "<protocol>", name: str | None = Non
         sessions.append(s)
     never = sorted(class_ids - introduced - {0})
     if never:
-        raise r.fail("classes", f"class id(s) {never} are declared but no session introduces them; add them to a session's new_classes or remove them")
+        raise r.fail(
+            "classes",
+            f"class id(s) {never} are declared but no session introduces them; add them to a session's new_classes or remove them",
+        )
     if synthetic is not None:
         for c in classes:
             if c.id != 0 and not c.shape:
@@ -370,9 +422,18 @@ def parse_protocol(data: Any, source: str = "<protocol>", name: str | None = Non
     noise = r.string(top.get("unlabelled_noise", "none"), "unlabelled_noise", NOISE_SCHEDULES)
     return Protocol(
         unlabelled_noise=noise,
-        name=proto_name, path=source, seed=seed, spatial_dims=spatial_dims, in_channels=in_channels,
-        metric=metric, classes=classes, domains=domains, sessions=tuple(sessions),
-        description=str(top.get("description", "")), synthetic=synthetic, training=dict(training),
+        name=proto_name,
+        path=source,
+        seed=seed,
+        spatial_dims=spatial_dims,
+        in_channels=in_channels,
+        metric=metric,
+        classes=classes,
+        domains=domains,
+        sessions=tuple(sessions),
+        description=str(top.get("description", "")),
+        synthetic=synthetic,
+        training=dict(training),
         datasets=datasets,
     )
 
@@ -454,16 +515,25 @@ def _parse_synthetic(r: _Reader, raw: Any, spatial_dims: int) -> SyntheticSpec:
     return SyntheticSpec(size_t, (lo, hi), (rlo, rhi), distractors)
 
 
-def _parse_session(r: _Reader, raw: Any, i: int, class_ids: set[int], introduced: set[int],
-                   domains: Mapping[str, DomainSpec],
-                   datasets: Mapping[str, DatasetSpec] | None = None) -> SessionSpec:
+def _parse_session(
+    r: _Reader,
+    raw: Any,
+    i: int,
+    class_ids: set[int],
+    introduced: set[int],
+    domains: Mapping[str, DomainSpec],
+    datasets: Mapping[str, DatasetSpec] | None = None,
+) -> SessionSpec:
     key = f"sessions[{i}]"
     e = r.mapping(raw, key, _SESSION_KEYS, required={"domains", "new_classes"})
     datasets = datasets or {}
     on_datasets = "sources" in e
     if datasets and not on_datasets:
-        raise r.fail(f"{key}.sources", "is required: the protocol has a 'datasets' section, so every session names "
-                                       "its dataset sources, e.g. sources: [amos]")
+        raise r.fail(
+            f"{key}.sources",
+            "is required: the protocol has a 'datasets' section, so every session names "
+            "its dataset sources, e.g. sources: [amos]",
+        )
     if on_datasets and not datasets:
         raise r.fail(f"{key}.sources", "names dataset entries but the protocol has no 'datasets' section")
     name = r.string(e.get("name", "base" if i == 0 else f"session{i}"), f"{key}.name")
@@ -475,7 +545,9 @@ def _parse_session(r: _Reader, raw: Any, i: int, class_ids: set[int], introduced
     for j, d in enumerate(doms):
         r.string(d, f"{key}.domains[{j}]")
         if domains and d not in domains:
-            raise r.fail(f"{key}.domains[{j}]", f"domain {d!r} is not declared under 'domains' (declared: {', '.join(domains)})")
+            raise r.fail(
+                f"{key}.domains[{j}]", f"domain {d!r} is not declared under 'domains' (declared: {', '.join(domains)})"
+            )
     new = r.int_list(e["new_classes"], f"{key}.new_classes")
     recurring = r.int_list(e.get("recurring_classes", []), f"{key}.recurring_classes")
     for j, c in enumerate(new):
@@ -485,7 +557,9 @@ def _parse_session(r: _Reader, raw: Any, i: int, class_ids: set[int], introduced
         if c not in class_ids:
             raise r.fail(ckey, f"class id {c} is used before it is declared; add it to 'classes'")
         if c in introduced:
-            raise r.fail(ckey, f"class {c} was already introduced by an earlier session; list it under recurring_classes")
+            raise r.fail(
+                ckey, f"class {c} was already introduced by an earlier session; list it under recurring_classes"
+            )
     if len(set(new)) != len(new):
         raise r.fail(f"{key}.new_classes", "lists a class twice")
     for j, c in enumerate(recurring):
@@ -516,7 +590,9 @@ def _parse_session(r: _Reader, raw: Any, i: int, class_ids: set[int], introduced
             raise r.fail(f"{key}.shots", f"must be a positive integer or 'all' (got {shots_raw!r})")
         shots = shots_raw
         if "train" in e:
-            raise r.fail(f"{key}.train", "only applies when shots is 'all'; a K-shot session has K x classes labelled samples")
+            raise r.fail(
+                f"{key}.train", "only applies when shots is 'all'; a K-shot session has K x classes labelled samples"
+            )
         train = None
     if on_datasets:  # optional cap; every eligible test sample by default
         test_raw = e.get("test", "all")
@@ -534,13 +610,26 @@ def _parse_session(r: _Reader, raw: Any, i: int, class_ids: set[int], introduced
         source = r.string(e.get("source", "synthetic"), f"{key}.source")
         sources = ()
     other = r.string(e.get("other_classes", "background"), f"{key}.other_classes", OTHER_CLASS_POLICIES)
-    return SessionSpec(index=i, name=name, domains=tuple(doms), new_classes=new, recurring_classes=recurring,
-                       shots=shots, train=train, test=test, unlabelled=unlabelled, unlabelled_per_class=per_class,
-                       source=source, other_classes=other, sources=sources)
+    return SessionSpec(
+        index=i,
+        name=name,
+        domains=tuple(doms),
+        new_classes=new,
+        recurring_classes=recurring,
+        shots=shots,
+        train=train,
+        test=test,
+        unlabelled=unlabelled,
+        unlabelled_per_class=per_class,
+        source=source,
+        other_classes=other,
+        sources=sources,
+    )
 
 
-def _parse_sources(r: _Reader, raw: Any, key: str, classes: tuple[int, ...], domains: list[str],
-                   datasets: Mapping[str, DatasetSpec]) -> tuple[SourceSpec, ...]:
+def _parse_sources(
+    r: _Reader, raw: Any, key: str, classes: tuple[int, ...], domains: list[str], datasets: Mapping[str, DatasetSpec]
+) -> tuple[SourceSpec, ...]:
     """``sources: [amos]`` or ``[{dataset: bdd, classes: [15, 16]}, {dataset: idd, classes: [7]}]``.
 
     A bare dataset name teaches every session class that the dataset maps.
@@ -558,20 +647,29 @@ def _parse_sources(r: _Reader, raw: Any, key: str, classes: tuple[int, ...], dom
         e = r.mapping(entry, ekey, {"dataset", "classes"}, required={"dataset"})
         name = r.string(e["dataset"], f"{ekey}.dataset")
         if name not in datasets:
-            raise r.fail(f"{ekey}.dataset", f"dataset {name!r} is not declared under 'datasets' "
-                                            f"(declared: {', '.join(datasets)})")
+            raise r.fail(
+                f"{ekey}.dataset",
+                f"dataset {name!r} is not declared under 'datasets' (declared: {', '.join(datasets)})",
+            )
         spec = datasets[name]
         if spec.domain not in domains:
-            raise r.fail(f"{ekey}.dataset", f"dataset {name!r} is in domain {spec.domain!r}, which is not among the "
-                                            f"session's domains {domains}; add it to the session's domains")
+            raise r.fail(
+                f"{ekey}.dataset",
+                f"dataset {name!r} is in domain {spec.domain!r}, which is not among the "
+                f"session's domains {domains}; add it to the session's domains",
+            )
         if "classes" in e:
             taught = r.int_list(e["classes"], f"{ekey}.classes")
             for k, c in enumerate(taught):
                 if c not in classes:
-                    raise r.fail(f"{ekey}.classes[{k}]", f"class {c} is not one of the session's classes {list(classes)}")
+                    raise r.fail(
+                        f"{ekey}.classes[{k}]", f"class {c} is not one of the session's classes {list(classes)}"
+                    )
                 if c not in spec.targets():
-                    raise r.fail(f"{ekey}.classes[{k}]", f"dataset {name!r} has no label mapped to class {c}; "
-                                                         f"add it to datasets.{name}.labels")
+                    raise r.fail(
+                        f"{ekey}.classes[{k}]",
+                        f"dataset {name!r} has no label mapped to class {c}; add it to datasets.{name}.labels",
+                    )
         else:
             taught = tuple(c for c in classes if c in spec.targets())
             if not taught:
@@ -584,8 +682,9 @@ def _parse_sources(r: _Reader, raw: Any, key: str, classes: tuple[int, ...], dom
     return tuple(out)
 
 
-def _parse_datasets(r: _Reader, raw: Any, classes: tuple[ClassSpec, ...],
-                    domains: Mapping[str, DomainSpec]) -> dict[str, DatasetSpec]:
+def _parse_datasets(
+    r: _Reader, raw: Any, classes: tuple[ClassSpec, ...], domains: Mapping[str, DomainSpec]
+) -> dict[str, DatasetSpec]:
     if not isinstance(raw, Mapping):
         raise r.fail("datasets", "must be a mapping from dataset entry name to {layout, root, labels, ...}")
     by_name = {c.name: c.id for c in classes}
@@ -601,24 +700,30 @@ def _parse_datasets(r: _Reader, raw: Any, classes: tuple[ClassSpec, ...],
         root = r.string(e.get("root", name), f"{key}.root")
         domain = r.string(e.get("domain", name), f"{key}.domain")
         if domains and domain not in domains:
-            raise r.fail(f"{key}.domain", f"domain {domain!r} is not declared under 'domains' (declared: {', '.join(domains)})")
+            raise r.fail(
+                f"{key}.domain", f"domain {domain!r} is not declared under 'domains' (declared: {', '.join(domains)})"
+            )
         labels_raw = e["labels"]
         if not isinstance(labels_raw, Mapping) or not labels_raw:
             raise r.fail(f"{key}.labels", "must be a non-empty mapping native label -> global class (id or name)")
         labels: dict[int | str, int] = {}
         for native, target in labels_raw.items():
             lkey = f"{key}.labels.{native}"
-            if isinstance(native, bool) or not isinstance(native, (int, str)) or native == "" or \
-                    (isinstance(native, int) and native < 0):
+            if (
+                isinstance(native, bool)
+                or not isinstance(native, (int, str))
+                or native == ""
+                or (isinstance(native, int) and native < 0)
+            ):
                 raise r.fail(lkey, "native labels are non-negative integers or label names")
             if isinstance(target, bool):
                 raise r.fail(lkey, f"must be a class id or name (got {target!r})")
             if target == "ignore":
-                gid = IGNORE_ID
+                gid = IGNORE_INDEX
             elif target == "background":
                 gid = 0
             elif isinstance(target, int):
-                if target not in ids and target != IGNORE_ID:
+                if target not in ids and target != IGNORE_INDEX:
                     raise r.fail(lkey, f"class id {target} is not declared in 'classes'")
                 gid = target
             elif isinstance(target, str) and target in by_name:
@@ -640,9 +745,20 @@ def _parse_datasets(r: _Reader, raw: Any, classes: tuple[ClassSpec, ...],
         if not test_splits and fraction <= 0:
             raise r.fail(f"{key}.test_fraction", "must be > 0 when test_splits is empty (there would be no test data)")
         group_by = r.string(e["group_by"], f"{key}.group_by") if e.get("group_by") is not None else None
-        out[name] = DatasetSpec(name=name, layout=layout, root=root, domain=domain, labels=labels, options=options,
-                                unmapped=unmapped, train_splits=train_splits, test_splits=test_splits,
-                                test_fraction=fraction, group_by=group_by, preprocess=preprocess)
+        out[name] = DatasetSpec(
+            name=name,
+            layout=layout,
+            root=root,
+            domain=domain,
+            labels=labels,
+            options=options,
+            unmapped=unmapped,
+            train_splits=train_splits,
+            test_splits=test_splits,
+            test_fraction=fraction,
+            group_by=group_by,
+            preprocess=preprocess,
+        )
     return out
 
 

@@ -1,11 +1,11 @@
 """``jascl report``: one self-contained HTML page and a Markdown file for run folders.
 
-Inputs are run folders written by :func:`jascl.training.runner.run_benchmark`
+Inputs are run folders written by :func:`jascl.experiments.runner.run_benchmark`
 (``results.json``, ``config.yaml``, ``protocol-resolved.json``, ``manifest.json``,
 ``environment.json``, per-session checkpoints) or multi-seed folders
 (``seed-<s>/`` run folders, plus ``compare.json``, as written by ``jascl compare``
 and ``jascl run --seeds``). A multi-seed folder is reported as mean ± std over
-its seeds (sample standard deviation, as in :mod:`jascl.training.compare`).
+its seeds (sample standard deviation, as in :mod:`jascl.experiments.compare`).
 
 Every input folder becomes one part of the report with these sections
 (HTML ids ``p<i>-<section>``, Markdown ``##`` headings):
@@ -40,17 +40,19 @@ import html
 import json
 import math
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import yaml
 
 from jascl import __version__
 from jascl.errors import ConfigError
+from jascl.fileio import atomic_write_text
 from jascl.results import plots
-from jascl.results.report import MISSING, atomic_write_text, format_score, md_table, table_title
+from jascl.results.report import MISSING, format_score, md_table, table_title
 
 __all__ = ["ReportBlock", "RunInput", "open_run", "build_part", "protocol_from_resolved", "write_report", "SECTIONS"]
 
@@ -141,8 +143,10 @@ def open_run(path: str | Path) -> RunInput:
         if match and (sub / "results.json").is_file():
             seed_dirs[int(match.group(1))] = sub
     if not seed_dirs:
-        raise ConfigError(f"{folder}: no results.json and no seed-*/results.json; give a finished run folder "
-                          "(jascl run --out) or multi-seed folder (jascl compare --out)")
+        raise ConfigError(
+            f"{folder}: no results.json and no seed-*/results.json; give a finished run folder "
+            "(jascl run --out) or multi-seed folder (jascl compare --out)"
+        )
     order = sorted(seed_dirs)
     if (folder / "compare.json").is_file():
         listed = [int(s) for s in _read_json(folder / "compare.json").get("seeds", []) if int(s) in seed_dirs]
@@ -298,11 +302,20 @@ def summary_section(run: RunInput) -> list[ReportBlock]:
     for m in run.methods():
         recs = run.records(m)
         drops = [r["methods"][m].get("total_drop") for r in run.results]
-        rows.append([m, *[fmt_values(_values(recs, t, "all"), run.metric) for t in range(len(sessions))],
-                     fmt_values([math.nan if d is None else d for d in drops], "pct")])
+        rows.append(
+            [
+                m,
+                *[fmt_values(_values(recs, t, "all"), run.metric) for t in range(len(sessions))],
+                fmt_values([math.nan if d is None else d for d in drops], "pct"),
+            ]
+        )
     blocks = [_text(_title(run)), _table("summary", header, rows)]
-    blocks.append(_text("Total Drop (%) = 100 × Σ max(0, S_i − S_{i+1}) / S_0 over the all-class means "
-                        "(the paper's forgetting measure; lower is better)."))
+    blocks.append(
+        _text(
+            "Total Drop (%) = 100 × Σ max(0, S_i − S_{i+1}) / S_0 over the all-class means "
+            "(the paper's forgetting measure; lower is better)."
+        )
+    )
     return blocks
 
 
@@ -327,12 +340,17 @@ def sessions_section(run: RunInput) -> list[ReportBlock]:
             domains = ", ".join(recs[0][t].get("domains", []) or []) if t < len(recs[0]) else ""
             rows.append([str(t), name, domains, *[fmt_values(_values(recs, t, k), run.metric) for k in keys]])
         drops = [r["methods"][m].get("total_drop") for r in run.results]
-        rows.append([TOTAL_DROP_ROW, "", "", fmt_values([math.nan if d is None else d for d in drops], "pct"),
-                     "", "", "", ""])
+        rows.append(
+            [TOTAL_DROP_ROW, "", "", fmt_values([math.nan if d is None else d for d in drops], "pct"), "", "", "", ""]
+        )
         blocks.append(_table(f"sessions:{m}", header, rows, heading=m))
-    blocks.append(_text("All = mean over the foreground classes seen so far; Old = classes of earlier sessions; "
-                        "New = classes introduced in the session; Base classes = session-0 classes; "
-                        f"background {run.first.get('background', '')}. Evaluated on the test splits of every session so far."))
+    blocks.append(
+        _text(
+            "All = mean over the foreground classes seen so far; Old = classes of earlier sessions; "
+            "New = classes introduced in the session; Base classes = session-0 classes; "
+            f"background {run.first.get('background', '')}. Evaluated on the test splits of every session so far."
+        )
+    )
     return blocks
 
 
@@ -362,8 +380,11 @@ def _class_matrix(run: RunInput, method: str) -> tuple[np.ndarray, list[str]]:
     matrix = np.full((len(keys), len(sessions)), np.nan)
     for i, key in enumerate(keys):
         for t in range(len(sessions)):
-            vals = [float(per_seed[t]["per_class"][key]) for per_seed in recs
-                    if t < len(per_seed) and per_seed[t].get("per_class", {}).get(key) is not None]
+            vals = [
+                float(per_seed[t]["per_class"][key])
+                for per_seed in recs
+                if t < len(per_seed) and per_seed[t].get("per_class", {}).get(key) is not None
+            ]
             mean, _, n = _mean_std(vals)
             if n:
                 matrix[i, t] = mean
@@ -372,8 +393,12 @@ def _class_matrix(run: RunInput, method: str) -> tuple[np.ndarray, list[str]]:
 
 def heatmaps_section(run: RunInput, prefix: str) -> list[ReportBlock]:
     """One per-class-by-session heat map per method (class-wise tables as pictures)."""
-    blocks = [_text("Rows are foreground classes, columns sessions (the model after that session); grey = class "
-                    "not yet seen, or absent from the test data" + (". Cells are means over seeds." if run.multi_seed else "."))]
+    blocks = [
+        _text(
+            "Rows are foreground classes, columns sessions (the model after that session); grey = class "
+            "not yet seen, or absent from the test data" + (". Cells are means over seeds." if run.multi_seed else ".")
+        )
+    ]
     cols = [f"S{t}\n{n}" for t, n in run.sessions()]
     iou = run.metric == "iou"
     for m in run.methods():
@@ -381,8 +406,14 @@ def heatmaps_section(run: RunInput, prefix: str) -> list[ReportBlock]:
         if matrix.size == 0:
             blocks.append(_text(f"{m}: no per-class scores in results.json."))
             continue
-        png = plots.class_heatmap(matrix, rows, cols, f"{m}: per-class {'IoU ×100' if iou else run.metric} by session",
-                                  scale=100.0 if iou else 1.0, decimals=1 if iou else 2)
+        png = plots.class_heatmap(
+            matrix,
+            rows,
+            cols,
+            f"{m}: per-class {'IoU ×100' if iou else run.metric} by session",
+            scale=100.0 if iou else 1.0,
+            decimals=1 if iou else 2,
+        )
         blocks.append(_figure(f"{prefix}-heatmap-{_safe(m)}", png, f"{m}: per-class score by session"))
     return blocks
 
@@ -394,8 +425,9 @@ def _session_folder(run: Path, method: str, t: int, name: str) -> Path:
     return run / "base"
 
 
-def qualitative_section(run: RunInput, prefix: str, samples: int, device: str, cache_dir: str | Path | None,
-                        echo: Callable[[str], None]) -> list[ReportBlock]:
+def qualitative_section(
+    run: RunInput, prefix: str, samples: int, device: str, cache_dir: str | Path | None, echo: Callable[[str], None]
+) -> list[ReportBlock]:
     """Overlays of a few test samples per session; a sentence instead when the data or models cannot be loaded."""
     if samples <= 0:
         return [_text("Skipped (--samples 0).")]
@@ -406,8 +438,12 @@ def qualitative_section(run: RunInput, prefix: str, samples: int, device: str, c
     except Exception as exc:  # the report is still useful without pictures; say why they are missing
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         echo(f"[report] qualitative overlays unavailable for {folder}: {reason}")
-        return note + [_text(f"Qualitative overlays are not available: the data or models could not be loaded "
-                             f"({type(exc).__name__}: {reason}).")]
+        return note + [
+            _text(
+                f"Qualitative overlays are not available: the data or models could not be loaded "
+                f"({type(exc).__name__}: {reason})."
+            )
+        ]
 
 
 def _predict(model, image: np.ndarray, roi: Sequence[int] | None, device) -> np.ndarray:
@@ -424,17 +460,26 @@ def _predict(model, image: np.ndarray, roi: Sequence[int] | None, device) -> np.
     return torch.as_tensor(logits).argmax(1)[0].cpu().numpy()
 
 
-def _qualitative(run: Path, results: Mapping[str, Any], methods: Sequence[str], samples: int, device: str,
-                 cache_dir: str | Path | None, prefix: str, echo: Callable[[str], None]) -> list[ReportBlock]:
-    from jascl.methods.base import Method
-    from jascl.training.config import resolve_config
-    from jascl.training.runner import load_data
-    from jascl.training.trainer import ContinualTrainer
+def _qualitative(
+    run: Path,
+    results: Mapping[str, Any],
+    methods: Sequence[str],
+    samples: int,
+    device: str,
+    cache_dir: str | Path | None,
+    prefix: str,
+    echo: Callable[[str], None],
+) -> list[ReportBlock]:
+    import torch
+
+    from jascl.data.sessions import load_sessions
+    from jascl.engine.checkpoint import read_session_model
+    from jascl.engine.config import resolve_config
 
     protocol = _load_protocol(run, results)
     config = resolve_config(None, "config.yaml", run / "config.yaml")
     config.device = device
-    data = load_data(protocol, cache_dir, echo=lambda msg: echo(f"[report] {msg}"))
+    data = load_sessions(protocol, cache_dir, echo=lambda msg: echo(f"[report] {msg}"))
     manifest = run / "manifest.json"
     if manifest.is_file():
         listed = {int(s["session"]): s.get("test", []) for s in _read_json(manifest).get("sessions", [])}
@@ -443,13 +488,15 @@ def _qualitative(run: Path, results: Mapping[str, Any], methods: Sequence[str], 
                 raise ConfigError(f"the test split of session {d.session.index} differs from {manifest}")
     names = {c.id: c.name for c in protocol.classes}
     colours = plots.class_colours([c.id for c in protocol.classes])
-    trainers = {m: ContinualTrainer(protocol, config, Method(m), data, progress=False) for m in methods}
+    target = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
+    )
     cache: dict[tuple[str, int], Any] = {}
 
     def model_after(method: str, t: int):
         if (method, t) not in cache:
             folder = _session_folder(run, method, t, protocol.sessions[t].name)
-            cache[(method, t)] = trainers[method].load_session(folder, t)[0].eval()
+            cache[(method, t)] = read_session_model(folder, protocol, config, t).to(target)
         return cache[(method, t)]
 
     last = {m: len(results["methods"][m]["sessions"]) - 1 for m in methods}
@@ -469,26 +516,39 @@ def _qualitative(run: Path, results: Mapping[str, Any], methods: Sequence[str], 
         for i in picks:
             truth = test.labels[i]
             image, where = plots.display_slice(test.images[i][0], truth)
-            row: dict[str, Any] = {"image": image, "label": f"{test.ids[i]} {where}".strip(),
-                                   "ground truth": plots.display_slice(truth, truth)[0]}
+            row: dict[str, Any] = {
+                "image": image,
+                "label": f"{test.ids[i]} {where}".strip(),
+                "ground truth": plots.display_slice(truth, truth)[0],
+            }
             for m in methods:
                 for s in sorted({t, last[m]}):
                     if s < t or s > last[m]:
                         continue
                     seen = np.asarray(protocol.seen_classes(s))
-                    pred = seen[_predict(model_after(m, s), test.images[i], config.patch_size, trainers[m].device)]
+                    pred = seen[_predict(model_after(m, s), test.images[i], config.patch_size, target)]
                     row[f"{m} after S{s}"] = plots.display_slice(pred, truth)[0]
             rows.append(row)
         title = f"S{t} {session.name} (domain {', '.join(session.domains)}): test samples"
         what = "input (the slice of the volume with the most foreground)" if protocol.spatial_dims == 3 else "input"
-        blocks.append(_figure(f"{prefix}-qualitative-s{t}", plots.overlay_grid(rows, columns, colours, names, title),
-                              f"Session {t} ({session.name}) test samples: {what}, ground truth, and each method's "
-                              "prediction after that session and after its last one"))
+        blocks.append(
+            _figure(
+                f"{prefix}-qualitative-s{t}",
+                plots.overlay_grid(rows, columns, colours, names, title),
+                f"Session {t} ({session.name}) test samples: {what}, ground truth, and each method's "
+                "prediction after that session and after its last one",
+            )
+        )
     return blocks
 
 
-_PL_COLUMNS = (("coverage", "Coverage"), ("precision", "Precision"), ("confidence_only_coverage", "Conf.-only coverage"),
-               ("confidence_only_precision", "Conf.-only precision"), ("teacher_error_final", "Teacher error (final)"))
+_PL_COLUMNS = (
+    ("coverage", "Coverage"),
+    ("precision", "Precision"),
+    ("confidence_only_coverage", "Conf.-only coverage"),
+    ("confidence_only_precision", "Conf.-only precision"),
+    ("teacher_error_final", "Teacher error (final)"),
+)
 
 
 def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
@@ -497,12 +557,18 @@ def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
     sessions = run.sessions()
     with_stats: dict[str, list[int]] = {}
     for m in run.methods():
-        ts = sorted({t for recs in run.records(m) for t, r in enumerate(recs) if isinstance(r.get("pseudo_labels"), Mapping)})
+        ts = sorted(
+            {t for recs in run.records(m) for t, r in enumerate(recs) if isinstance(r.get("pseudo_labels"), Mapping)}
+        )
         if ts:
             with_stats[m] = ts
     if not with_stats:
-        return [_text("No pseudo-label statistics in this run (no semi-supervised method, or no unlabelled "
-                      "phase ran: the protocol has no unlabelled pools or pas.start_epoch ≥ the epochs).")]
+        return [
+            _text(
+                "No pseudo-label statistics in this run (no semi-supervised method, or no unlabelled "
+                "phase ran: the protocol has no unlabelled pools or pas.start_epoch ≥ the epochs)."
+            )
+        ]
     header = ["Session", "Name", "Filter", "Phases", *[title for _, title in _PL_COLUMNS]]
     for m, ts in with_stats.items():
         recs = run.records(m)
@@ -517,21 +583,48 @@ def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
 
         rows = []
         for t in ts:
-            filters = sorted({str(p[t]["pseudo_labels"].get("filter", "")) for p in recs
-                              if t < len(p) and isinstance(p[t].get("pseudo_labels"), Mapping)})
-            rows.append([str(t), sessions[t][1], "/".join(filters), fmt_values(stat(t, "phases"), "count"),
-                         *[fmt_values(stat(t, key), "frac") for key, _ in _PL_COLUMNS]])
+            filters = sorted(
+                {
+                    str(p[t]["pseudo_labels"].get("filter", ""))
+                    for p in recs
+                    if t < len(p) and isinstance(p[t].get("pseudo_labels"), Mapping)
+                }
+            )
+            rows.append(
+                [
+                    str(t),
+                    sessions[t][1],
+                    "/".join(filters),
+                    fmt_values(stat(t, "phases"), "count"),
+                    *[fmt_values(stat(t, key), "frac") for key, _ in _PL_COLUMNS],
+                ]
+            )
         blocks.append(_table(f"pseudo-labels:{m}", header, rows, heading=m))
     shown = sorted({t for ts in with_stats.values() for t in ts})
     series: dict[str, dict[str, list[list[float]]]] = {"coverage": {}, "precision": {}}
     for m in with_stats:
         recs = run.records(m)
         for key in series:
-            series[key][m] = [[float(p[t]["pseudo_labels"][key]) if t < len(p) and isinstance(p[t].get("pseudo_labels"), Mapping)
-                               and p[t]["pseudo_labels"].get(key) is not None else math.nan for p in recs] for t in shown]
+            series[key][m] = [
+                [
+                    float(p[t]["pseudo_labels"][key])
+                    if t < len(p)
+                    and isinstance(p[t].get("pseudo_labels"), Mapping)
+                    and p[t]["pseudo_labels"].get(key) is not None
+                    else math.nan
+                    for p in recs
+                ]
+                for t in shown
+            ]
     png = plots.pseudo_label_plot([f"S{t} {sessions[t][1]}" for t in shown], series)
-    blocks.append(_figure(f"{prefix}-pseudo-labels", png, "Coverage = kept / all unlabelled pixels; precision = "
-                          "kept pixels whose pseudo-label equals the hidden ground truth / kept pixels"))
+    blocks.append(
+        _figure(
+            f"{prefix}-pseudo-labels",
+            png,
+            "Coverage = kept / all unlabelled pixels; precision = "
+            "kept pixels whose pseudo-label equals the hidden ground truth / kept pixels",
+        )
+    )
     return blocks
 
 
@@ -556,14 +649,34 @@ def config_section(run: RunInput) -> list[ReportBlock]:
         protocol = _load_protocol(folder, run.first)
     except ConfigError as exc:
         return blocks + [_text(f"Protocol not available: {exc}")]
-    blocks.append(_text(f"Protocol {protocol.name} ({protocol.spatial_dims}D, metric {protocol.metric}, "
-                        f"unlabelled noise {protocol.unlabelled_noise}): {protocol.description}"))
+    blocks.append(
+        _text(
+            f"Protocol {protocol.name} ({protocol.spatial_dims}D, metric {protocol.metric}, "
+            f"unlabelled noise {protocol.unlabelled_noise}): {protocol.description}"
+        )
+    )
     cls = lambda ids: ", ".join(f"{c} {protocol.class_name(c)}" for c in ids) or "—"  # noqa: E731
-    rows = [[str(s.index), s.name, ", ".join(s.domains), cls(s.new_classes), cls(s.recurring_classes),
-             "all" if s.shots is None else str(s.shots), str(s.num_labelled), str(s.unlabelled), str(s.test)]
-            for s in protocol.sessions]
-    blocks.append(_table("protocol", ["Session", "Name", "Domains", "New classes", "Recurring", "Shots K",
-                                      "Labelled", "Unlabelled", "Test"], rows))
+    rows = [
+        [
+            str(s.index),
+            s.name,
+            ", ".join(s.domains),
+            cls(s.new_classes),
+            cls(s.recurring_classes),
+            "all" if s.shots is None else str(s.shots),
+            str(s.num_labelled),
+            str(s.unlabelled),
+            str(s.test),
+        ]
+        for s in protocol.sessions
+    ]
+    blocks.append(
+        _table(
+            "protocol",
+            ["Session", "Name", "Domains", "New classes", "Recurring", "Shots K", "Labelled", "Unlabelled", "Test"],
+            rows,
+        )
+    )
     return blocks
 
 
@@ -581,12 +694,27 @@ def versions_section(run: RunInput) -> list[ReportBlock]:
         batch = config.get("batch_size")
         pas = config.get("pas") or {}
         rows.append(["protocol seed (data, K-shot selection)", str(seed), folder.name if run.multi_seed else ""])
-        rows.append(["training seed", str(config.get("seed") if config.get("seed") is not None else seed),
-                     folder.name if run.multi_seed else ""])
-        rows.append(["effective batch size (labelled; no gradient accumulation)", str(batch),
-                     folder.name if run.multi_seed else ""])
-        rows.append(["unlabelled batch size (mean-teacher phases)", str(pas.get("batch_size") or batch),
-                     folder.name if run.multi_seed else ""])
+        rows.append(
+            [
+                "training seed",
+                str(config.get("seed") if config.get("seed") is not None else seed),
+                folder.name if run.multi_seed else "",
+            ]
+        )
+        rows.append(
+            [
+                "effective batch size (labelled; no gradient accumulation)",
+                str(batch),
+                folder.name if run.multi_seed else "",
+            ]
+        )
+        rows.append(
+            [
+                "unlabelled batch size (mean-teacher phases)",
+                str(pas.get("batch_size") or batch),
+                folder.name if run.multi_seed else "",
+            ]
+        )
         rows.append(["device (configuration)", str(config.get("device")), folder.name if run.multi_seed else ""])
     import matplotlib
 
@@ -611,20 +739,44 @@ def manifest_section(run: RunInput) -> list[ReportBlock]:
         for s in manifest.get("sessions", []):
             train = list(s.get("train", []))
             shown = ", ".join(train[:4]) + (f", … ({len(train) - 4} more)" if len(train) > 4 else "")
-            rows.append([str(s.get("session")), str(s.get("name")), str(s.get("shots")), str(len(train)),
-                         str(len(s.get("test", []))), str(len(s.get("unlabelled", []))), shown])
-        blocks.append(_text(f"Seed {seed}: {path} (sha256 {hashlib.sha256(raw).hexdigest()[:16]}); sample ids "
-                            "of every split, regenerated from (seed, protocol)."))
-        blocks.append(_table(f"manifest:{seed}", ["Session", "Name", "Shots", "Labelled", "Test", "Unlabelled",
-                                                  "Labelled sample ids"], rows))
+            rows.append(
+                [
+                    str(s.get("session")),
+                    str(s.get("name")),
+                    str(s.get("shots")),
+                    str(len(train)),
+                    str(len(s.get("test", []))),
+                    str(len(s.get("unlabelled", []))),
+                    shown,
+                ]
+            )
+        blocks.append(
+            _text(
+                f"Seed {seed}: {path} (sha256 {hashlib.sha256(raw).hexdigest()[:16]}); sample ids "
+                "of every split, regenerated from (seed, protocol)."
+            )
+        )
+        blocks.append(
+            _table(
+                f"manifest:{seed}",
+                ["Session", "Name", "Shots", "Labelled", "Test", "Unlabelled", "Labelled sample ids"],
+                rows,
+            )
+        )
     return blocks
 
 
 # ----------------------------------------------------------------------------- assembly
 
 
-def build_part(run: RunInput, index: int, samples: int = 2, device: str = "cpu",
-               cache_dir: str | Path | None = None, echo: Callable[[str], None] = print) -> list[tuple[str, list[ReportBlock]]]:
+def build_part(
+    run: RunInput,
+    index: int,
+    samples: int = 2,
+    device: str = "cpu",
+    cache_dir: str | Path | None = None,
+    echo: Callable[[str], None] = print,
+) -> list[tuple[str, list[ReportBlock]]]:
     """The sections of one input folder: ``[(section id, blocks), ...]`` in :data:`SECTIONS` order."""
     prefix = f"p{index}"
     return [
@@ -670,15 +822,23 @@ def _html_block(block: ReportBlock) -> str:
         return f"<pre>{e(block.text)}</pre>"
     if block.kind == "figure":
         data = base64.b64encode(block.png).decode("ascii")
-        return (f'<figure><img alt="{e(block.text)}" src="data:image/png;base64,{data}">'
-                f"<figcaption>{e(block.text)}</figcaption></figure>")
+        return (
+            f'<figure><img alt="{e(block.text)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{e(block.text)}</figcaption></figure>"
+        )
     head = f"<h3>{e(block.heading)}</h3>" if block.heading else ""
-    lines = [f'{head}<table data-table="{e(block.name)}"><thead><tr>'
-             + "".join(f"<th>{e(h)}</th>" for h in block.header) + "</tr></thead><tbody>"]
+    lines = [
+        f'{head}<table data-table="{e(block.name)}"><thead><tr>'
+        + "".join(f"<th>{e(h)}</th>" for h in block.header)
+        + "</tr></thead><tbody>"
+    ]
     for row in block.rows:
         cls = ' class="total"' if row and row[0] == TOTAL_DROP_ROW else ""
-        lines.append(f"<tr{cls}>" + "".join(f"<td>{e(c)}</td>" if _NUMERIC.match(c) else f'<td class="t">{e(c)}</td>'
-                                            for c in row) + "</tr>")
+        lines.append(
+            f"<tr{cls}>"
+            + "".join(f"<td>{e(c)}</td>" if _NUMERIC.match(c) else f'<td class="t">{e(c)}</td>' for c in row)
+            + "</tr>"
+        )
     lines.append("</tbody></table>")
     return "\n".join(lines)
 
@@ -694,7 +854,9 @@ def _md_block(block: ReportBlock, figures: dict[str, str]) -> str:
     return head + md_table(block.header, block.rows)
 
 
-def render(parts: Sequence[tuple[RunInput, list[tuple[str, list[ReportBlock]]]]], figures: dict[str, str]) -> tuple[str, str]:
+def render(
+    parts: Sequence[tuple[RunInput, list[tuple[str, list[ReportBlock]]]]], figures: dict[str, str]
+) -> tuple[str, str]:
     """HTML page and Markdown text of the report; ``figures`` maps figure names to Markdown file names."""
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     heading = f"jascl report ({stamp}, jascl {__version__})"
@@ -717,14 +879,23 @@ def render(parts: Sequence[tuple[RunInput, list[tuple[str, list[ReportBlock]]]]]
             for b in blocks:
                 md += [_md_block(b, figures), ""]
         body.append("</div>")
-    page = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{html.escape(heading)}</title><style>{_CSS}</style></head><body>\n"
-            + "\n".join(body) + "\n</body></html>\n")
+    page = (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{html.escape(heading)}</title><style>{_CSS}</style></head><body>\n"
+        + "\n".join(body)
+        + "\n</body></html>\n"
+    )
     return page, "\n".join(md).rstrip("\n") + "\n"
 
 
-def write_report(run_dirs: Sequence[str | Path], out: str | Path, samples: int = 2, device: str = "cpu",
-                 cache_dir: str | Path | None = None, echo: Callable[[str], None] = print) -> dict[str, Path]:
+def write_report(
+    run_dirs: Sequence[str | Path],
+    out: str | Path,
+    samples: int = 2,
+    device: str = "cpu",
+    cache_dir: str | Path | None = None,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Path]:
     """Write ``report.html`` (self-contained) and ``report.md`` (+ its PNG figures) into ``out``.
 
     Args:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from matplotlib import colormaps
@@ -23,23 +23,35 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-__all__ = [
-    "class_colours",
-    "display_slice",
-    "session_curves",
-    "class_heatmap",
-    "overlay_grid",
-    "pseudo_label_plot",
-]
+__all__ = ["class_colours", "display_slice", "session_curves", "class_heatmap", "overlay_grid", "pseudo_label_plot"]
 
 #: dots per inch of every figure; figure sizes below are chosen for ~1200 px wide images
 DPI = 110
 
 # Class colours, indexed by class id - 1: the ten tab10 hues (mutually distinct; tab10's grey is
 # replaced by yellow, which stands out on grey-scale images), then paired lighter / darker hues.
-_PALETTE = ["#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564B", "#E377C2", "#FFE119", "#17BECF",
-            "#BCBD22", "#A6CEE3", "#FDBF6F", "#B2DF8A", "#FB9A99", "#CAB2D6", "#6A3D9A", "#B15928", "#00FF7F",
-            "#FF00FF", "#000080"]
+_PALETTE = [
+    "#1F77B4",
+    "#FF7F0E",
+    "#2CA02C",
+    "#D62728",
+    "#9467BD",
+    "#8C564B",
+    "#E377C2",
+    "#FFE119",
+    "#17BECF",
+    "#BCBD22",
+    "#A6CEE3",
+    "#FDBF6F",
+    "#B2DF8A",
+    "#FB9A99",
+    "#CAB2D6",
+    "#6A3D9A",
+    "#B15928",
+    "#00FF7F",
+    "#FF00FF",
+    "#000080",
+]
 
 
 def _png(fig: Figure) -> bytes:
@@ -79,8 +91,9 @@ def display_slice(array: np.ndarray, label: np.ndarray | None = None) -> tuple[n
     return array[..., index], f"slice {index}/{depth}"
 
 
-def session_curves(session_labels: Sequence[str], panels: Mapping[str, Mapping[str, Sequence[Sequence[float]]]],
-                   ylabel: str) -> bytes:
+def session_curves(
+    session_labels: Sequence[str], panels: Mapping[str, Mapping[str, Sequence[Sequence[float]]]], ylabel: str
+) -> bytes:
     """Line plot(s) of a score per session, one line per method, with a ±std band when several seeds.
 
     Args:
@@ -119,8 +132,14 @@ def session_curves(session_labels: Sequence[str], panels: Mapping[str, Mapping[s
     return _png(fig)
 
 
-def class_heatmap(matrix: np.ndarray, row_labels: Sequence[str], col_labels: Sequence[str], title: str,
-                  scale: float = 1.0, decimals: int = 2) -> bytes:
+def class_heatmap(
+    matrix: np.ndarray,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    title: str,
+    scale: float = 1.0,
+    decimals: int = 2,
+) -> bytes:
     """Per-class score by session as a heat map (the paper's class-wise tables as a picture).
 
     Args:
@@ -145,8 +164,15 @@ def class_heatmap(matrix: np.ndarray, row_labels: Sequence[str], col_labels: Seq
         for c in range(cols):
             v = matrix[r, c]
             if not math.isnan(float(v)):
-                ax.text(c, r, f"{scale * float(v):.{decimals}f}", ha="center", va="center", fontsize=9,
-                        color="black" if v > 0.55 else "white")
+                ax.text(
+                    c,
+                    r,
+                    f"{scale * float(v):.{decimals}f}",
+                    ha="center",
+                    va="center",
+                    fontsize=9,
+                    color="black" if v > 0.55 else "white",
+                )
     ax.set_xticks(range(cols), list(col_labels), fontsize=10)
     ax.set_yticks(range(rows), list(row_labels), fontsize=10)
     ax.set_title(title, fontsize=11)
@@ -163,8 +189,14 @@ def _label_rgba(label: np.ndarray, colours: Mapping[int, str], alpha: float) -> 
     return rgba
 
 
-def overlay_grid(rows: Sequence[Mapping[str, object]], columns: Sequence[str], colours: Mapping[int, str],
-                 names: Mapping[int, str], title: str = "", alpha: float = 0.55) -> bytes:
+def overlay_grid(
+    rows: Sequence[Mapping[str, object]],
+    columns: Sequence[str],
+    colours: Mapping[int, str],
+    names: Mapping[int, str],
+    title: str = "",
+    alpha: float = 0.55,
+) -> bytes:
     """Input, ground truth and predictions side by side, labels drawn over the input.
 
     Args:
@@ -194,8 +226,17 @@ def overlay_grid(rows: Sequence[Mapping[str, object]], columns: Sequence[str], c
             if c > 0:
                 label = row.get(column)
                 if label is None:
-                    ax.text(0.5, 0.5, "not available", ha="center", va="center", transform=ax.transAxes,
-                            fontsize=9, color="white", bbox={"facecolor": "black", "alpha": 0.6})
+                    ax.text(
+                        0.5,
+                        0.5,
+                        "not available",
+                        ha="center",
+                        va="center",
+                        transform=ax.transAxes,
+                        fontsize=9,
+                        color="white",
+                        bbox={"facecolor": "black", "alpha": 0.6},
+                    )
                 else:
                     label = np.asarray(label)
                     present.update(int(v) for v in np.unique(label) if v not in (0, 255))
@@ -206,7 +247,9 @@ def overlay_grid(rows: Sequence[Mapping[str, object]], columns: Sequence[str], c
                 ax.set_title(column, fontsize=9)
             if c == 0:
                 ax.set_ylabel(str(row.get("label", "")), fontsize=8)
-    handles = [Patch(facecolor=colours[c], label=f"{c} {names.get(c, '')}".strip()) for c in sorted(present) if c in colours]
+    handles = [
+        Patch(facecolor=colours[c], label=f"{c} {names.get(c, '')}".strip()) for c in sorted(present) if c in colours
+    ]
     if handles:
         fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 10), fontsize=9, frameon=False)
     if title:
@@ -214,8 +257,9 @@ def overlay_grid(rows: Sequence[Mapping[str, object]], columns: Sequence[str], c
     return _png(fig)
 
 
-def pseudo_label_plot(session_labels: Sequence[str],
-                      series: Mapping[str, Mapping[str, Sequence[Sequence[float]]]]) -> bytes:
+def pseudo_label_plot(
+    session_labels: Sequence[str], series: Mapping[str, Mapping[str, Sequence[Sequence[float]]]]
+) -> bytes:
     """Pseudo-label coverage and precision per session, one line per method (PAS vs confidence-only).
 
     Args:
@@ -225,6 +269,11 @@ def pseudo_label_plot(session_labels: Sequence[str],
     Returns:
         PNG bytes with two panels.
     """
-    return session_curves(session_labels, {"pseudo-label coverage (kept / all pixels)": series["coverage"],
-                                           "pseudo-label precision (kept and correct / kept)": series["precision"]},
-                          "fraction")
+    return session_curves(
+        session_labels,
+        {
+            "pseudo-label coverage (kept / all pixels)": series["coverage"],
+            "pseudo-label precision (kept and correct / kept)": series["precision"],
+        },
+        "fraction",
+    )

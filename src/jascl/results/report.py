@@ -22,10 +22,11 @@ import io
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from jascl.fileio import atomic_write_text
 
 __all__ = [
     "format_score",
@@ -136,9 +137,7 @@ def comparison_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[s
     return header, rows
 
 
-def session_detail_table(
-    results: Mapping[str, Any], method: str
-) -> tuple[list[str], list[list[str]]]:
+def session_detail_table(results: Mapping[str, Any], method: str) -> tuple[list[str], list[list[str]]]:
     """Per-session detail table for one method.
 
     Returns:
@@ -154,8 +153,7 @@ def session_detail_table(
     rows = []
     for i, s in enumerate(_sessions(m)):
         rows.append(
-            [str(s.get("session", i)), str(s.get("name", ""))]
-            + [format_score(s.get(k), metric) for k in _SPLITS]
+            [str(s.get("session", i)), str(s.get("name", ""))] + [format_score(s.get(k), metric) for k in _SPLITS]
         )
     return header, rows
 
@@ -194,8 +192,12 @@ def per_class_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[st
             sessions = _sessions(m)
             last = (sessions[-1].get("per_class") or {}).get(key) if sessions else None
             forgetting = (m.get("forgetting") or {}).get(key)
-            row += [format_score(last, metric), MISSING if forgetting is None or math.isnan(_as_float(forgetting))
-                    else format_score(forgetting, metric)]
+            row += [
+                format_score(last, metric),
+                MISSING
+                if forgetting is None or math.isnan(_as_float(forgetting))
+                else format_score(forgetting, metric),
+            ]
         rows.append(row)
     return header, rows
 
@@ -234,26 +236,6 @@ def _csv_rows(results: Mapping[str, Any]) -> list[list[Any]]:
 def _csv_value(value: Any) -> str:
     v = _as_float(value)
     return "" if math.isnan(v) else repr(v)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Writes ``text`` to a temp file next to ``path``, then ``os.replace``s it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; results are for everyone the umask allows
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def to_csv(results: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:

@@ -30,22 +30,30 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from jascl.methods.base import Plugin
+from jascl.engine.plugin import Plugin
 from jascl.methods.gas import GASNoise
 
 if TYPE_CHECKING:
-    from jascl.training.state import LoopState
+    from jascl.engine.state import LoopState
 
 __all__ = ["TensorBoardPlugin", "gas_scale_stats", "session_scalars"]
 
 #: numeric pseudo-label statistics logged per session (``metrics.json`` -> ``pseudo_labels``)
-PSEUDO_LABEL_KEYS = ("coverage", "precision", "confidence_only_coverage", "confidence_only_precision",
-                     "foreground_precision", "teacher_error_final", "eps_inf_predicted")
+PSEUDO_LABEL_KEYS = (
+    "coverage",
+    "precision",
+    "confidence_only_coverage",
+    "confidence_only_precision",
+    "foreground_precision",
+    "teacher_error_final",
+    "eps_inf_predicted",
+)
 
 
 @torch.no_grad()
@@ -59,8 +67,12 @@ def gas_scale_stats(noise: GASNoise) -> dict[str, float]:
         ``{"mean", "std", "min", "max"}`` of ``noise.scale()`` (std over elements, population).
     """
     scale = noise.scale().double()
-    return {"mean": float(scale.mean()), "std": float(scale.std(unbiased=False)),
-            "min": float(scale.min()), "max": float(scale.max())}
+    return {
+        "mean": float(scale.mean()),
+        "std": float(scale.std(unbiased=False)),
+        "min": float(scale.min()),
+        "max": float(scale.max()),
+    }
 
 
 def session_scalars(record: Mapping[str, Any], class_names: Mapping[int, str]) -> dict[str, float]:
@@ -106,13 +118,13 @@ class TensorBoardPlugin(Plugin):
 
     # ---------------------------------------------------------------- helpers
 
-    def writer(self, state: "LoopState"):
-        if self._writer is None or self._method != state.method.name:
+    def writer(self, state: LoopState):
+        if self._writer is None or self._method != state.method_name:
             from torch.utils.tensorboard import SummaryWriter
 
             self.close()
-            self._method = state.method.name
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard" / state.method.name))
+            self._method = state.method_name
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard" / state.method_name))
         return self._writer
 
     def close(self) -> None:
@@ -121,40 +133,25 @@ class TensorBoardPlugin(Plugin):
             self._writer = None
 
     @staticmethod
-    def _prefix(state: "LoopState") -> str:
+    def _prefix(state: LoopState) -> str:
         return f"s{state.session.index}-{state.session.name}"
 
-    def _log_record(self, state: "LoopState", record: Mapping[str, Any]) -> None:
+    def _log_record(self, state: LoopState, record: Mapping[str, Any]) -> None:
         names = {c.id: c.name for c in state.protocol.classes}
         writer = self.writer(state)
         for tag, value in session_scalars(record, names).items():
             writer.add_scalar(tag, value, state.session.index)
         writer.flush()
 
-    def _record(self, state: "LoopState") -> dict:
-        """The session's metrics as the trainer will save them (``ContinualTrainer.session_record``)."""
-        from jascl.evaluation.metrics import summarise
-
-        result = state.metrics["eval"]
-        protocol, session = state.protocol, state.session
-        per_class = result.metric(protocol.metric)
-        old = [c for c in state.seen if c != 0 and c not in session.new_classes]
-        summary = summarise(per_class, old, list(session.new_classes), include_background=result.background_in_mean)
-        summary["base"] = summarise(per_class, protocol.base_classes(), [], include_background=False)["old"]
-        record: dict[str, Any] = {**summary, "per_class": {str(c): v for c, v in per_class.items()}}
-        if "pseudo_labels" in state.metrics:
-            record["pseudo_labels"] = state.metrics["pseudo_labels"]
-        return record
-
     # ---------------------------------------------------------------- events
 
     #: the epoch's running loss sum and step count are in the checkpoint
     mid_epoch_resume = True
 
-    def before_epoch(self, state: "LoopState") -> None:
+    def before_epoch(self, state: LoopState) -> None:
         self._epoch_total, self._epoch_steps = 0.0, 0
 
-    def after_update(self, state: "LoopState") -> None:
+    def after_update(self, state: LoopState) -> None:
         writer = self.writer(state)
         prefix = self._prefix(state)
         total = 0.0
@@ -173,19 +170,20 @@ class TensorBoardPlugin(Plugin):
                     for stat, value in gas_scale_stats(module).items():
                         writer.add_scalar(f"{prefix}/gas/{layer}/scale_{stat}", value, state.iteration)
 
-    def after_epoch(self, state: "LoopState") -> None:
+    def after_epoch(self, state: LoopState) -> None:
         if self._epoch_steps:
-            self.writer(state).add_scalar(f"{self._prefix(state)}/epoch_loss", self._epoch_total / self._epoch_steps,
-                                          state.epoch)
+            self.writer(state).add_scalar(
+                f"{self._prefix(state)}/epoch_loss", self._epoch_total / self._epoch_steps, state.epoch
+            )
 
-    def after_session(self, state: "LoopState") -> None:
-        if "eval" in state.metrics:
-            self._log_record(state, self._record(state))
+    def after_session(self, state: LoopState) -> None:
+        if state.record:  # the session's record as it will be saved (evaluation's, and the plugins' reports)
+            self._log_record(state, {**state.record, **state.report})
         self.close()
 
-    def session_restored(self, state: "LoopState") -> None:
+    def session_restored(self, state: LoopState) -> None:
         t, name = state.session.index, state.session.name
-        candidates = [self.run_dir / state.method.name / f"s{t}-{name}"] + ([self.run_dir / "base"] if t == 0 else [])
+        candidates = [self.run_dir / state.method_name / f"s{t}-{name}"] + ([self.run_dir / "base"] if t == 0 else [])
         for folder in candidates:
             path = folder / "metrics.json"
             if path.is_file():

@@ -25,9 +25,26 @@ from jascl.errors import DataError
 
 # doc.bdd100k.com Label Format, Semantic Segmentation (identical to Cityscapes' train ids).
 BDD100K_NAMES: dict[int, str] = {
-    0: "road", 1: "sidewalk", 2: "building", 3: "wall", 4: "fence", 5: "pole", 6: "traffic light",
-    7: "traffic sign", 8: "vegetation", 9: "terrain", 10: "sky", 11: "person", 12: "rider", 13: "car",
-    14: "truck", 15: "bus", 16: "train", 17: "motorcycle", 18: "bicycle", 255: "unknown",
+    0: "road",
+    1: "sidewalk",
+    2: "building",
+    3: "wall",
+    4: "fence",
+    5: "pole",
+    6: "traffic light",
+    7: "traffic sign",
+    8: "vegetation",
+    9: "terrain",
+    10: "sky",
+    11: "person",
+    12: "rider",
+    13: "car",
+    14: "truck",
+    15: "bus",
+    16: "train",
+    17: "motorcycle",
+    18: "bicycle",
+    255: "unknown",
 }
 
 _SPLITS = ("train", "val", "test")
@@ -45,8 +62,10 @@ class Bdd100kLayout(DatasetLayout):
 
     name = "bdd100k"
     spatial_dims = 2
-    description = ("BDD100K (bdd-data.berkeley.edu): bdd100k_images_10k.zip and bdd100k_sem_seg_labels_trainval.zip "
-                   "unpacked into one root: images/10k/<split>/*.jpg, labels/sem_seg/masks/<split>/*.png")
+    description = (
+        "BDD100K (bdd-data.berkeley.edu): bdd100k_images_10k.zip and bdd100k_sem_seg_labels_trainval.zip "
+        "unpacked into one root: images/10k/<split>/*.jpg, labels/sem_seg/masks/<split>/*.png"
+    )
     ignore_index = natural.IGNORE_INDEX
 
     def _folders(self) -> tuple[Path, Path, str, str]:
@@ -58,8 +77,10 @@ class Bdd100kLayout(DatasetLayout):
             return root / "images" / "10k", root / "labels" / "sem_seg" / "masks", ".png", "10k"
         if (root / "seg" / "images").is_dir():
             return root / "seg" / "images", root / "seg" / "labels", "_train_id.png", "seg"
-        raise DataError(f"{self.root}: neither images/10k/ nor seg/images/ found, so this is not a BDD100K root; "
-                        "point the dataset root at the folder that holds images/10k/ and labels/sem_seg/masks/")
+        raise DataError(
+            f"{self.root}: neither images/10k/ nor seg/images/ found, so this is not a BDD100K root; "
+            "point the dataset root at the folder that holds images/10k/ and labels/sem_seg/masks/"
+        )
 
     def scan(self) -> list[Record]:
         natural.require_root(self.root, self.name, "images/10k/ and labels/sem_seg/masks/")
@@ -71,9 +92,15 @@ class Bdd100kLayout(DatasetLayout):
             stems |= {p.name[: -len(label_suffix)] for p in label_dir.glob(f"*{label_suffix}")}
             has_labels = label_dir.is_dir()
             for stem in sorted(stems):
-                records.append(Record(id=f"{split}/{stem}", images=(image_dir / f"{stem}.jpg",),
-                                      label=(label_dir / f"{stem}{label_suffix}") if has_labels else None,
-                                      split=split, meta={"release": kind}))
+                records.append(
+                    Record(
+                        id=f"{split}/{stem}",
+                        images=(image_dir / f"{stem}.jpg",),
+                        label=(label_dir / f"{stem}{label_suffix}") if has_labels else None,
+                        split=split,
+                        meta={"release": kind},
+                    )
+                )
         return sorted(records, key=lambda r: r.id)
 
     def label_names(self) -> dict[int, str]:
@@ -85,9 +112,12 @@ class Bdd100kLayout(DatasetLayout):
 
     def check(self, record: Record) -> list[Problem]:
         return natural.check_image_label(
-            record, self.decode_label, "BDD100K",
+            record,
+            self.decode_label,
+            "BDD100K",
             "sem_seg masks hold ids 0..18 and 255; use the masks from bdd100k_sem_seg_labels_trainval.zip, "
-            "not the colormaps (those pixels are read as ignore, 255)")
+            "not the colormaps (those pixels are read as ignore, 255)",
+        )
 
     def read(self, record: Record) -> Sample:
         return natural.read_image_label(record, self.decode_label)

@@ -25,10 +25,18 @@ MODALITIES = ("t1", "t1ce", "t2", "flair")
 #: BraTS 2023 file suffix of each classic modality name
 NAMES_2023 = {"t1": "t1n", "t1ce": "t1c", "t2": "t2w", "flair": "t2f"}
 LABELS = {
-    "2021": {0: "background", 1: "necrotic / non-enhancing tumour core", 2: "peritumoral edema",
-             4: "GD-enhancing tumour"},
-    "2023": {0: "background", 1: "non-enhancing tumour core", 2: "surrounding FLAIR hyperintensity",
-             3: "enhancing tumour"},
+    "2021": {
+        0: "background",
+        1: "necrotic / non-enhancing tumour core",
+        2: "peritumoral edema",
+        4: "GD-enhancing tumour",
+    },
+    "2023": {
+        0: "background",
+        1: "non-enhancing tumour core",
+        2: "surrounding FLAIR hyperintensity",
+        3: "enhancing tumour",
+    },
 }
 ENDINGS = (".nii.gz", ".nii")
 
@@ -50,8 +58,10 @@ class BraTSLayout(DatasetLayout):
 
     name = "brats"
     spatial_dims = 3
-    description = ("BraTS (synapse.org / the RSNA-ASNR-MICCAI challenge): one folder per subject with "
-                   "<subject>_t1/_t1ce/_t2/_flair/_seg.nii.gz (2023: -t1n/-t1c/-t2w/-t2f/-seg)")
+    description = (
+        "BraTS (synapse.org / the RSNA-ASNR-MICCAI challenge): one folder per subject with "
+        "<subject>_t1/_t1ce/_t2/_flair/_seg.nii.gz (2023: -t1n/-t1c/-t2w/-t2f/-seg)"
+    )
 
     def __init__(self, root: str | Path, **options: Any) -> None:
         super().__init__(root, **options)
@@ -64,8 +74,10 @@ class BraTSLayout(DatasetLayout):
         classic = [reverse.get(str(m).lower(), str(m).lower()) for m in modalities]
         bad = [m for m in classic if m not in MODALITIES]
         if bad or not classic or len(set(classic)) != len(classic):
-            raise ConfigError(f"brats option modalities={list(modalities)!r}: choose distinct names from "
-                              f"{list(MODALITIES)} (or the 2023 names {list(NAMES_2023.values())})")
+            raise ConfigError(
+                f"brats option modalities={list(modalities)!r}: choose distinct names from "
+                f"{list(MODALITIES)} (or the 2023 names {list(NAMES_2023.values())})"
+            )
         self.modalities = classic
         labelled = options.get("labelled")
         self._labelled = None if labelled is None else bool(labelled)
@@ -79,8 +91,10 @@ class BraTSLayout(DatasetLayout):
     @cached_property
     def _subjects(self) -> list[Path]:
         if not self.root.is_dir():
-            raise DataError(f"{self.root}: dataset root not found; pass the BraTS folder holding the subject "
-                            "folders (--root NAME=PATH)")
+            raise DataError(
+                f"{self.root}: dataset root not found; pass the BraTS folder holding the subject "
+                "folders (--root NAME=PATH)"
+            )
         subjects = []
         for folder in sorted(p for p in self.root.iterdir() if p.is_dir()):
             if self._volumes(folder):
@@ -88,13 +102,15 @@ class BraTSLayout(DatasetLayout):
             else:  # e.g. <root>/MICCAI_BraTS2020_TrainingData/<subject>/
                 subjects += [p for p in sorted(folder.iterdir()) if p.is_dir() and self._volumes(p)]
         if not subjects:
-            raise DataError(f"{self.root}: no subject folders with .nii.gz volumes found; point the root at the "
-                            "folder holding BraTS2021_00000/, ... (or the release folder above them)")
+            raise DataError(
+                f"{self.root}: no subject folders with .nii.gz volumes found; point the root at the "
+                "folder holding BraTS2021_00000/, ... (or the release folder above them)"
+            )
         return subjects
 
     @cached_property
     def naming(self) -> str:
-        """"2023" when the files use the BraTS 2023 suffixes (``-t2f``), else "2021"."""
+        """ "2023" when the files use the BraTS 2023 suffixes (``-t2f``), else "2021"."""
         for folder in self._subjects:
             for path in self._volumes(folder):
                 if any(path.name.lower().endswith(f"-{n}{e}") for n in NAMES_2023.values() for e in ENDINGS):
@@ -118,9 +134,16 @@ class BraTSLayout(DatasetLayout):
 
     def scan(self) -> list[Record]:
         labelled = self.labelled
-        records = [Record(f.name, tuple(self._file(f, m) for m in self.modalities),
-                          self._file(f, "seg") if labelled else None, "train" if labelled else "val",
-                          {"subject": f.name, "modality": "MRI"}) for f in self._subjects]
+        records = [
+            Record(
+                f.name,
+                tuple(self._file(f, m) for m in self.modalities),
+                self._file(f, "seg") if labelled else None,
+                "train" if labelled else "val",
+                {"subject": f.name, "modality": "MRI"},
+            )
+            for f in self._subjects
+        ]
         ids = [r.id for r in records]
         if len(set(ids)) != len(ids):
             dup = sorted({i for i in ids if ids.count(i) > 1})[0]
@@ -133,9 +156,11 @@ class BraTSLayout(DatasetLayout):
     # --- checking and reading -------------------------------------------------------------------------------
 
     def check(self, record: Record) -> list[Problem]:
-        return medical.check_volumes(record.images, record.label, self.modalities, label_values=self.label_names(),
-                                     tolerance=self.tolerance)
+        return medical.check_volumes(
+            record.images, record.label, self.modalities, label_values=self.label_names(), tolerance=self.tolerance
+        )
 
     def read(self, record: Record) -> Sample:
-        return medical.read_volumes(record.id, record.images, record.label,
-                                    {"modalities": list(self.modalities), "modality": "MRI"})
+        return medical.read_volumes(
+            record.id, record.images, record.label, {"modalities": list(self.modalities), "modality": "MRI"}
+        )

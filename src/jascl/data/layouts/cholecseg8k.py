@@ -46,21 +46,24 @@ class CholecClass(NamedTuple):
     colour: tuple[int, int, int]
 
 
-CHOLECSEG8K_CLASSES: tuple[CholecClass, ...] = tuple(CholecClass(*row) for row in (
-    (0, "black background", 50, (127, 127, 127)),
-    (1, "abdominal wall", 11, (210, 140, 140)),
-    (2, "liver", 21, (255, 114, 114)),
-    (3, "gastrointestinal tract", 13, (231, 70, 156)),
-    (4, "fat", 12, (186, 183, 75)),
-    (5, "grasper", 31, (170, 255, 0)),
-    (6, "connective tissue", 23, (255, 85, 0)),
-    (7, "blood", 24, (255, 0, 0)),
-    (8, "cystic duct", 25, (255, 255, 0)),
-    (9, "l-hook electrocautery", 32, (169, 255, 184)),
-    (10, "gallbladder", 22, (255, 160, 165)),
-    (11, "hepatic vein", 33, (0, 50, 128)),
-    (12, "liver ligament", 5, (111, 74, 0)),
-))
+CHOLECSEG8K_CLASSES: tuple[CholecClass, ...] = tuple(
+    CholecClass(*row)
+    for row in (
+        (0, "black background", 50, (127, 127, 127)),
+        (1, "abdominal wall", 11, (210, 140, 140)),
+        (2, "liver", 21, (255, 114, 114)),
+        (3, "gastrointestinal tract", 13, (231, 70, 156)),
+        (4, "fat", 12, (186, 183, 75)),
+        (5, "grasper", 31, (170, 255, 0)),
+        (6, "connective tissue", 23, (255, 85, 0)),
+        (7, "blood", 24, (255, 0, 0)),
+        (8, "cystic duct", 25, (255, 255, 0)),
+        (9, "l-hook electrocautery", 32, (169, 255, 184)),
+        (10, "gallbladder", 22, (255, 160, 165)),
+        (11, "hepatic vein", 33, (0, 50, 128)),
+        (12, "liver ligament", 5, (111, 74, 0)),
+    )
+)
 # Values that mark "no annotation" in the released masks (border, unannotated regions): read as ignore, not reported.
 UNANNOTATED_WATERSHED = (0, 255)
 UNANNOTATED_COLOUR = ((255, 255, 255),)
@@ -86,9 +89,11 @@ class CholecSeg8kLayout(DatasetLayout):
 
     name = "cholecseg8k"
     spatial_dims = 2
-    description = ("CholecSeg8k (kaggle.com/datasets/newslab/cholecseg8k): "
-                   "<video>/<video>_<start>/frame_<n>_endo.png with frame_<n>_endo_watershed_mask.png "
-                   "(and _endo_color_mask.png)")
+    description = (
+        "CholecSeg8k (kaggle.com/datasets/newslab/cholecseg8k): "
+        "<video>/<video>_<start>/frame_<n>_endo.png with frame_<n>_endo_watershed_mask.png "
+        "(and _endo_color_mask.png)"
+    )
     ignore_index = natural.IGNORE_INDEX
 
     def __init__(self, root, **options) -> None:
@@ -99,15 +104,20 @@ class CholecSeg8kLayout(DatasetLayout):
         self.tolerance = int(options.get("colour_tolerance", 0))
         video_splits = options.get("video_splits") or {}
         if not isinstance(video_splits, dict) or not all(
-                isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v) for v in video_splits.values()):
-            raise ConfigError("cholecseg8k layout: video_splits must map split names to lists of video folder "
-                              "names, e.g. {test: [video12]}")
+            isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v) for v in video_splits.values()
+        ):
+            raise ConfigError(
+                "cholecseg8k layout: video_splits must map split names to lists of video folder "
+                "names, e.g. {test: [video12]}"
+            )
         self.split_of: dict[str, str] = {}
         for split, videos in video_splits.items():
             for video in videos:
                 if video in self.split_of:
-                    raise ConfigError(f"cholecseg8k layout: video {video!r} is in two video_splits "
-                                      f"({self.split_of[video]}, {split}); give each video one split")
+                    raise ConfigError(
+                        f"cholecseg8k layout: video {video!r} is in two video_splits "
+                        f"({self.split_of[video]}, {split}); give each video one split"
+                    )
                 self.split_of[video] = str(split)
 
     def _base(self) -> Path:
@@ -123,8 +133,10 @@ class CholecSeg8kLayout(DatasetLayout):
         stems = {p.as_posix()[: -len(_IMAGE_SUFFIX)] for p in base.glob(f"video*/video*_*/frame_*{_IMAGE_SUFFIX}")}
         stems |= {p.as_posix()[: -len(suffix)] for p in base.glob(f"video*/video*_*/frame_*{suffix}")}
         if not stems:
-            raise DataError(f"{self.root}: no video*/video*_*/frame_*_endo.png files, so this is not a CholecSeg8k "
-                            "root; point the dataset root at the folder that holds video01/, video09/, ...")
+            raise DataError(
+                f"{self.root}: no video*/video*_*/frame_*_endo.png files, so this is not a CholecSeg8k "
+                "root; point the dataset root at the folder that holds video01/, video09/, ..."
+            )
         known_splits = sorted({"train", *self.split_of.values()})
         wanted = natural.wanted_splits(self.options, known_splits, self.name)
         records = []
@@ -134,8 +146,15 @@ class CholecSeg8kLayout(DatasetLayout):
             split = self.split_of.get(video, "train")
             if split not in wanted:
                 continue
-            records.append(Record(id=f"{video}/{clip}/{path.name}", images=(Path(stem + _IMAGE_SUFFIX),),
-                                  label=Path(stem + suffix), split=split, meta={"video": video, "clip": clip}))
+            records.append(
+                Record(
+                    id=f"{video}/{clip}/{path.name}",
+                    images=(Path(stem + _IMAGE_SUFFIX),),
+                    label=Path(stem + suffix),
+                    split=split,
+                    meta={"video": video, "clip": clip},
+                )
+            )
         return sorted(records, key=lambda r: r.id)
 
     def label_names(self) -> dict[int, str]:
@@ -153,8 +172,10 @@ class CholecSeg8kLayout(DatasetLayout):
         return natural.lookup_colours(pixels, table, self.tolerance)
 
     def check(self, record: Record) -> list[Problem]:
-        fix = ("watershed masks hold the grey values of the dataset paper's Table I (50, 11, 21, ...) and colour "
-               "masks the released class colours; those pixels are read as ignore (255)")
+        fix = (
+            "watershed masks hold the grey values of the dataset paper's Table I (50, 11, 21, ...) and colour "
+            "masks the released class colours; those pixels are read as ignore (255)"
+        )
         return natural.check_image_label(record, self.decode_label, "CholecSeg8k", fix)
 
     def read(self, record: Record) -> Sample:

@@ -46,32 +46,82 @@ class IddLabel(NamedTuple):
 
 # From AutoNUE public-code helpers/anue_labels.py: level-4 name, level-4 id ("id"), level3Id,
 # level2Id, level1Id, csId (the Cityscapes label id the class corresponds to, 255 if none).
-IDD_LABELS: tuple[IddLabel, ...] = tuple(IddLabel(*row) for row in (
-    ("road", 0, 0, 0, 0, 7), ("parking", 1, 1, 1, 0, 9), ("drivable fallback", 2, 1, 1, 0, 255),
-    ("sidewalk", 3, 2, 2, 1, 8), ("rail track", 4, 3, 3, 1, 10), ("non-drivable fallback", 5, 3, 3, 1, 255),
-    ("person", 6, 4, 4, 2, 24), ("animal", 7, 4, 4, 2, 255), ("rider", 8, 5, 5, 2, 25),
-    ("motorcycle", 9, 6, 6, 3, 32), ("bicycle", 10, 7, 6, 3, 33), ("autorickshaw", 11, 8, 7, 3, 255),
-    ("car", 12, 9, 7, 3, 26), ("truck", 13, 10, 8, 3, 27), ("bus", 14, 11, 8, 3, 28),
-    ("caravan", 15, 12, 8, 3, 29), ("trailer", 16, 12, 8, 3, 30), ("train", 17, 12, 8, 3, 31),
-    ("vehicle fallback", 18, 12, 8, 3, 255), ("curb", 19, 13, 9, 4, 255), ("wall", 20, 14, 9, 4, 12),
-    ("fence", 21, 15, 10, 4, 13), ("guard rail", 22, 16, 10, 4, 14), ("billboard", 23, 17, 11, 4, 255),
-    ("traffic sign", 24, 18, 11, 4, 20), ("traffic light", 25, 19, 11, 4, 19), ("pole", 26, 20, 12, 4, 17),
-    ("polegroup", 27, 20, 12, 4, 18), ("obs-str-bar-fallback", 28, 21, 12, 4, 255),
-    ("building", 29, 22, 13, 5, 11), ("bridge", 30, 23, 13, 5, 15), ("tunnel", 31, 23, 13, 5, 16),
-    ("vegetation", 32, 24, 14, 5, 21), ("sky", 33, 25, 15, 6, 23), ("fallback background", 34, 25, 15, 6, 255),
-    ("unlabeled", 35, 255, 255, 255, 0), ("ego vehicle", 36, 255, 255, 255, 1),
-    ("rectification border", 37, 255, 255, 255, 2), ("out of roi", 38, 255, 255, 255, 3),
-    ("license plate", 39, 255, 255, 255, 255),
-))
+IDD_LABELS: tuple[IddLabel, ...] = tuple(
+    IddLabel(*row)
+    for row in (
+        ("road", 0, 0, 0, 0, 7),
+        ("parking", 1, 1, 1, 0, 9),
+        ("drivable fallback", 2, 1, 1, 0, 255),
+        ("sidewalk", 3, 2, 2, 1, 8),
+        ("rail track", 4, 3, 3, 1, 10),
+        ("non-drivable fallback", 5, 3, 3, 1, 255),
+        ("person", 6, 4, 4, 2, 24),
+        ("animal", 7, 4, 4, 2, 255),
+        ("rider", 8, 5, 5, 2, 25),
+        ("motorcycle", 9, 6, 6, 3, 32),
+        ("bicycle", 10, 7, 6, 3, 33),
+        ("autorickshaw", 11, 8, 7, 3, 255),
+        ("car", 12, 9, 7, 3, 26),
+        ("truck", 13, 10, 8, 3, 27),
+        ("bus", 14, 11, 8, 3, 28),
+        ("caravan", 15, 12, 8, 3, 29),
+        ("trailer", 16, 12, 8, 3, 30),
+        ("train", 17, 12, 8, 3, 31),
+        ("vehicle fallback", 18, 12, 8, 3, 255),
+        ("curb", 19, 13, 9, 4, 255),
+        ("wall", 20, 14, 9, 4, 12),
+        ("fence", 21, 15, 10, 4, 13),
+        ("guard rail", 22, 16, 10, 4, 14),
+        ("billboard", 23, 17, 11, 4, 255),
+        ("traffic sign", 24, 18, 11, 4, 20),
+        ("traffic light", 25, 19, 11, 4, 19),
+        ("pole", 26, 20, 12, 4, 17),
+        ("polegroup", 27, 20, 12, 4, 18),
+        ("obs-str-bar-fallback", 28, 21, 12, 4, 255),
+        ("building", 29, 22, 13, 5, 11),
+        ("bridge", 30, 23, 13, 5, 15),
+        ("tunnel", 31, 23, 13, 5, 16),
+        ("vegetation", 32, 24, 14, 5, 21),
+        ("sky", 33, 25, 15, 6, 23),
+        ("fallback background", 34, 25, 15, 6, 255),
+        ("unlabeled", 35, 255, 255, 255, 0),
+        ("ego vehicle", 36, 255, 255, 255, 1),
+        ("rectification border", 37, 255, 255, 255, 2),
+        ("out of roi", 38, 255, 255, 255, 3),
+        ("license plate", 39, 255, 255, 255, 255),
+    )
+)
 
 # Level-3 id -> name. Where several level-4 labels merge, the name is the one IDD's own
 # evaluation code uses for the merged class (e.g. 1 "drivable fallback" also holds parking).
 IDD_LEVEL3_NAMES: dict[int, str] = {
-    0: "road", 1: "drivable fallback", 2: "sidewalk", 3: "non-drivable fallback", 4: "person", 5: "rider",
-    6: "motorcycle", 7: "bicycle", 8: "autorickshaw", 9: "car", 10: "truck", 11: "bus", 12: "vehicle fallback",
-    13: "curb", 14: "wall", 15: "fence", 16: "guard rail", 17: "billboard", 18: "traffic sign",
-    19: "traffic light", 20: "pole", 21: "obs-str-bar-fallback", 22: "building", 23: "bridge",
-    24: "vegetation", 25: "sky", 255: "unlabeled",
+    0: "road",
+    1: "drivable fallback",
+    2: "sidewalk",
+    3: "non-drivable fallback",
+    4: "person",
+    5: "rider",
+    6: "motorcycle",
+    7: "bicycle",
+    8: "autorickshaw",
+    9: "car",
+    10: "truck",
+    11: "bus",
+    12: "vehicle fallback",
+    13: "curb",
+    14: "wall",
+    15: "fence",
+    16: "guard rail",
+    17: "billboard",
+    18: "traffic sign",
+    19: "traffic light",
+    20: "pole",
+    21: "obs-str-bar-fallback",
+    22: "building",
+    23: "bridge",
+    24: "vegetation",
+    25: "sky",
+    255: "unlabeled",
 }
 # Level-3 id -> the level-4 labels it holds, e.g. 1 -> ("parking", "drivable fallback").
 IDD_LEVEL3_MEMBERS: dict[int, tuple[str, ...]] = {
@@ -100,9 +150,11 @@ class IddLayout(DatasetLayout):
 
     name = "idd"
     spatial_dims = 2
-    description = ("IDD Segmentation (idd.insaan.iiit.ac.in, folder IDD_Segmentation): "
-                   "leftImg8bit/<split>/<seq>/*_leftImg8bit.png with gtFine/<split>/<seq>/*_gtFine_polygons.json "
-                   "and/or *_gtFine_labellevel3Ids.png (AutoNUE createLabels.py)")
+    description = (
+        "IDD Segmentation (idd.insaan.iiit.ac.in, folder IDD_Segmentation): "
+        "leftImg8bit/<split>/<seq>/*_leftImg8bit.png with gtFine/<split>/<seq>/*_gtFine_polygons.json "
+        "and/or *_gtFine_labellevel3Ids.png (AutoNUE createLabels.py)"
+    )
     ignore_index = natural.IGNORE_INDEX
 
     def __init__(self, root, **options) -> None:
@@ -115,13 +167,20 @@ class IddLayout(DatasetLayout):
     def scan(self) -> list[Record]:
         natural.require_root(self.root, self.name, "leftImg8bit/ and gtFine/ (IDD_Segmentation)")
         if not (self.root / "leftImg8bit").is_dir():
-            raise DataError(f"{self.root}: no leftImg8bit/ folder, so this is not an IDD root; point the dataset "
-                            "root at the IDD_Segmentation folder that holds leftImg8bit/ and gtFine/")
-        suffixes = {"auto": (_PNG_SUFFIX, _JSON_SUFFIX), "png": (_PNG_SUFFIX,), "polygons": (_JSON_SUFFIX,)}[self.source]
+            raise DataError(
+                f"{self.root}: no leftImg8bit/ folder, so this is not an IDD root; point the dataset "
+                "root at the IDD_Segmentation folder that holds leftImg8bit/ and gtFine/"
+            )
+        suffixes = {"auto": (_PNG_SUFFIX, _JSON_SUFFIX), "png": (_PNG_SUFFIX,), "polygons": (_JSON_SUFFIX,)}[
+            self.source
+        ]
         records = []
         for split in sorted(natural.wanted_splits(self.options, _SPLITS, self.name)):
             image_dir, label_dir = self.root / "leftImg8bit" / split, self.root / "gtFine" / split
-            stems = {p.relative_to(image_dir).as_posix()[: -len(_IMAGE_SUFFIX)] for p in image_dir.glob(f"*/*{_IMAGE_SUFFIX}")}
+            stems = {
+                p.relative_to(image_dir).as_posix()[: -len(_IMAGE_SUFFIX)]
+                for p in image_dir.glob(f"*/*{_IMAGE_SUFFIX}")
+            }
             for suffix in suffixes:
                 stems |= {p.relative_to(label_dir).as_posix()[: -len(suffix)] for p in label_dir.glob(f"*/*{suffix}")}
             has_labels = label_dir.is_dir()
@@ -131,8 +190,15 @@ class IddLayout(DatasetLayout):
                     candidates = [label_dir / f"{stem}{suffix}" for suffix in suffixes]
                     # A missing label is recorded under the first accepted name so check() reports it.
                     label = next((c for c in candidates if c.is_file()), candidates[0])
-                records.append(Record(id=f"{split}/{stem}", images=(image_dir / f"{stem}{_IMAGE_SUFFIX}",),
-                                      label=label, split=split, meta={"sequence": stem.split("/")[0]}))
+                records.append(
+                    Record(
+                        id=f"{split}/{stem}",
+                        images=(image_dir / f"{stem}{_IMAGE_SUFFIX}",),
+                        label=label,
+                        split=split,
+                        meta={"sequence": stem.split("/")[0]},
+                    )
+                )
         return sorted(records, key=lambda r: r.id)
 
     def label_names(self) -> dict[int, str]:
@@ -146,9 +212,12 @@ class IddLayout(DatasetLayout):
 
     def check(self, record: Record) -> list[Problem]:
         return natural.check_image_label(
-            record, self.decode_label, "IDD",
+            record,
+            self.decode_label,
+            "IDD",
             "level-3 masks hold ids 0..25 and 255, and polygons use the label names of AutoNUE's "
-            "anue_labels.py; regenerate the file (those pixels are read as ignore, 255)")
+            "anue_labels.py; regenerate the file (those pixels are read as ignore, 255)",
+        )
 
     def read(self, record: Record) -> Sample:
         return natural.read_image_label(record, self.decode_label)

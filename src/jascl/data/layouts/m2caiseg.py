@@ -39,27 +39,30 @@ class M2caiClass(NamedTuple):
     category: str
 
 
-M2CAISEG_CLASSES: tuple[M2caiClass, ...] = tuple(M2caiClass(*row) for row in (
-    (0, "unknown", (170, 0, 85), "misc"),
-    (1, "grasper", (0, 85, 170), "instrument"),
-    (2, "bipolar", (0, 85, 255), "instrument"),
-    (3, "hook", (0, 170, 85), "instrument"),
-    (4, "scissors", (0, 255, 85), "instrument"),
-    (5, "clipper", (0, 255, 170), "instrument"),
-    (6, "irrigator", (85, 0, 170), "instrument"),
-    (7, "specimen bag", (85, 0, 255), "instrument"),
-    (8, "trocars", (170, 85, 85), "instrument"),
-    (9, "clip", (170, 170, 170), "instrument"),
-    (10, "liver", (85, 170, 0), "organ"),
-    (11, "gallbladder", (85, 170, 255), "organ"),
-    (12, "fat", (85, 255, 0), "organ"),
-    (13, "upper wall", (85, 255, 170), "organ"),
-    (14, "artery", (170, 0, 255), "artery"),
-    (15, "intestine", (255, 0, 255), "organ"),
-    (16, "bile", (255, 255, 0), "fluid"),
-    (17, "blood", (255, 0, 0), "fluid"),
-    (18, "black", (0, 0, 0), "misc"),
-))
+M2CAISEG_CLASSES: tuple[M2caiClass, ...] = tuple(
+    M2caiClass(*row)
+    for row in (
+        (0, "unknown", (170, 0, 85), "misc"),
+        (1, "grasper", (0, 85, 170), "instrument"),
+        (2, "bipolar", (0, 85, 255), "instrument"),
+        (3, "hook", (0, 170, 85), "instrument"),
+        (4, "scissors", (0, 255, 85), "instrument"),
+        (5, "clipper", (0, 255, 170), "instrument"),
+        (6, "irrigator", (85, 0, 170), "instrument"),
+        (7, "specimen bag", (85, 0, 255), "instrument"),
+        (8, "trocars", (170, 85, 85), "instrument"),
+        (9, "clip", (170, 170, 170), "instrument"),
+        (10, "liver", (85, 170, 0), "organ"),
+        (11, "gallbladder", (85, 170, 255), "organ"),
+        (12, "fat", (85, 255, 0), "organ"),
+        (13, "upper wall", (85, 255, 170), "organ"),
+        (14, "artery", (170, 0, 255), "artery"),
+        (15, "intestine", (255, 0, 255), "organ"),
+        (16, "bile", (255, 255, 0), "fluid"),
+        (17, "blood", (255, 0, 0), "fluid"),
+        (18, "black", (0, 0, 0), "misc"),
+    )
+)
 
 _SPLITS = ("train", "val", "test")
 _INNER = "m2caiSeg dataset"
@@ -81,8 +84,10 @@ class M2caiSegLayout(DatasetLayout):
 
     name = "m2caiseg"
     spatial_dims = 2
-    description = ("m2caiSeg (kaggle.com/datasets/salmanmaq/m2caiseg): 'm2caiSeg dataset'/{train,trainval,test}/"
-                   "images/<n>.jpg with groundtruth/<n>_gt.png colour masks")
+    description = (
+        "m2caiSeg (kaggle.com/datasets/salmanmaq/m2caiseg): 'm2caiSeg dataset'/{train,trainval,test}/"
+        "images/<n>.jpg with groundtruth/<n>_gt.png colour masks"
+    )
     ignore_index = natural.IGNORE_INDEX
 
     def __init__(self, root, **options) -> None:
@@ -96,20 +101,28 @@ class M2caiSegLayout(DatasetLayout):
         """name -> (image, label) of one release folder (a label without image, or vice versa, included)."""
         images = {p.stem: p for p in (folder / "images").glob("*") if p.suffix.lower() in _IMAGE_EXTENSIONS}
         labels = {p.name[: -len(_LABEL_SUFFIX)]: p for p in (folder / "groundtruth").glob(f"*{_LABEL_SUFFIX}")}
-        return {name: (images.get(name, folder / "images" / f"{name}.jpg"),
-                       labels.get(name, folder / "groundtruth" / f"{name}{_LABEL_SUFFIX}"))
-                for name in set(images) | set(labels)}
+        return {
+            name: (
+                images.get(name, folder / "images" / f"{name}.jpg"),
+                labels.get(name, folder / "groundtruth" / f"{name}{_LABEL_SUFFIX}"),
+            )
+            for name in set(images) | set(labels)
+        }
 
     def scan(self) -> list[Record]:
         natural.require_root(self.root, self.name, "the 'm2caiSeg dataset' folder")
         base = self._base()
         if not any((base / folder / "images").is_dir() for folder in ("train", "trainval", "test")):
-            raise DataError(f"{self.root}: no train/, trainval/ or test/ folder with images/, so this is not an "
-                            "m2caiSeg root; point the dataset root at the 'm2caiSeg dataset' folder or its parent")
+            raise DataError(
+                f"{self.root}: no train/, trainval/ or test/ folder with images/, so this is not an "
+                "m2caiSeg root; point the dataset root at the 'm2caiSeg dataset' folder or its parent"
+            )
         train = self._pairs(base / "train")
-        by_split = {"train": train,
-                    "val": {n: p for n, p in self._pairs(base / "trainval").items() if n not in train},
-                    "test": self._pairs(base / "test")}
+        by_split = {
+            "train": train,
+            "val": {n: p for n, p in self._pairs(base / "trainval").items() if n not in train},
+            "test": self._pairs(base / "test"),
+        }
         records = []
         for split in sorted(natural.wanted_splits(self.options, _SPLITS, self.name)):
             for name, (image, label) in sorted(by_split[split].items()):
@@ -126,9 +139,12 @@ class M2caiSegLayout(DatasetLayout):
 
     def check(self, record: Record) -> list[Problem]:
         return natural.check_image_label(
-            record, self.decode_label, "m2caiSeg",
+            record,
+            self.decode_label,
+            "m2caiSeg",
             "ground truth must use the class colours of the dataset's miccaiSegClasses.json; set the layout "
-            "option colour_tolerance to snap near-exact colours (those pixels are read as ignore, 255)")
+            "option colour_tolerance to snap near-exact colours (those pixels are read as ignore, 255)",
+        )
 
     def read(self, record: Record) -> Sample:
         return natural.read_image_label(record, self.decode_label)

@@ -31,8 +31,9 @@ def _strip(name: str, ending: str) -> str:
     return name[: -len(ending)] if name.endswith(ending) else name
 
 
-@LAYOUTS.register("msd", doc="Medical Segmentation Decathlon / nnU-Net raw (dataset.json, imagesTr, labelsTr, "
-                             "_0000 channels)")
+@LAYOUTS.register(
+    "msd", doc="Medical Segmentation Decathlon / nnU-Net raw (dataset.json, imagesTr, labelsTr, _0000 channels)"
+)
 class MSDLayout(DatasetLayout):
     """Decathlon / nnU-Net raw dataset.
 
@@ -49,9 +50,11 @@ class MSDLayout(DatasetLayout):
 
     name = "msd"
     spatial_dims = 3
-    description = ("Medical Segmentation Decathlon (medicaldecathlon.com) or an nnU-Net raw conversion of AMOS, "
-                   "BCV, MOTS, BraTS, VerSe: dataset.json + imagesTr/ + labelsTr/ (+ imagesTs/), channel "
-                   "files <case>_0000.nii.gz or one (4D) file per case")
+    description = (
+        "Medical Segmentation Decathlon (medicaldecathlon.com) or an nnU-Net raw conversion of AMOS, "
+        "BCV, MOTS, BraTS, VerSe: dataset.json + imagesTr/ + labelsTr/ (+ imagesTs/), channel "
+        "files <case>_0000.nii.gz or one (4D) file per case"
+    )
 
     def __init__(self, root: str | Path, **options: Any) -> None:
         super().__init__(root, **options)
@@ -66,12 +69,16 @@ class MSDLayout(DatasetLayout):
     def meta(self) -> dict:
         if self._meta is None:
             if not self.root.is_dir():
-                raise DataError(f"{self.root}: dataset root not found; pass the folder holding dataset.json, "
-                                "imagesTr/ and labelsTr/ (--root NAME=PATH)")
+                raise DataError(
+                    f"{self.root}: dataset root not found; pass the folder holding dataset.json, "
+                    "imagesTr/ and labelsTr/ (--root NAME=PATH)"
+                )
             path = self.root / "dataset.json"
             if not path.is_file():
-                raise DataError(f"{path}: not found, so {self.root} is not an MSD / nnU-Net raw dataset; point the "
-                                "root at the folder holding dataset.json, imagesTr/ and labelsTr/")
+                raise DataError(
+                    f"{path}: not found, so {self.root} is not an MSD / nnU-Net raw dataset; point the "
+                    "root at the folder holding dataset.json, imagesTr/ and labelsTr/"
+                )
             try:
                 meta = json.loads(path.read_text())
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -92,8 +99,9 @@ class MSDLayout(DatasetLayout):
         try:
             return [str(channels[k]) for k in sorted(channels, key=int)]
         except (ValueError, TypeError):
-            raise DataError(f"{self.root / 'dataset.json'}: channel keys must be '0', '1', ...; fix "
-                            "'modality' / 'channel_names'") from None
+            raise DataError(
+                f"{self.root / 'dataset.json'}: channel keys must be '0', '1', ...; fix 'modality' / 'channel_names'"
+            ) from None
 
     def label_names(self) -> dict[int, str]:
         names: dict[int, str] = {}
@@ -132,8 +140,10 @@ class MSDLayout(DatasetLayout):
             image = entry.get("image") if isinstance(entry, dict) else entry
             label = entry.get("label") if isinstance(entry, dict) else None
             if not isinstance(image, str) or not isinstance(label, (str, type(None))):
-                raise DataError(f"{self.root / 'dataset.json'}: '{key}' entries must name an image file "
-                                "(and a label file); fix the list")
+                raise DataError(
+                    f"{self.root / 'dataset.json'}: '{key}' entries must name an image file "
+                    "(and a label file); fix the list"
+                )
             cases[_strip(Path(image).name, self.ending)] = self.root / label if label else None
         return cases
 
@@ -156,23 +166,43 @@ class MSDLayout(DatasetLayout):
             raise DataError(f"{images_tr}: not found; an MSD / nnU-Net raw dataset keeps its training images there")
         # cases found only in labelsTr are listed too, so a missing image is reported, not silently skipped
         if listed is None:
-            listed = dict.fromkeys(sorted(set(self._found_cases(images_tr)) | set(
-                self._found_cases(labels_tr) if labels_tr.is_dir() else ())))
+            listed = dict.fromkeys(
+                sorted(
+                    set(self._found_cases(images_tr)) | set(self._found_cases(labels_tr) if labels_tr.is_dir() else ())
+                )
+            )
         train = list(listed)
         split_tr = self._uses_channel_files(images_tr, train)
-        records = [Record(case, self._image_files(images_tr, case, split_tr),
-                          listed[case] or labels_tr / f"{case}{self.ending}",
-                          "train", {"case": case, "modalities": names, "modality": modality}) for case in train]
+        records = [
+            Record(
+                case,
+                self._image_files(images_tr, case, split_tr),
+                listed[case] or labels_tr / f"{case}{self.ending}",
+                "train",
+                {"case": case, "modalities": names, "modality": modality},
+            )
+            for case in train
+        ]
         if self.include_test:
             listed_test = self._listed_cases("test")
-            test = list(listed_test) if listed_test is not None else (
-                self._found_cases(images_ts) if images_ts.is_dir() else [])
+            test = (
+                list(listed_test)
+                if listed_test is not None
+                else (self._found_cases(images_ts) if images_ts.is_dir() else [])
+            )
             split_ts = self._uses_channel_files(images_ts, test)
             train_ids = set(train)
             for case in test:
                 rid = f"imagesTs/{case}" if case in train_ids else case
-                records.append(Record(rid, self._image_files(images_ts, case, split_ts), None, "test",
-                                      {"case": case, "modalities": names, "modality": modality}))
+                records.append(
+                    Record(
+                        rid,
+                        self._image_files(images_ts, case, split_ts),
+                        None,
+                        "test",
+                        {"case": case, "modalities": names, "modality": modality},
+                    )
+                )
         if not records:
             raise DataError(f"{self.root}: no cases found in imagesTr/ or dataset.json; check the root")
         return sorted(records, key=lambda r: r.id)
@@ -186,10 +216,18 @@ class MSDLayout(DatasetLayout):
         return [f"channel {i}" for i in range(len(record.images))]
 
     def check(self, record: Record) -> list[Problem]:
-        return medical.check_volumes(record.images, record.label, self._channel_names(record),
-                                     label_values=self.label_names(), tolerance=self.tolerance)
+        return medical.check_volumes(
+            record.images,
+            record.label,
+            self._channel_names(record),
+            label_values=self.label_names(),
+            tolerance=self.tolerance,
+        )
 
     def read(self, record: Record) -> Sample:
-        return medical.read_volumes(record.id, record.images, record.label,
-                                    {"modalities": self._channel_names(record),
-                                     "modality": record.meta.get("modality", "")})
+        return medical.read_volumes(
+            record.id,
+            record.images,
+            record.label,
+            {"modalities": self._channel_names(record), "modality": record.meta.get("modality", "")},
+        )

@@ -51,29 +51,44 @@ class TotalSegmentatorLayout(DatasetLayout):
 
     name = "totalsegmentator"
     spatial_dims = 3
-    description = ("TotalSegmentator (zenodo.org, Wasserthal et al.): one folder per subject with ct.nii.gz and "
-                   "segmentations/<structure>.nii.gz, plus meta.csv with the split")
+    description = (
+        "TotalSegmentator (zenodo.org, Wasserthal et al.): one folder per subject with ct.nii.gz and "
+        "segmentations/<structure>.nii.gz, plus meta.csv with the split"
+    )
 
     def __init__(self, root: str | Path, **options: Any) -> None:
         super().__init__(root, **options)
         medical.check_options(self.name, options, ("structures", "affine_tolerance"))
         self.tolerance = float(options.get("affine_tolerance", medical.AFFINE_TOLERANCE))
         structures = options.get("structures")
-        if structures is not None and (isinstance(structures, str) or not all(isinstance(s, str) for s in structures)
-                                       or len(set(structures)) != len(structures) or not structures):
-            raise ConfigError(f"totalsegmentator option structures={structures!r}: give a list of distinct "
-                              "structure names (mask file names without .nii.gz)")
+        if structures is not None and (
+            isinstance(structures, str)
+            or not all(isinstance(s, str) for s in structures)
+            or len(set(structures)) != len(structures)
+            or not structures
+        ):
+            raise ConfigError(
+                f"totalsegmentator option structures={structures!r}: give a list of distinct "
+                "structure names (mask file names without .nii.gz)"
+            )
         self._given = list(structures) if structures is not None else None
 
     def _subjects(self) -> list[Path]:
         if not self.root.is_dir():
-            raise DataError(f"{self.root}: dataset root not found; pass the TotalSegmentator folder holding the "
-                            "subject folders (--root NAME=PATH)")
-        subjects = sorted(p for p in self.root.iterdir()
-                          if p.is_dir() and ((p / "ct.nii.gz").exists() or (p / "segmentations").is_dir()))
+            raise DataError(
+                f"{self.root}: dataset root not found; pass the TotalSegmentator folder holding the "
+                "subject folders (--root NAME=PATH)"
+            )
+        subjects = sorted(
+            p
+            for p in self.root.iterdir()
+            if p.is_dir() and ((p / "ct.nii.gz").exists() or (p / "segmentations").is_dir())
+        )
         if not subjects:
-            raise DataError(f"{self.root}: no subject folders with ct.nii.gz / segmentations/ found; point the root "
-                            "at the folder holding s0000/, s0001/, ...")
+            raise DataError(
+                f"{self.root}: no subject folders with ct.nii.gz / segmentations/ found; point the root "
+                "at the folder holding s0000/, s0001/, ..."
+            )
         return subjects
 
     @cached_property
@@ -87,8 +102,10 @@ class TotalSegmentatorLayout(DatasetLayout):
             if folder.is_dir():
                 names.update(n for n in map(_structure_name, folder.iterdir()) if n)
         if not names:
-            raise DataError(f"{self.root}: no segmentations/<structure>.nii.gz masks found; give the layout option "
-                            "structures or check the root")
+            raise DataError(
+                f"{self.root}: no segmentations/<structure>.nii.gz masks found; give the layout option "
+                "structures or check the root"
+            )
         return sorted(names)
 
     def _splits(self) -> dict[str, str]:
@@ -104,8 +121,16 @@ class TotalSegmentatorLayout(DatasetLayout):
 
     def scan(self) -> list[Record]:
         splits = self._splits()
-        return [Record(s.name, (s / "ct.nii.gz",), s / "segmentations", splits.get(s.name, "train"),
-                       {"subject": s.name, "modality": "CT"}) for s in self._subjects()]
+        return [
+            Record(
+                s.name,
+                (s / "ct.nii.gz",),
+                s / "segmentations",
+                splits.get(s.name, "train"),
+                {"subject": s.name, "modality": "CT"},
+            )
+            for s in self._subjects()
+        ]
 
     def label_names(self) -> dict[int, str]:
         return {0: "background", **{i: name for i, name in enumerate(self.structures, start=1)}}
@@ -120,9 +145,14 @@ class TotalSegmentatorLayout(DatasetLayout):
         masks = []
         if record.label is not None:
             if not record.label.is_dir():
-                return [*medical.check_volumes(record.images, None, ["ct"], tolerance=self.tolerance),
-                        Problem(record.label, "missing segmentations folder",
-                                f"restore {record.label.name}/ with one <structure>.nii.gz mask per structure")]
+                return [
+                    *medical.check_volumes(record.images, None, ["ct"], tolerance=self.tolerance),
+                    Problem(
+                        record.label,
+                        "missing segmentations folder",
+                        f"restore {record.label.name}/ with one <structure>.nii.gz mask per structure",
+                    ),
+                ]
             masks = [(self._mask_path(record.label, s), s) for s in self.structures]
         return medical.check_volumes(record.images, None, ["ct"], tolerance=self.tolerance, extra_labels=masks)
 
@@ -137,5 +167,9 @@ class TotalSegmentatorLayout(DatasetLayout):
                 mask, _ = medical.load_label(path)
                 medical.check_label_shape(mask, image, path)
                 label[mask > 0] = index  # later structures win where masks overlap
-        return Sample(image, label, affine, {"spacing": medical.voxel_spacing(affine), "id": record.id,
-                                             "modalities": ["CT"], "modality": "CT"})
+        return Sample(
+            image,
+            label,
+            affine,
+            {"spacing": medical.voxel_spacing(affine), "id": record.id, "modalities": ["CT"], "modality": "CT"},
+        )

@@ -1,13 +1,13 @@
 """The paper's comparison methods, each a list of plugins on the same loop.
 
-Every module in this package registers its methods in :data:`jascl.methods.base.METHODS`
+Every module in this package registers its methods in :data:`jascl.methods.registry.METHODS`
 when imported; all modules are imported here, so adding a baseline is adding a file.
 
 Conventions every baseline follows:
 
 * a pure loss / rule function tested on bare tensors, a plugin wiring it into the
   loop, and a registered factory ``fn(config) -> Method``;
-* options live in a dataclass read with :func:`jascl.training.config.method_options`
+* options live in a dataclass read with :func:`jascl.engine.config.method_options`
   (``--set method_args.<method>.<option>=value``);
 * each plugin lists the ``state.losses`` keys it adds in ``loss_terms`` (the registry
   test checks that they are non-zero in the incremental session);

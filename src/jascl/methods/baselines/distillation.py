@@ -28,8 +28,9 @@ Sources:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -38,16 +39,18 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from jascl.data.datasets import LabelledDataset
+from jascl.engine.defaults import default_supervised_loss
+from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
-from jascl.methods.base import METHODS, Method, Plugin
 from jascl.methods.gas import clean_state_dict
-from jascl.training.losses import IGNORE_INDEX
+from jascl.methods.registry import METHODS
+from jascl.protocols.schema import IGNORE_INDEX
 
 if TYPE_CHECKING:
+    from jascl.engine.config import RunConfig
+    from jascl.engine.state import LoopState
     from jascl.networks.base import Segmenter
     from jascl.networks.classifier import PixelClassifier
-    from jascl.training.config import RunConfig
-    from jascl.training.state import LoopState
 
 FREEZE_CHOICES = ("config", "none", "all_but_classifier")
 INIT_CHOICES = ("mib", "imprint")
@@ -55,8 +58,9 @@ INIT_CHOICES = ("mib", "imprint")
 # ============================================================================ pure losses and rules
 
 
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
-            class_mean: bool = False) -> torch.Tensor:
+def kd_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0, class_mean: bool = False
+) -> torch.Tensor:
     """Output distillation on the old rows (LwF's L_old; ILT's L'_D).
 
     Per pixel ``-sum_c q_c log p_c`` with ``q = softmax(teacher / T)`` and
@@ -105,8 +109,9 @@ def _check_absorbed(absorbed: Sequence[int]) -> list[int]:
     return rows
 
 
-def unbiased_cross_entropy(logits: torch.Tensor, target: torch.Tensor, absorbed: Sequence[int],
-                           ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def unbiased_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, absorbed: Sequence[int], ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
     """MiB's unbiased cross-entropy (Cermelli et al. 2020, eq. 4).
 
     A background-labelled pixel may show any class hidden in the background, so
@@ -155,8 +160,9 @@ def unbiased_kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
     return (-(q * log_p).sum(dim=1) / k_old).mean()
 
 
-def merge_absorbed_probabilities(logits: torch.Tensor, target: torch.Tensor,
-                                 absorbed: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_absorbed_probabilities(
+    logits: torch.Tensor, target: torch.Tensor, absorbed: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax with the absorbed rows summed into channel 0, and the target remapped to match.
 
     Returns:
@@ -187,8 +193,9 @@ def soft_dice_loss(probs: torch.Tensor, target: torch.Tensor, ignore_index: int 
     return MaskedDiceLoss(softmax=False)(probs, onehot, mask=(~ignore).unsqueeze(1).to(probs.dtype))
 
 
-def background_merged_loss(logits: torch.Tensor, target: torch.Tensor, absorbed: Sequence[int],
-                           lambda_ce: float, lambda_dice: float) -> torch.Tensor:
+def background_merged_loss(
+    logits: torch.Tensor, target: torch.Tensor, absorbed: Sequence[int], lambda_ce: float, lambda_dice: float
+) -> torch.Tensor:
     """``lambda_ce * unbiased CE + lambda_dice * soft Dice on background-merged probabilities``.
 
     Replaces the loop's DiceCE ("seg") for MiB and for the prototype-replay
@@ -205,7 +212,7 @@ def background_merged_loss(logits: torch.Tensor, target: torch.Tensor, absorbed:
 
 
 @torch.no_grad()
-def mib_init_new_rows(classifier: "PixelClassifier", num_old: int) -> None:
+def mib_init_new_rows(classifier: PixelClassifier, num_old: int) -> None:
     """MiB's classifier initialisation (Cermelli et al. 2020, sec. 3.3), in place.
 
     New rows copy the background row; with a bias (linear classifier) every new
@@ -232,7 +239,7 @@ def mib_init_new_rows(classifier: "PixelClassifier", num_old: int) -> None:
 # ============================================================================ shared plugin helpers
 
 
-def frozen_copy(state: "LoopState") -> "Segmenter":
+def frozen_copy(state: LoopState) -> Segmenter:
     """The previous session's model as a frozen teacher, in eval mode.
 
     Built with ``state.new_model`` (the model as grown this session) and the
@@ -254,7 +261,7 @@ class FeatureTap:
     MLPs, channels last) are moved to (B, C, *spatial).
     """
 
-    def __init__(self, model: "Segmenter", layers: Sequence[str]) -> None:
+    def __init__(self, model: Segmenter, layers: Sequence[str]) -> None:
         self.outputs: dict[str, torch.Tensor] = {}
         self._handles = []
         for name in layers:
@@ -267,6 +274,7 @@ class FeatureTap:
             if channels_last and out.dim() >= 3:
                 out = out.movedim(-1, 1)
             self.outputs[name] = out
+
         return hook
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -282,8 +290,10 @@ class FeatureTap:
 def check_choice(method: str, key: str, value: str, choices: Sequence[str]) -> str:
     """Raise a one-line ConfigError unless ``value`` is one of ``choices``."""
     if value not in choices:
-        raise ConfigError(f"method_args.{method}.{key}={value!r}: choose one of {', '.join(choices)} "
-                          f"(--set method_args.{method}.{key}=...)")
+        raise ConfigError(
+            f"method_args.{method}.{key}={value!r}: choose one of {', '.join(choices)} "
+            f"(--set method_args.{method}.{key}=...)"
+        )
     return value
 
 
@@ -299,19 +309,19 @@ def check_non_negative(method: str, **values: float) -> None:
             raise ConfigError(f"method_args.{method}.{key}={value}: must be >= 0")
 
 
-def labelled_loader(state: "LoopState") -> DataLoader:
+def labelled_loader(state: LoopState) -> DataLoader:
     """The session's labelled training set without augmentation, in order (for statistics passes)."""
     dataset = LabelledDataset(state.data.train, state.session.classes, state.session.other_classes, augment=False)
     return DataLoader(dataset, batch_size=state.config.batch_size)
 
 
-def absorbed_rows(state: "LoopState") -> list[int]:
+def absorbed_rows(state: LoopState) -> list[int]:
     """Background plus the rows of old classes not taught in this session (hidden in the background)."""
     taught = set(state.session.classes)
     return [0] + [row for row, cid in enumerate(state.previous_seen) if row > 0 and cid not in taught]
 
 
-def taught_rows(state: "LoopState") -> list[int]:
+def taught_rows(state: LoopState) -> list[int]:
     """Rows of the classes labelled in this session (new and recurring)."""
     return [state.seen.index(c) for c in state.session.classes]
 
@@ -333,10 +343,20 @@ class TeacherPlugin(Plugin):
     def __init__(self, freeze: str | None, init: str = "imprint") -> None:
         self.freeze_incremental = freeze
         self.init = init
-        self.teacher: "Segmenter | None" = None
+        if init == "mib":  # MiB's own initialisation of the new rows instead of prototype imprinting
+            self.replaces = (*type(self).replaces, "classifier-growth")
+        self.teacher: Segmenter | None = None
         self.num_old = 0
 
-    def before_session(self, state: "LoopState") -> None:
+    def setup_model(self, state: LoopState) -> None:
+        if self.init != "mib":
+            return
+        classifier = state.model.classifier
+        new = len(state.seen) - classifier.num_classes
+        if new > 0:  # rows copying the background row for now; mib_init_new_rows sets them after the teacher copy
+            classifier.grow(new, classifier.weight.detach()[:1].expand(new, -1))
+
+    def before_session(self, state: LoopState) -> None:
         self.teacher = None
         if state.session.index == 0:
             return
@@ -346,11 +366,11 @@ class TeacherPlugin(Plugin):
             mib_init_new_rows(state.model.classifier, self.num_old)
 
     @torch.no_grad()
-    def teacher_outputs(self, state: "LoopState"):
+    def teacher_outputs(self, state: LoopState):
         """The teacher's :class:`SegmenterOutput` on the current batch (all rows; slice ``[:, :num_old]``)."""
         return self.teacher.forward_features(state.batch["image"].to(state.device))
 
-    def after_session(self, state: "LoopState") -> None:
+    def after_session(self, state: LoopState) -> None:
         self.teacher = None
 
 
@@ -394,7 +414,7 @@ class LwFPlugin(TeacherPlugin):
         self.weight = weight
         self.temperature = temperature
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if self.teacher is None:
             return
         old = self.teacher_outputs(state).logits[:, : self.num_old]
@@ -402,8 +422,8 @@ class LwFPlugin(TeacherPlugin):
 
 
 @METHODS.register("lwf", doc="baseline: output distillation on old classes (Li & Hoiem, TPAMI 2017)")
-def lwf(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+def lwf(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "lwf", LwFOptions())
     check_non_negative("lwf", weight=o.weight)
@@ -455,32 +475,39 @@ class ILTPlugin(TeacherPlugin):
     name = "ilt"
     loss_terms = ("ilt_kd", "ilt_feat")
 
-    def __init__(self, kd_weight: float = 100.0, feature_weight: float = 100.0, temperature: float = 1.0,
-                 feature_layer: str = "encoder", freeze: str | None = "none") -> None:
+    def __init__(
+        self,
+        kd_weight: float = 100.0,
+        feature_weight: float = 100.0,
+        temperature: float = 1.0,
+        feature_layer: str = "encoder",
+        freeze: str | None = "none",
+    ) -> None:
         super().__init__(freeze)
         self.kd_weight, self.feature_weight = kd_weight, feature_weight
         self.temperature = temperature
         self.feature_layer = feature_layer
         self._taps: tuple[FeatureTap, FeatureTap] | None = None
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         super().before_session(state)
         if self.teacher is not None and self.feature_layer != "features":
             self._taps = (FeatureTap(state.model, [self.feature_layer]), FeatureTap(self.teacher, [self.feature_layer]))
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if self.teacher is None:
             return
         out_t = self.teacher_outputs(state)
-        state.losses["ilt_kd"] = self.kd_weight * kd_loss(state.output.logits, out_t.logits[:, : self.num_old],
-                                                          self.temperature, class_mean=True)
+        state.losses["ilt_kd"] = self.kd_weight * kd_loss(
+            state.output.logits, out_t.logits[:, : self.num_old], self.temperature, class_mean=True
+        )
         if self._taps is None:
             student, teacher = state.output.features, out_t.features
         else:
             student, teacher = self._taps[0][self.feature_layer], self._taps[1][self.feature_layer]
         state.losses["ilt_feat"] = self.feature_weight * feature_distillation_loss(student, teacher)
 
-    def after_training(self, state: "LoopState") -> None:
+    def after_training(self, state: LoopState) -> None:
         if self._taps is not None:
             for tap in self._taps:
                 tap.remove()
@@ -488,8 +515,8 @@ class ILTPlugin(TeacherPlugin):
 
 
 @METHODS.register("ilt", doc="baseline: output + feature distillation (Michieli & Zanuttigh, ICCVW 2019)")
-def ilt(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+def ilt(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "ilt", ILTOptions())
     check_non_negative("ilt", kd_weight=o.kd_weight, feature_weight=o.feature_weight)
@@ -542,33 +569,44 @@ class MiBPlugin(TeacherPlugin):
 
     name = "mib"
     loss_terms = ("mib_kd",)
+    replaces = ("supervised-loss",)  # the unbiased cross-entropy
 
-    def __init__(self, kd_weight: float = 10.0, alpha: float = 1.0, init: str = "mib", dice: bool = True,
-                 freeze: str | None = "none") -> None:
+    def __init__(
+        self,
+        kd_weight: float = 10.0,
+        alpha: float = 1.0,
+        init: str = "mib",
+        dice: bool = True,
+        freeze: str | None = "none",
+    ) -> None:
         super().__init__(freeze, init)
         self.kd_weight, self.alpha = kd_weight, alpha
         self.dice = dice
         self._absorbed: list[int] = [0]
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         super().before_session(state)
         self._absorbed = absorbed_rows(state)
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if self.teacher is None:
+            state.losses["seg"] = default_supervised_loss(state)
             return
         cfg = state.config
         logits = state.output.logits
-        target = state.class_index(state.batch["label"].to(state.device))
-        state.losses["seg"] = background_merged_loss(logits, target, self._absorbed, cfg.lambda_ce,
-                                                     cfg.lambda_dice if self.dice else 0.0)
+        target = state.target
+        state.losses["seg"] = background_merged_loss(
+            logits, target, self._absorbed, cfg.lambda_ce, cfg.lambda_dice if self.dice else 0.0
+        )
         old = self.teacher_outputs(state).logits[:, : self.num_old]
         state.losses["mib_kd"] = self.kd_weight * unbiased_kd_loss(logits, old, self.alpha)
 
 
-@METHODS.register("mib", doc="baseline: unbiased CE + unbiased distillation + balanced init (Cermelli et al., CVPR 2020)")
-def mib(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+@METHODS.register(
+    "mib", doc="baseline: unbiased CE + unbiased distillation + balanced init (Cermelli et al., CVPR 2020)"
+)
+def mib(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "mib", MiBOptions())
     check_non_negative("mib", kd_weight=o.kd_weight)

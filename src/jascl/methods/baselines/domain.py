@@ -77,13 +77,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
-from jascl.methods.base import METHODS, Method, Plugin
+from jascl.methods.registry import METHODS
 
 if TYPE_CHECKING:
+    from jascl.engine.config import RunConfig
+    from jascl.engine.state import LoopState
     from jascl.networks.base import Segmenter
-    from jascl.training.config import RunConfig
-    from jascl.training.state import LoopState
 
 log = logging.getLogger("jascl")
 
@@ -142,12 +143,12 @@ def _is_norm(module: nn.Module) -> bool:
     return "Norm" in type(module).__name__ and not list(module.children())
 
 
-def _frozen_prefixes(model: "Segmenter") -> list[str]:
+def _frozen_prefixes(model: Segmenter) -> list[str]:
     frozen = {id(m) for m in model.backbone.frozen_modules()}
     return [f"backbone.{n}." for n, m in model.backbone.named_modules() if id(m) in frozen]
 
 
-def domain_specific_keys(model: "Segmenter", decoder: tuple[str, ...] | None = None) -> list[str]:
+def domain_specific_keys(model: Segmenter, decoder: tuple[str, ...] | None = None) -> list[str]:
     """State-dict keys of ``model`` that MDIL keeps per domain (see the module docstring).
 
     Args:
@@ -160,8 +161,10 @@ def domain_specific_keys(model: "Segmenter", decoder: tuple[str, ...] | None = N
     if decoder is None:
         decoder = decoder_prefixes(model.backbone)
         if decoder is None:
-            raise ConfigError(f"method mdil: no known decoder for backbone {type(model.backbone).__name__}; "
-                              "name its decoder modules with --set method_args.mdil.decoder=[prefix, ...]")
+            raise ConfigError(
+                f"method mdil: no known decoder for backbone {type(model.backbone).__name__}; "
+                "name its decoder modules with --set method_args.mdil.decoder=[prefix, ...]"
+            )
     frozen = _frozen_prefixes(model)
     keys = set()
     for name, module in model.backbone.named_modules():
@@ -169,14 +172,14 @@ def domain_specific_keys(model: "Segmenter", decoder: tuple[str, ...] | None = N
             keys.update(f"backbone.{name}.{k}" for k, _ in module.named_parameters(recurse=False))
             keys.update(f"backbone.{name}.{k}" for k, _ in module.named_buffers(recurse=False))
     for key in model.state_dict():
-        if key.startswith("backbone.") and any(key[len("backbone."):].startswith(p) for p in decoder):
+        if key.startswith("backbone.") and any(key[len("backbone.") :].startswith(p) for p in decoder):
             keys.add(key)
         if key.startswith("classifier."):
             keys.add(key)
     return sorted(k for k in keys if not any(k.startswith(f) for f in frozen))
 
 
-def adapter_sites(model: "Segmenter", specific: list[str]) -> dict[str, nn.Module]:
+def adapter_sites(model: Segmenter, specific: list[str]) -> dict[str, nn.Module]:
     """Shared convolutions that get a parallel 1x1 adapter: {module path in the Segmenter: conv}.
 
     A site is an ``nn.Conv2d``/``nn.Conv3d`` outside the decoder, the classifier
@@ -266,11 +269,18 @@ class MDILPlugin(Plugin):
     name = "mdil"
     loss_terms = ("mdil",)
 
-    def __init__(self, kd_weight: float = 0.1, shared_lr_ratio: float = 0.01, adapters: bool = True,
-                 decoder: tuple[str, ...] | None = None, freeze: str | None = "none") -> None:
+    def __init__(
+        self,
+        kd_weight: float = 0.1,
+        shared_lr_ratio: float = 0.01,
+        adapters: bool = True,
+        decoder: tuple[str, ...] | None = None,
+        freeze: str | None = "none",
+    ) -> None:
         if kd_weight < 0 or shared_lr_ratio < 0:
-            raise ConfigError(f"method_args.mdil: kd_weight and shared_lr_ratio must be >= 0 "
-                              f"(got {kd_weight}, {shared_lr_ratio})")
+            raise ConfigError(
+                f"method_args.mdil: kd_weight and shared_lr_ratio must be >= 0 (got {kd_weight}, {shared_lr_ratio})"
+            )
         self.kd_weight = kd_weight
         self.shared_lr_ratio = shared_lr_ratio
         self.use_adapters = adapters
@@ -281,7 +291,7 @@ class MDILPlugin(Plugin):
         self._pending_adapters: dict[str, dict[str, torch.Tensor]] = {}
         self.current: str | None = None
         self.active: str | None = None  # the domain whose adapters the hooks apply
-        self._model: "Segmenter | None" = None
+        self._model: Segmenter | None = None
         self._hooks: list = []
         self._keys: list[str] = []
         self._sites: dict[str, nn.Module] = {}
@@ -292,7 +302,7 @@ class MDILPlugin(Plugin):
 
     # ------------------------------------------------------------ model wiring
 
-    def _attach(self, model: "Segmenter") -> None:
+    def _attach(self, model: Segmenter) -> None:
         """Install the adapter and head-mask hooks on ``model`` (once per model object)."""
         if self._model is model:
             return
@@ -335,21 +345,22 @@ class MDILPlugin(Plugin):
             if adapters is None:
                 return output
             return output + adapters[key](inputs[0])
+
         return hook
 
     def _mask_hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         if self._mask_from is None or output.shape[1] <= self._mask_from or inputs[0].dim() == 2:
             return output
         out = output.clone()
-        out[:, self._mask_from:] = MASKED_LOGIT
+        out[:, self._mask_from :] = MASKED_LOGIT
         return out
 
-    def _snapshot(self, model: "Segmenter") -> dict[str, torch.Tensor]:
+    def _snapshot(self, model: Segmenter) -> dict[str, torch.Tensor]:
         state = model.state_dict()
         return {k: state[k].detach().clone() for k in self._keys}
 
     @torch.no_grad()
-    def _load_domain(self, model: "Segmenter", key: str) -> None:
+    def _load_domain(self, model: Segmenter, key: str) -> None:
         """Copy a domain's stored parameters into the live model; mask head rows it does not have."""
         stored = self.domains[key]
         live = model.state_dict()
@@ -364,7 +375,7 @@ class MDILPlugin(Plugin):
 
     # ------------------------------------------------------------ events
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         model = state.model
         self._attach(model)
         key = domain_key(state.session.domains)
@@ -389,7 +400,7 @@ class MDILPlugin(Plugin):
         self._old = [d for d in self.domains if d != key]
         self._returning = key in self.domains
 
-    def make_optimizer(self, state: "LoopState", params: list, lr: float) -> torch.optim.Optimizer | None:
+    def make_optimizer(self, state: LoopState, params: list, lr: float) -> torch.optim.Optimizer | None:
         if state.session.index == 0:
             return None
         specific = set(self._keys)
@@ -403,12 +414,18 @@ class MDILPlugin(Plugin):
             adapters.requires_grad_(train)
             own += list(adapters.parameters()) if train else []
         cfg = state.config
-        groups = [g for g in ({"params": shared, "lr": lr * self.shared_lr_ratio}, {"params": own, "lr": lr})
-                  if g["params"]]
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                               nesterov=cfg.nesterov and cfg.momentum > 0)
+        groups = [
+            g for g in ({"params": shared, "lr": lr * self.shared_lr_ratio}, {"params": own, "lr": lr}) if g["params"]
+        ]
+        return torch.optim.SGD(
+            groups,
+            lr=lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            nesterov=cfg.nesterov and cfg.momentum > 0,
+        )
 
-    def _branch_logits(self, model: "Segmenter", x: torch.Tensor, key: str, teacher: bool) -> torch.Tensor:
+    def _branch_logits(self, model: Segmenter, x: torch.Tensor, key: str, teacher: bool) -> torch.Tensor:
         """Logits of domain ``key``'s branch: with the current shared parameters, or the teacher's."""
         stored = self.domains[key].params
         buffers = {name for name, _ in model.named_buffers()}
@@ -422,7 +439,7 @@ class MDILPlugin(Plugin):
         finally:
             self.active = self.current
 
-    def _teacher_logits(self, model: "Segmenter", x: torch.Tensor, key: str) -> torch.Tensor:
+    def _teacher_logits(self, model: Segmenter, x: torch.Tensor, key: str) -> torch.Tensor:
         modes = {m: m.training for m in model.modules()}
         model.eval()  # the previous model is used in eval mode, as in the official code
         try:
@@ -432,15 +449,16 @@ class MDILPlugin(Plugin):
             for m, mode in modes.items():
                 m.train(mode)
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if state.session.index == 0 or not (self._old or self._returning) or self.kd_weight == 0:
             return
         model = state.model
         x = state.batch["image"].to(state.device)
         total = None
         for key in self._old:
-            kd = domain_distillation(self._branch_logits(model, x, key, teacher=False),
-                                     self._teacher_logits(model, x, key))
+            kd = domain_distillation(
+                self._branch_logits(model, x, key, teacher=False), self._teacher_logits(model, x, key)
+            )
             total = kd if total is None else total + kd
         if self._returning:  # the returning domain's earlier branch, over its earlier head's rows
             teacher = self._teacher_logits(model, x, self.current)
@@ -448,21 +466,21 @@ class MDILPlugin(Plugin):
             total = kd if total is None else total + kd
         state.losses[self.name] = self.kd_weight * total
 
-    def after_training(self, state: "LoopState") -> None:
+    def after_training(self, state: LoopState) -> None:
         self.domains[self.current] = DomainParameters(self._snapshot(state.model), list(state.seen))
         self._teacher_shared = None
 
-    def before_eval_split(self, state: "LoopState") -> None:
+    def before_eval_split(self, state: LoopState) -> None:
         key = domain_key(state.protocol.sessions[state.eval_session].domains)
         if key not in self.domains:
             raise ConfigError(f"method mdil: no parameters stored for domain {key!r} of session {state.eval_session}")
         self._load_domain(state.model, key)
 
-    def after_eval(self, state: "LoopState") -> None:
+    def after_eval(self, state: LoopState) -> None:
         self._load_domain(state.model, self.current)
         self._mask_from = None
 
-    def session_restored(self, state: "LoopState") -> None:
+    def session_restored(self, state: LoopState) -> None:
         self._attach(state.model)
         key = domain_key(state.session.domains)
         if key not in self.domains:  # the shared base model (trained without the method): domain 0
@@ -498,9 +516,9 @@ class MDILPlugin(Plugin):
             params, adapters = {}, {}
             for name, value in tensors.items():
                 if name.startswith(f"{index}.p."):
-                    params[name[len(index) + 3:]] = value
+                    params[name[len(index) + 3 :]] = value
                 elif name.startswith(f"{index}.a."):
-                    adapters[name[len(index) + 3:]] = value
+                    adapters[name[len(index) + 3 :]] = value
             self.domains[key] = DomainParameters(params, tensors[f"{index}.rows"].tolist())
             if adapters:
                 self._pending_adapters[key] = adapters
@@ -520,12 +538,20 @@ def _decode(tensor: torch.Tensor) -> str:
     return bytes(tensor.tolist()).decode()
 
 
-@METHODS.register("mdil", doc="baseline: shared encoder + per-domain adapters, norms, decoder and head; "
-                              "old-branch distillation (Garg et al., WACV 2022)")
-def mdil(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+@METHODS.register(
+    "mdil",
+    doc="baseline: shared encoder + per-domain adapters, norms, decoder and head; "
+    "old-branch distillation (Garg et al., WACV 2022)",
+)
+def mdil(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "mdil", MDILOptions())
-    plugin = MDILPlugin(kd_weight=o.kd_weight, shared_lr_ratio=o.shared_lr_ratio, adapters=o.adapters,
-                        decoder=tuple(o.decoder) or None, freeze=freeze_policy(o.freeze, "mdil"))
+    plugin = MDILPlugin(
+        kd_weight=o.kd_weight,
+        shared_lr_ratio=o.shared_lr_ratio,
+        adapters=o.adapters,
+        decoder=tuple(o.decoder) or None,
+        freeze=freeze_policy(o.freeze, "mdil"),
+    )
     return Method("mdil", [plugin], "MDIL: domain-specific parameters per domain, shared encoder")

@@ -26,7 +26,8 @@ training labels, and the ``freeze`` option.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import DataLoader
@@ -36,8 +37,8 @@ from jascl.errors import ConfigError
 from jascl.methods.gas import clean_state_dict
 
 if TYPE_CHECKING:
+    from jascl.engine.state import LoopState
     from jascl.networks.base import Segmenter
-    from jascl.training.state import LoopState
 
 FREEZE_CHOICES = ("config", "none", "all_but_classifier")
 
@@ -57,7 +58,7 @@ def freeze_policy(value: str, method: str) -> str | None:
     return None if value == "config" else value
 
 
-def frozen_copy(state: "LoopState") -> "Segmenter":
+def frozen_copy(state: LoopState) -> Segmenter:
     """A frozen, eval-mode copy of ``state.model`` as it is now (GAS perturbation removed)."""
     model = state.new_model(state.model.num_classes)
     model.load_state_dict(clean_state_dict(state.model))
@@ -65,7 +66,7 @@ def frozen_copy(state: "LoopState") -> "Segmenter":
     return model
 
 
-def labelled_loader(state: "LoopState", batch_size: int | None = None) -> DataLoader:
+def labelled_loader(state: LoopState, batch_size: int | None = None) -> DataLoader:
     """The session's labelled training data with its training labels, no augmentation, in order.
 
     Items: ``image`` (B, C, *spatial) float, ``label`` (B, *spatial) global ids
@@ -76,7 +77,9 @@ def labelled_loader(state: "LoopState", batch_size: int | None = None) -> DataLo
     return DataLoader(dataset, batch_size=batch_size or state.config.batch_size)
 
 
-def eval_features(model: "Segmenter", loader: DataLoader, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def eval_features(
+    model: Segmenter, loader: DataLoader, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (features (B, C, *spatial'), labels (B, *spatial)) of every batch in eval mode, no gradient.
 
     The train/eval mode of every module is restored when the iteration ends.

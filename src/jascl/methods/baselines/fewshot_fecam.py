@@ -55,15 +55,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jascl.engine.config import method_options
+from jascl.engine.plugin import Method, Plugin
+from jascl.engine.prototypes import align_labels
 from jascl.errors import ConfigError
-from jascl.methods.base import METHODS, Method, Plugin
 from jascl.methods.baselines.fewshot import eval_features, labelled_loader
-from jascl.methods.prototypes import align_labels
-from jascl.training.config import method_options
+from jascl.methods.registry import METHODS
 
 if TYPE_CHECKING:
-    from jascl.training.config import RunConfig
-    from jascl.training.state import LoopState
+    from jascl.engine.config import RunConfig
+    from jascl.engine.state import LoopState
 
 #: logit of a seen class without statistics (finite, so softmax stays defined)
 NO_CLASS_LOGIT = -1e30
@@ -98,8 +99,9 @@ def correlation_matrix(cov: torch.Tensor) -> torch.Tensor:
     return cov / (sd[:, None] * sd[None, :])
 
 
-def fecam_precision(cov: torch.Tensor, alpha1: float = 1.0, alpha2: float = 1.0, shrink_passes: int = 2,
-                    normalise: bool = True) -> torch.Tensor:
+def fecam_precision(
+    cov: torch.Tensor, alpha1: float = 1.0, alpha2: float = 1.0, shrink_passes: int = 2, normalise: bool = True
+) -> torch.Tensor:
     """The matrix used in the distance: pinv of the shrunk (``shrink_passes`` times), normalised covariance. (C, C)."""
     for _ in range(shrink_passes):
         cov = shrink_covariance(cov, alpha1, alpha2)
@@ -182,8 +184,9 @@ class FeCAMHead(nn.Module):
     negative constant.
     """
 
-    def __init__(self, means: torch.Tensor, precisions: torch.Tensor, rows: torch.Tensor, num_classes: int,
-                 beta: float) -> None:
+    def __init__(
+        self, means: torch.Tensor, precisions: torch.Tensor, rows: torch.Tensor, num_classes: int, beta: float
+    ) -> None:
         super().__init__()
         self.register_buffer("means", F.normalize(tukey_transform(means, beta), dim=1))
         self.register_buffer("precisions", precisions)
@@ -207,7 +210,7 @@ class FeCAMHead(nn.Module):
         vectors = flat.reshape(-1, flat.shape[-1])
         chunks = []
         for start in range(0, vectors.shape[0], self.chunk):  # bounded memory for large 3D windows
-            dist = self.distances(vectors[start:start + self.chunk])  # (n, G)
+            dist = self.distances(vectors[start : start + self.chunk])  # (n, G)
             logits = dist.new_full((dist.shape[0], self.num_classes), NO_CLASS_LOGIT)
             index = self.rows.to(dist.device).expand_as(dist)
             chunks.append(logits.scatter_reduce(1, index, -dist, reduce="amax", include_self=True))
@@ -244,8 +247,10 @@ class FeCAMPlugin(Plugin):
     def __init__(self, options: FeCAMOptions | None = None) -> None:
         o = self.options = options or FeCAMOptions()
         if o.beta <= 0:
-            raise ConfigError(f"method_args.fecam.beta: must be > 0 (got {o.beta}); the log transform (beta 0) "
-                              "needs positive features")
+            raise ConfigError(
+                f"method_args.fecam.beta: must be > 0 (got {o.beta}); the log transform (beta 0) "
+                "needs positive features"
+            )
         if o.shrink_passes < 0:
             raise ConfigError(f"method_args.fecam.shrink_passes: must be >= 0 (got {o.shrink_passes})")
         if o.background not in ("every_session", "base"):
@@ -254,12 +259,12 @@ class FeCAMPlugin(Plugin):
         self.stats: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._original: nn.Module | None = None
 
-    def make_optimizer(self, state: "LoopState", params: list, lr: float) -> torch.optim.Optimizer | None:
+    def make_optimizer(self, state: LoopState, params: list, lr: float) -> torch.optim.Optimizer | None:
         if state.session.index == 0:
             return None
         return torch.optim.SGD(params, lr=0.0)  # training-free: the loop runs, nothing changes
 
-    def _collect(self, state: "LoopState") -> None:
+    def _collect(self, state: LoopState) -> None:
         t = state.session.index
         classes = list(state.session.classes)
         if t == 0 or self.options.background == "every_session":
@@ -270,13 +275,13 @@ class FeCAMPlugin(Plugin):
         for c, value in acc.compute().items():
             self.stats[(t, c)] = value
 
-    def after_training(self, state: "LoopState") -> None:
+    def after_training(self, state: LoopState) -> None:
         self._collect(state)
 
-    def session_restored(self, state: "LoopState") -> None:
+    def session_restored(self, state: LoopState) -> None:
         self._collect(state)
 
-    def head(self, state: "LoopState") -> FeCAMHead:
+    def head(self, state: LoopState) -> FeCAMHead:
         """The FeCAM classifier over ``state.seen`` from the statistics of sessions <= the current one."""
         o = self.options
         row_of = {c: r for r, c in enumerate(state.seen)}
@@ -284,18 +289,22 @@ class FeCAMPlugin(Plugin):
         if not keys:
             raise RuntimeError("FeCAM has no class statistics; was session 0 trained or restored with this method?")
         means = torch.stack([self.stats[k][0] for k in keys])
-        precisions = torch.stack([fecam_precision(self.stats[k][1].double(), o.alpha1, o.alpha2, o.shrink_passes,
-                                                  o.normalise).float() for k in keys])
+        precisions = torch.stack(
+            [
+                fecam_precision(self.stats[k][1].double(), o.alpha1, o.alpha2, o.shrink_passes, o.normalise).float()
+                for k in keys
+            ]
+        )
         rows = torch.tensor([row_of[k[1]] for k in keys])
         return FeCAMHead(means, precisions, rows, len(state.seen), o.beta).to(state.device)
 
-    def before_eval(self, state: "LoopState") -> None:
+    def before_eval(self, state: LoopState) -> None:
         if state.session.index == 0:
             return  # the official first task predicts with the (cosine) classifier
         self._original = state.model.classifier
         state.model.classifier = self.head(state)
 
-    def after_eval(self, state: "LoopState") -> None:
+    def after_eval(self, state: LoopState) -> None:
         if self._original is not None:
             state.model.classifier = self._original
             self._original = None
@@ -313,11 +322,16 @@ class FeCAMPlugin(Plugin):
             if key.endswith(".mean"):
                 s, c, _ = key.split(".")
                 prefix = f"{s}.{c}"
-                self.stats[(int(s[1:]), int(c[1:]))] = (tensors[f"{prefix}.mean"], tensors[f"{prefix}.cov"],
-                                                         int(tensors[f"{prefix}.n"][0]))
+                self.stats[(int(s[1:]), int(c[1:]))] = (
+                    tensors[f"{prefix}.mean"],
+                    tensors[f"{prefix}.cov"],
+                    int(tensors[f"{prefix}.n"][0]),
+                )
 
 
-@METHODS.register("fecam", doc="baseline: frozen backbone, per-class Mahalanobis classifier (Goswami et al., NeurIPS 2023)")
-def fecam(config: "RunConfig") -> Method:
+@METHODS.register(
+    "fecam", doc="baseline: frozen backbone, per-class Mahalanobis classifier (Goswami et al., NeurIPS 2023)"
+)
+def fecam(config: RunConfig) -> Method:
     options = method_options(config, "fecam", FeCAMOptions())
     return Method("fecam", [FeCAMPlugin(options)], "FeCAM: training-free incremental sessions, Mahalanobis prediction")

@@ -53,22 +53,24 @@ Deviations:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jascl.engine.config import method_options
+from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
-from jascl.methods.base import METHODS, Method, Plugin
 from jascl.methods.baselines.fewshot import eval_features, freeze_policy, frozen_copy, labelled_loader, resize_features
-from jascl.training.config import method_options
+from jascl.methods.registry import METHODS
 
 if TYPE_CHECKING:
-    from jascl.training.config import RunConfig
-    from jascl.training.state import LoopState
+    from jascl.engine.config import RunConfig
+    from jascl.engine.state import LoopState
 
 
 # ---------------------------------------------------------------------------- pure functions
@@ -88,7 +90,7 @@ def crop_to_object(image: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tenso
     if idx.numel() == 0:
         raise ValueError("cannot crop to an empty mask")
     box = tuple(slice(int(lo), int(hi) + 1) for lo, hi in zip(idx.min(0).values, idx.max(0).values))
-    return image[(slice(None), *box)], mask[box]
+    return image[(slice(None),) + tuple(box)], mask[box]
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,12 @@ class PasteParams:
     offset: tuple[int, ...]
 
 
-def sample_paste(rng: np.random.Generator, object_shape: Sequence[int], base_shape: Sequence[int],
-                 scale_range: tuple[float, float] = (0.1, 2.0)) -> PasteParams:
+def sample_paste(
+    rng: np.random.Generator,
+    object_shape: Sequence[int],
+    base_shape: Sequence[int],
+    scale_range: tuple[float, float] = (0.1, 2.0),
+) -> PasteParams:
     """Random flip, scale and translation of the official ``copy_and_paste``.
 
     The scale U(scale_range) is shrunk, axis by axis, until the object fits the
@@ -121,8 +127,14 @@ def sample_paste(rng: np.random.Generator, object_shape: Sequence[int], base_sha
     return PasteParams(flip, size, offset)
 
 
-def paste_object(base_image: torch.Tensor, base_label: torch.Tensor, object_image: torch.Tensor,
-                 object_mask: torch.Tensor, class_id: int, params: PasteParams) -> tuple[torch.Tensor, torch.Tensor]:
+def paste_object(
+    base_image: torch.Tensor,
+    base_label: torch.Tensor,
+    object_image: torch.Tensor,
+    object_mask: torch.Tensor,
+    class_id: int,
+    params: PasteParams,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Paste an object crop into a copy of a base image and label.
 
     Args:
@@ -144,7 +156,7 @@ def paste_object(base_image: torch.Tensor, base_label: torch.Tensor, object_imag
         obj = F.interpolate(obj[None], size=params.size, mode=mode, align_corners=False)[0]
         mask = F.interpolate(mask[None, None].float(), size=params.size, mode="nearest")[0, 0] > 0.5
     region = tuple(slice(o, o + s) for o, s in zip(params.offset, params.size))
-    image_region = image[(slice(None), *region)]
+    image_region = image[(slice(None),) + tuple(region)]
     image_region[:, mask] = obj[:, mask].to(image.dtype)
     label[region][mask] = class_id
     return image, label
@@ -227,7 +239,7 @@ class PoolEntry:
     crop_mask: torch.Tensor
 
     @classmethod
-    def make(cls, class_id: int, image: torch.Tensor, mask: torch.Tensor) -> "PoolEntry":
+    def make(cls, class_id: int, image: torch.Tensor, mask: torch.Tensor) -> PoolEntry:
         ci, cm = crop_to_object(image, mask)
         return cls(class_id, image, mask, ci, cm)
 
@@ -235,7 +247,7 @@ class PoolEntry:
 def _scene_embeddings(model, images: torch.Tensor, device: torch.device, batch_size: int) -> torch.Tensor:
     """(N, C, *spatial) images -> (N, D) normalised global averages of the features."""
     out = []
-    loader = [{"image": images[i:i + batch_size], "label": torch.zeros(0)} for i in range(0, len(images), batch_size)]
+    loader = [{"image": images[i : i + batch_size], "label": torch.zeros(0)} for i in range(0, len(images), batch_size)]
     for features, _ in eval_features(model, loader, device):
         out.append(F.normalize(features.flatten(2).mean(-1), dim=1).cpu())
     return torch.cat(out) if out else torch.zeros(0, 0)
@@ -269,7 +281,7 @@ class GAPSPlugin(Plugin):
     # ------------------------------------------------------------- memory (base session)
 
     @torch.no_grad()
-    def build_memory(self, state: "LoopState") -> None:
+    def build_memory(self, state: LoopState) -> None:
         """Select the diverse memory from the base session's labelled data with the base model."""
         o = self.options
         rng = np.random.default_rng([state.seed, 104729])
@@ -303,17 +315,17 @@ class GAPSPlugin(Plugin):
         self.memory_images = [images[i].clone() for i in sorted(int(k) for k in keep)]
         self.memory_labels = [labels[i].clone() for i in sorted(int(k) for k in keep)]
 
-    def after_training(self, state: "LoopState") -> None:
+    def after_training(self, state: LoopState) -> None:
         if state.session.index == 0:
             self.build_memory(state)
 
-    def session_restored(self, state: "LoopState") -> None:
+    def session_restored(self, state: LoopState) -> None:
         if state.session.index == 0 and not self.memory_images:
             self.build_memory(state)
 
     # ------------------------------------------------------------- incremental sessions
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         self._active = False
         self.teacher = None
         t = state.session.index
@@ -334,7 +346,9 @@ class GAPSPlugin(Plugin):
         self._classes = [c for c in state.session.classes if c in support]
         if not self._classes:
             raise RuntimeError(f"GAPS: session {t} has no labelled pixels of its classes")
-        memory_emb = _scene_embeddings(state.model, torch.stack(self.memory_images), state.device, state.config.batch_size)
+        memory_emb = _scene_embeddings(
+            state.model, torch.stack(self.memory_images), state.device, state.config.batch_size
+        )
         self._context = {}
         for c, images in support.items():
             emb = _scene_embeddings(state.model, torch.stack(images), state.device, state.config.batch_size)
@@ -347,30 +361,38 @@ class GAPSPlugin(Plugin):
         self.teacher = frozen_copy(state)
         self._active = True
 
-    def make_optimizer(self, state: "LoopState", params: list, lr: float) -> torch.optim.Optimizer | None:
+    def make_optimizer(self, state: LoopState, params: list, lr: float) -> torch.optim.Optimizer | None:
         if state.session.index == 0:
             return None
         cfg = state.config
         head = {id(p) for p in state.model.classifier.parameters()}
-        groups = [{"params": [p for p in params if id(p) in head], "lr": lr},
-                  {"params": [p for p in params if id(p) not in head], "lr": lr * self.options.backbone_lr_scale}]
-        return torch.optim.SGD([g for g in groups if g["params"]], lr=lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay, nesterov=cfg.nesterov and cfg.momentum > 0)
+        groups = [
+            {"params": [p for p in params if id(p) in head], "lr": lr},
+            {"params": [p for p in params if id(p) not in head], "lr": lr * self.options.backbone_lr_scale},
+        ]
+        return torch.optim.SGD(
+            [g for g in groups if g["params"]],
+            lr=lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            nesterov=cfg.nesterov and cfg.momentum > 0,
+        )
 
     #: before_epoch only puts BatchNorm layers back in eval mode: redone by resume_epoch
     mid_epoch_resume = True
 
-    def resume_epoch(self, state: "LoopState") -> None:
+    def resume_epoch(self, state: LoopState) -> None:
         self.before_epoch(state)
 
-    def before_epoch(self, state: "LoopState") -> None:
+    def before_epoch(self, state: LoopState) -> None:
         if self._active and self.options.freeze_bn:
             for m in state.model.modules():
                 if isinstance(m, nn.modules.batchnorm._BatchNorm):
                     m.eval()
 
-    def synthesise(self, novel: int, shape: Sequence[int] | None = None,
-                   augment: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def synthesise(
+        self, novel: int, shape: Sequence[int] | None = None, augment: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One synthesised (image (C, *spatial), label (*spatial)) sample for session class ``novel``."""
         o, rng = self.options, self._rng
         context = self._context.get(novel) or []
@@ -403,28 +425,32 @@ class GAPSPlugin(Plugin):
         if shape is not None and tuple(shape) != tuple(label.shape) and all(s <= L for s, L in zip(shape, label.shape)):
             start = [int(rng.integers(0, L - s + 1)) for s, L in zip(shape, label.shape)]
             box = tuple(slice(a, a + s) for a, s in zip(start, shape))
-            image, label = image[(slice(None), *box)], label[box]
+            image, label = image[(slice(None),) + tuple(box)], label[box]
         return image.contiguous(), label.contiguous()
 
-    def before_iteration(self, state: "LoopState") -> None:
+    def before_iteration(self, state: LoopState) -> None:
         if not self._active:
             return
         size = len(state.batch["image"])
         shape = state.batch["image"].shape[2:]
-        samples = [self.synthesise(self._classes[int(self._rng.integers(len(self._classes)))], shape,
-                                   state.config.augment) for _ in range(size)]
-        state.batch = {"image": torch.stack([s[0] for s in samples]).float(),
-                       "label": torch.stack([s[1] for s in samples]).long(),
-                       "id": ["gaps-synthetic"] * size}
+        samples = [
+            self.synthesise(self._classes[int(self._rng.integers(len(self._classes)))], shape, state.config.augment)
+            for _ in range(size)
+        ]
+        state.batch = {
+            "image": torch.stack([s[0] for s in samples]).float(),
+            "label": torch.stack([s[1] for s in samples]).long(),
+            "id": ["gaps-synthetic"] * size,
+        }
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if not self._active or self.options.feature_weight == 0:
             return
         with torch.no_grad():
             old = self.teacher.backbone(state.batch["image"].to(state.device))
         state.losses["gaps_feat"] = self.options.feature_weight * F.mse_loss(state.output.features, old)
 
-    def after_session(self, state: "LoopState") -> None:
+    def after_session(self, state: LoopState) -> None:
         self._active = False
         self.teacher = None
 
@@ -445,11 +471,15 @@ class GAPSPlugin(Plugin):
         n_pool = len([k for k in tensors if k.startswith("pool.") and k.endswith(".image")])
         self.memory_images = [tensors[f"memory.{i}.image"] for i in range(n_mem)]
         self.memory_labels = [tensors[f"memory.{i}.label"].long() for i in range(n_mem)]
-        self.pool = [PoolEntry.make(int(tensors[f"pool.{j}.class"][0]), tensors[f"pool.{j}.image"],
-                                    tensors[f"pool.{j}.mask"].bool()) for j in range(n_pool)]
+        self.pool = [
+            PoolEntry.make(
+                int(tensors[f"pool.{j}.class"][0]), tensors[f"pool.{j}.image"], tensors[f"pool.{j}.mask"].bool()
+            )
+            for j in range(n_pool)
+        ]
 
 
 @METHODS.register("gaps", doc="baseline: guided copy-paste synthesis with a base-image memory (Qiu et al., CVPRW 2023)")
-def gaps(config: "RunConfig") -> Method:
+def gaps(config: RunConfig) -> Method:
     options = method_options(config, "gaps", GAPSOptions())
     return Method("gaps", [GAPSPlugin(options)], "GAPS: guided copy-paste synthesis from a diverse base-image memory")

@@ -61,17 +61,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jascl.engine.config import method_options
+from jascl.engine.plugin import Method, Plugin
+from jascl.engine.prototypes import align_labels
 from jascl.errors import ConfigError
-from jascl.methods.base import METHODS, Method, Plugin
 from jascl.methods.baselines.fewshot import eval_features, labelled_loader
-from jascl.methods.prototypes import align_labels
-from jascl.training.config import method_options
+from jascl.methods.registry import METHODS
+from jascl.protocols.schema import IGNORE_INDEX
 
 if TYPE_CHECKING:
-    from jascl.training.config import RunConfig
-    from jascl.training.state import LoopState
-
-IGNORE_INDEX = 255
+    from jascl.engine.config import RunConfig
+    from jascl.engine.state import LoopState
 
 
 def simplex_etf(num_classes: int, dim: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -92,8 +92,9 @@ def simplex_etf(num_classes: int, dim: int, generator: torch.Generator | None = 
     return (math.sqrt(k / (k - 1)) * u @ centre).float()
 
 
-def dot_regression_loss(features: torch.Tensor, targets: torch.Tensor,
-                        sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+def dot_regression_loss(
+    features: torch.Tensor, targets: torch.Tensor, sample_weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Dot-regression loss 1/2 mean_i w_i (<mu_i, t_i> - 1)^2 (paper eq. 7, official ``DRLoss``).
 
     Args:
@@ -212,6 +213,8 @@ class NCFSCILPlugin(Plugin):
 
     def __init__(self, options: NCFSCILOptions | None = None) -> None:
         self.options = options or NCFSCILOptions()
+        if self.options.replace_seg:  # trained with the DR loss alone (paper)
+            self.replaces = ("supervised-loss",)
         if self.options.proj_dim < 0:
             raise ConfigError(f"method_args.nc-fscil.proj_dim: must be >= 0 (got {self.options.proj_dim})")
         self.head: ProjectionHead | None = None
@@ -224,14 +227,16 @@ class NCFSCILPlugin(Plugin):
 
     # ------------------------------------------------------------- set-up
 
-    def _ensure_head(self, state: "LoopState") -> None:
+    def _ensure_head(self, state: LoopState) -> None:
         all_classes = state.protocol.seen_classes(len(state.protocol.sessions) - 1)
         self._columns = {c: i for i, c in enumerate(all_classes)}
         channels = state.model.backbone.feature_channels
         dim = self.options.proj_dim or max(channels, len(all_classes))
         if dim < len(all_classes):
-            raise ConfigError(f"method_args.nc-fscil.proj_dim: {dim} < {len(all_classes)} protocol classes; the ETF "
-                              f"needs proj_dim >= the number of classes (use 0 for automatic)")
+            raise ConfigError(
+                f"method_args.nc-fscil.proj_dim: {dim} < {len(all_classes)} protocol classes; the ETF "
+                f"needs proj_dim >= the number of classes (use 0 for automatic)"
+            )
         if self.head is None:
             generator = torch.Generator().manual_seed(state.seed)
             self.etf = simplex_etf(len(all_classes), dim, generator)
@@ -240,14 +245,15 @@ class NCFSCILPlugin(Plugin):
                 self.head = ProjectionHead(channels, dim)
         self.head.to(state.device)
 
-    def _install(self, state: "LoopState") -> None:
+    def _install(self, state: LoopState) -> None:
         columns = [self._columns[c] for c in state.seen]
-        self._etf_classifier = ETFClassifier(self.head, self.etf.to(state.device), columns,
-                                             state.config.temperature).to(state.device)
+        self._etf_classifier = ETFClassifier(
+            self.head, self.etf.to(state.device), columns, state.config.temperature
+        ).to(state.device)
         self._original = state.model.classifier
         state.model.classifier = self._etf_classifier
 
-    def _restore(self, state: "LoopState") -> None:
+    def _restore(self, state: LoopState) -> None:
         if self._original is not None:
             state.model.classifier = self._original
         self._original = None
@@ -255,7 +261,7 @@ class NCFSCILPlugin(Plugin):
 
     # ------------------------------------------------------------- events
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         self._ensure_head(state)
         for p in self.head.parameters():
             p.requires_grad_(True)  # the loop collects trainable parameters after this event
@@ -268,7 +274,7 @@ class NCFSCILPlugin(Plugin):
                 cols = torch.tensor([self._columns[k[1]] for k in old], device=state.device)
                 self._mem = (feats, cols)
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         clf = self._etf_classifier
         features = state.output.features
         rows = state.class_index(align_labels(state.batch["label"].to(state.device), features.shape[2:]))
@@ -286,10 +292,8 @@ class NCFSCILPlugin(Plugin):
         targets = etf[:, cols].t()
         weights = class_balance_weights(cols) if self.options.class_balance else None
         state.losses["ncfscil_dr"] = self.options.weight * dot_regression_loss(mu, targets, weights)
-        if self.options.replace_seg:
-            state.losses.pop("seg", None)
 
-    def _collect_memory(self, state: "LoopState") -> None:
+    def _collect_memory(self, state: LoopState) -> None:
         """Mean backbone feature of every class labelled in this session (incl. background), over its pixels."""
         classes = [0, *state.session.classes]
         sums: dict[int, torch.Tensor] = {}
@@ -306,15 +310,15 @@ class NCFSCILPlugin(Plugin):
         for c, s in sums.items():
             self.memory[(state.session.index, c)] = (s / counts[c]).float()
 
-    def after_training(self, state: "LoopState") -> None:
+    def after_training(self, state: LoopState) -> None:
         self._collect_memory(state)
 
-    def after_session(self, state: "LoopState") -> None:
+    def after_session(self, state: LoopState) -> None:
         self._restore(state)
         if self.head is not None:
             self.head.requires_grad_(False)
 
-    def session_restored(self, state: "LoopState") -> None:
+    def session_restored(self, state: LoopState) -> None:
         if not any(k[0] == state.session.index for k in self.memory):
             self._collect_memory(state)
 
@@ -331,18 +335,20 @@ class NCFSCILPlugin(Plugin):
 
     def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
         self.etf = tensors["etf"].float()
-        head_state = {k[len("head."):]: v for k, v in tensors.items() if k.startswith("head.")}
+        head_state = {k[len("head.") :]: v for k, v in tensors.items() if k.startswith("head.")}
         dim, channels = head_state["shortcut.weight"].shape
         self.head = ProjectionHead(channels, dim)
         self.head.load_state_dict(head_state)
         self.memory = {}
         for key, value in tensors.items():
             if key.startswith("memory."):
-                s, c = key[len("memory."):].split(".")
+                s, c = key[len("memory.") :].split(".")
                 self.memory[(int(s[1:]), int(c[1:]))] = value.float()
 
 
-@METHODS.register("nc-fscil", doc="baseline: fixed simplex-ETF classifier + projection head, DR loss (Yang et al., ICLR 2023)")
-def nc_fscil(config: "RunConfig") -> Method:
+@METHODS.register(
+    "nc-fscil", doc="baseline: fixed simplex-ETF classifier + projection head, DR loss (Yang et al., ICLR 2023)"
+)
+def nc_fscil(config: RunConfig) -> Method:
     options = method_options(config, "nc-fscil", NCFSCILOptions())
     return Method("nc-fscil", [NCFSCILPlugin(options)], "NC-FSCIL: neural-collapse-inspired fixed ETF classifier")

@@ -46,13 +46,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from jascl.methods.base import METHODS, Method, Plugin
+from jascl.engine.config import method_options
+from jascl.engine.plugin import Method, Plugin
 from jascl.methods.baselines.fewshot import eval_features, freeze_policy, frozen_copy, labelled_loader, resize_features
-from jascl.training.config import method_options
+from jascl.methods.registry import METHODS
 
 if TYPE_CHECKING:
-    from jascl.training.config import RunConfig
-    from jascl.training.state import LoopState
+    from jascl.engine.config import RunConfig
+    from jascl.engine.state import LoopState
 
 
 def pifs_prototype_sums(features: torch.Tensor, labels: torch.Tensor, classes: list[int]) -> dict[int, torch.Tensor]:
@@ -140,11 +141,11 @@ class PIFSPlugin(Plugin):
         self.freeze_incremental = freeze_policy(self.options.freeze, "pifs")
         self.teacher = None
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         self.teacher = None
         if state.session.index == 0:
             return
-        new = state.seen[len(state.previous_seen):]
+        new = state.seen[len(state.previous_seen) :]
         if new:
             loader = labelled_loader(state)
             protos = pifs_prototypes(eval_features(state.model, loader, state.device), new)
@@ -154,7 +155,7 @@ class PIFSPlugin(Plugin):
                         state.model.classifier.weight[row] = protos[c].to(state.model.classifier.weight)
         self.teacher = frozen_copy(state)  # warm start: the teacher already knows the new prototypes
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if self.teacher is None or self.options.weight == 0:
             return
         with torch.no_grad():
@@ -164,12 +165,15 @@ class PIFSPlugin(Plugin):
             kd = kd.detach() * 0.0  # the official trainer ignores spiking regularisation terms
         state.losses["pifs_kd"] = kd
 
-    def after_session(self, state: "LoopState") -> None:
+    def after_session(self, state: LoopState) -> None:
         self.teacher = None
 
 
 @METHODS.register("pifs", doc="baseline: prototype init + warm-started distillation (Cermelli et al., BMVC 2021)")
-def pifs(config: "RunConfig") -> Method:
+def pifs(config: RunConfig) -> Method:
     options = method_options(config, "pifs", PIFSOptions())
-    return Method("pifs", [PIFSPlugin(options)],
-                  "PIFS: prototype-initialised classifier, distillation from the warm-started model")
+    return Method(
+        "pifs",
+        [PIFSPlugin(options)],
+        "PIFS: prototype-initialised classifier, distillation from the warm-started model",
+    )

@@ -50,14 +50,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jascl.engine.config import method_options
+from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
-from jascl.methods.base import METHODS, Method, Plugin
 from jascl.methods.baselines.fewshot import labelled_loader
-from jascl.training.config import method_options
+from jascl.methods.registry import METHODS
 
 if TYPE_CHECKING:
-    from jascl.training.config import RunConfig
-    from jascl.training.state import LoopState
+    from jascl.engine.config import RunConfig
+    from jascl.engine.state import LoopState
 
 
 def subspace_distance(new_rows: torch.Tensor, base_rows: torch.Tensor) -> torch.Tensor:
@@ -121,7 +122,7 @@ class SubspacePlugin(Plugin):
 
     # ------------------------------------------------------------- end of a session
 
-    def _record(self, state: "LoopState") -> None:
+    def _record(self, state: LoopState) -> None:
         """Anchor the rows of the classes introduced in this session and keep exemplars of its classes."""
         t = state.session.index
         self.recorded.add(t)
@@ -142,16 +143,16 @@ class SubspacePlugin(Plugin):
                 self.exemplar_images.append(images[int(i)].clone())
                 self.exemplar_labels.append(labels[int(i)].clone())
 
-    def after_session(self, state: "LoopState") -> None:
+    def after_session(self, state: LoopState) -> None:
         self._record(state)
 
-    def session_restored(self, state: "LoopState") -> None:
+    def session_restored(self, state: LoopState) -> None:
         if state.session.index not in self.recorded:
             self._record(state)
 
     # ------------------------------------------------------------- incremental sessions
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         self._rows = {}
         t = state.session.index
         if t == 0:
@@ -169,10 +170,13 @@ class SubspacePlugin(Plugin):
             "prev": [row[c] for c, (s, _) in sorted(self.anchors.items()) if 0 < s < t],
             "new": [row[c] for c in new],
         }
-        self._anchor = {k: torch.stack([self.anchors[state.seen[r]][1] for r in rows]).to(state.device)
-                        for k, rows in self._rows.items() if rows and k != "new"}
+        self._anchor = {
+            k: torch.stack([self.anchors[state.seen[r]][1] for r in rows]).to(state.device)
+            for k, rows in self._rows.items()
+            if rows and k != "new"
+        }
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if not self._rows:
             return
         o = self.options
@@ -181,7 +185,9 @@ class SubspacePlugin(Plugin):
         if rows["base"] and o.lambda_base:
             state.losses["subspace_base"] = o.lambda_base * anchor_distance(weight[rows["base"]], self._anchor["base"])
         if rows["prev"] and o.lambda_novel:
-            state.losses["subspace_novel"] = o.lambda_novel * anchor_distance(weight[rows["prev"]], self._anchor["prev"])
+            state.losses["subspace_novel"] = o.lambda_novel * anchor_distance(
+                weight[rows["prev"]], self._anchor["prev"]
+            )
         if rows["new"] and rows["base"] and o.lambda_pull:
             state.losses["subspace_pull"] = o.lambda_pull * subspace_distance(weight[rows["new"]], self._anchor["base"])
         if self.exemplar_images:
@@ -204,15 +210,16 @@ class SubspacePlugin(Plugin):
         self.recorded = set(int(v) for v in tensors.get("recorded", torch.zeros(0, dtype=torch.long)).tolist())
         for key, value in tensors.items():
             if key.startswith("anchor."):
-                c, s = key[len("anchor."):].split(".")
+                c, s = key[len("anchor.") :].split(".")
                 self.anchors[int(c[1:])] = (int(s[1:]), value)
         n = len([k for k in tensors if k.startswith("exemplar.") and k.endswith(".image")])
         self.exemplar_images = [tensors[f"exemplar.{i}.image"] for i in range(n)]
         self.exemplar_labels = [tensors[f"exemplar.{i}.label"].long() for i in range(n)]
 
 
-@METHODS.register("subspace",
-                  doc="baseline: subspace regulariser on new classifier rows + anchors (Akyurek et al., ICLR 2022)")
-def subspace(config: "RunConfig") -> Method:
+@METHODS.register(
+    "subspace", doc="baseline: subspace regulariser on new classifier rows + anchors (Akyurek et al., ICLR 2022)"
+)
+def subspace(config: RunConfig) -> Method:
     options = method_options(config, "subspace", SubspaceOptions())
     return Method("subspace", [SubspacePlugin(options)], "Subspace regularisers: new rows pulled to the base-row span")

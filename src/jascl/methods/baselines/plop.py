@@ -10,23 +10,33 @@ old rows = the first ``len(previous_seen)``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from jascl.engine.defaults import default_supervised_loss
+from jascl.engine.plugin import Method
 from jascl.errors import ConfigError
-from jascl.methods.base import METHODS, Method
 from jascl.methods.baselines.distillation import (
-    INIT_CHOICES, FeatureTap, TeacherPlugin, check_choice, check_non_negative, freeze_policy, labelled_loader,
-    soft_dice_loss, taught_rows,
+    INIT_CHOICES,
+    FeatureTap,
+    TeacherPlugin,
+    check_choice,
+    check_non_negative,
+    freeze_policy,
+    labelled_loader,
+    soft_dice_loss,
+    taught_rows,
 )
-from jascl.training.losses import IGNORE_INDEX
+from jascl.methods.registry import METHODS
+from jascl.protocols.schema import IGNORE_INDEX
 
 if TYPE_CHECKING:
-    from jascl.training.config import RunConfig
-    from jascl.training.state import LoopState
+    from jascl.engine.config import RunConfig
+    from jascl.engine.state import LoopState
 
 # ============================================================================ pure functions
 
@@ -81,8 +91,9 @@ def entropy_thresholds(medians: torch.Tensor, min_threshold: float = 0.001) -> t
     return filled.clamp_min(min_threshold).float()
 
 
-def plop_pseudo_labels(teacher_logits: torch.Tensor, target: torch.Tensor, thresholds: torch.Tensor,
-                       taught: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+def plop_pseudo_labels(
+    teacher_logits: torch.Tensor, target: torch.Tensor, thresholds: torch.Tensor, taught: Sequence[int] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PLOP's pseudo-labelling of background pixels (Douillard et al. 2021, sec. 3.2).
 
     For every pixel labelled background, the old model's prediction
@@ -156,7 +167,7 @@ def local_pod(x: torch.Tensor, scales: Sequence[int] = (1, 2, 4)) -> torch.Tenso
         if min(sizes) == 0:
             continue
         for corner in torch.cartesian_prod(*[torch.arange(s)] * len(spatial)).view(-1, len(spatial)).tolist():
-            region = x[(slice(None), slice(None), *[slice(i * k, (i + 1) * k) for i, k in zip(corner, sizes)])]
+            region = x[(slice(None), slice(None)) + tuple(slice(i * k, (i + 1) * k) for i, k in zip(corner, sizes))]
             for axis in axes:
                 others = [a for a in axes if a != axis]
                 parts.append(region.mean(dim=others).reshape(b, -1))
@@ -240,6 +251,7 @@ class PLOPPlugin(TeacherPlugin):
 
     name = "plop"
     loss_terms = ("plop_pod",)
+    replaces = ("supervised-loss",)  # "seg" is the method's own in incremental sessions
 
     def __init__(self, options: PLOPOptions | None = None, freeze: str | None = "none") -> None:
         o = options or PLOPOptions()
@@ -251,12 +263,12 @@ class PLOPPlugin(TeacherPlugin):
         self._schedule = 1.0
         self._taught: list[int] = []
 
-    def _pod_layers(self, state: "LoopState") -> list[str]:
+    def _pod_layers(self, state: LoopState) -> list[str]:
         if self.o.pod_layers == ["encoder", "decoder"]:  # the default: keep the aliases this backbone has
             return [n for n in self.o.pod_layers if n in state.model.backbone.layer_aliases]
         return list(self.o.pod_layers)
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         super().before_session(state)
         if self.teacher is None:
             return
@@ -269,7 +281,7 @@ class PLOPPlugin(TeacherPlugin):
         self._schedule = math.sqrt(len(state.seen) / taught) if self.o.pod_schedule else 1.0
 
     @torch.no_grad()
-    def compute_thresholds(self, state: "LoopState") -> torch.Tensor:
+    def compute_thresholds(self, state: LoopState) -> torch.Tensor:
         """(K_old,) thresholds from the old model's predictions on the labelled set's background pixels."""
         hist = EntropyHistogram(self.num_old, self.o.bins)
         for batch in labelled_loader(state):
@@ -278,12 +290,13 @@ class PLOPPlugin(TeacherPlugin):
             hist.update(normalized_entropy(probs)[background], probs.argmax(dim=1)[background])
         return entropy_thresholds(hist.medians(), self.o.min_threshold).to(state.device)
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if self.teacher is None:
+            state.losses["seg"] = default_supervised_loss(state)
             return
         cfg = state.config
         out, out_t = state.output, self.teacher_outputs(state)
-        target = state.class_index(state.batch["label"].to(state.device))
+        target = state.target
         labels, nu = plop_pseudo_labels(out_t.logits[:, : self.num_old], target, self.thresholds, self._taught)
         if not self.o.adaptive_factor:
             nu = torch.ones_like(nu)
@@ -298,24 +311,29 @@ class PLOPPlugin(TeacherPlugin):
         small, small_t = out.logits, out_t.logits
         if small.shape[2:] != out.features.shape[2:]:  # PLOP distils the logits before upsampling
             small, small_t = state.model.classifier(out.features), self.teacher.classifier(out_t.features)
-        terms.append(self.o.pod_logits_weight * pod_distance(merge_new_logits(small, self.num_old),
-                                                             small_t[:, : self.num_old], self.o.pod_scales))
+        terms.append(
+            self.o.pod_logits_weight
+            * pod_distance(merge_new_logits(small, self.num_old), small_t[:, : self.num_old], self.o.pod_scales)
+        )
         state.losses["plop_pod"] = self._schedule * torch.stack(terms).sum() / len(terms)
 
-    def after_training(self, state: "LoopState") -> None:
+    def after_training(self, state: LoopState) -> None:
         if self._taps is not None:
             for tap in self._taps:
                 tap.remove()
             self._taps = None
 
 
-@METHODS.register("plop", doc="baseline: entropy pseudo-labels of the background + Local POD (Douillard et al., CVPR 2021)")
-def plop(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+@METHODS.register(
+    "plop", doc="baseline: entropy pseudo-labels of the background + Local POD (Douillard et al., CVPR 2021)"
+)
+def plop(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "plop", PLOPOptions())
-    check_non_negative("plop", pod_weight=o.pod_weight, pod_logits_weight=o.pod_logits_weight,
-                       min_threshold=o.min_threshold)
+    check_non_negative(
+        "plop", pod_weight=o.pod_weight, pod_logits_weight=o.pod_logits_weight, min_threshold=o.min_threshold
+    )
     check_choice("plop", "init", o.init, INIT_CHOICES)
     if not o.pod_scales or not all(isinstance(s, int) and s > 0 for s in o.pod_scales):
         raise ConfigError(f"method_args.plop.pod_scales={o.pod_scales!r}: must be a list of positive integers")

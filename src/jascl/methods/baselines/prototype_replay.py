@@ -32,22 +32,32 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from jascl.methods.base import METHODS, Method
+from jascl.engine.defaults import default_supervised_loss
+from jascl.engine.plugin import Method
 from jascl.methods.baselines.distillation import (
-    TeacherPlugin, absorbed_rows, check_non_negative, freeze_policy, labelled_loader, merge_absorbed_probabilities,
-    resize_labels, soft_dice_loss, unbiased_cross_entropy,
+    TeacherPlugin,
+    absorbed_rows,
+    check_non_negative,
+    freeze_policy,
+    labelled_loader,
+    merge_absorbed_probabilities,
+    resize_labels,
+    soft_dice_loss,
+    unbiased_cross_entropy,
 )
+from jascl.methods.registry import METHODS
 
 if TYPE_CHECKING:
+    from jascl.engine.config import RunConfig
+    from jascl.engine.state import LoopState
     from jascl.networks.base import Segmenter
-    from jascl.training.config import RunConfig
-    from jascl.training.state import LoopState
 
 log = logging.getLogger("jascl")
 
@@ -71,7 +81,7 @@ class ClassStatistics:
     norm_mean: float
     norm_std: float
 
-    def merged(self, other: "ClassStatistics") -> "ClassStatistics":
+    def merged(self, other: ClassStatistics) -> ClassStatistics:
         """Statistics of the union of both pixel sets (for a class taught again in a later session).
 
         Count and norm mean / std are pooled exactly; the prototype is the normalised
@@ -81,11 +91,16 @@ class ClassStatistics:
         n1, n2 = self.count, other.count
         n = n1 + n2
         mean = (n1 * self.norm_mean + n2 * other.norm_mean) / n
-        ss = ((n1 - 1) * self.norm_std ** 2 + n1 * self.norm_mean ** 2 + (n2 - 1) * other.norm_std ** 2
-              + n2 * other.norm_mean ** 2 - n * mean ** 2)
+        ss = (
+            (n1 - 1) * self.norm_std**2
+            + n1 * self.norm_mean**2
+            + (n2 - 1) * other.norm_std**2
+            + n2 * other.norm_mean**2
+            - n * mean**2
+        )
         std = math.sqrt(max(ss / (n - 1), 0.0)) if n > 1 else 0.0
         prototype = F.normalize(n1 * self.prototype + n2 * other.prototype, dim=0)
-        noise = ((n1 * self.noise ** 2 + n2 * other.noise ** 2) / n).sqrt()
+        noise = ((n1 * self.noise**2 + n2 * other.noise**2) / n).sqrt()
         return ClassStatistics(n, prototype, noise, mean, std)
 
 
@@ -121,7 +136,7 @@ class FeatureStatistics:
             u = unit[m]
             self.n[i] += float(m.sum())
             self.s1[i] += u.sum(0).cpu()
-            self.s2[i] += (u ** 2).sum(0).cpu()
+            self.s2[i] += (u**2).sum(0).cpu()
             self.norm1[i] += float(norms[m].sum())
             self.norm2[i] += float((norms[m] ** 2).sum())
 
@@ -133,9 +148,9 @@ class FeatureStatistics:
             if n == 0:
                 continue
             p = F.normalize(self.s1[i], dim=0)
-            var = self.s2[i] / n - 2 * p * self.s1[i] / n + p ** 2
+            var = self.s2[i] / n - 2 * p * self.s1[i] / n + p**2
             mean = float(self.norm1[i]) / n
-            std = math.sqrt(max((float(self.norm2[i]) - n * mean ** 2) / (n - 1), 0.0)) if n > 1 else 0.0
+            std = math.sqrt(max((float(self.norm2[i]) - n * mean**2) / (n - 1), 0.0)) if n > 1 else 0.0
             out[cid] = ClassStatistics(n, p.float(), var.clamp_min(0).sqrt().float(), mean, std)
         return out
 
@@ -166,22 +181,32 @@ class ReplayStore:
         }
 
     @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor]) -> "ReplayStore":
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> ReplayStore:
         store = cls()
         store.background = float(t["background"][0]) if "background" in t else 0.0
         if "class_ids" in t:
             for i, cid in enumerate(t["class_ids"].tolist()):
-                store.classes[cid] = ClassStatistics(float(t["counts"][i]), t["prototypes"][i].float(),
-                                                     t["noise"][i].float(), float(t["norms"][i, 0]),
-                                                     float(t["norms"][i, 1]))
+                store.classes[cid] = ClassStatistics(
+                    float(t["counts"][i]),
+                    t["prototypes"][i].float(),
+                    t["noise"][i].float(),
+                    float(t["norms"][i, 0]),
+                    float(t["norms"][i, 1]),
+                )
         return store
 
 
 # ============================================================================ pure losses and rules
 
 
-def sample_replay_features(prototype: torch.Tensor, noise: torch.Tensor, norm_mean: float, norm_std: float, n: int,
-                           generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_replay_features(
+    prototype: torch.Tensor,
+    noise: torch.Tensor,
+    norm_mean: float,
+    norm_std: float,
+    n: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """STAR's synthetic old-class features: ``(p + noise * eps) * r``, eps ~ N(0, I), r ~ N(norm_mean, norm_std^2).
 
     One norm ``r`` per sample (the statistic is a feature norm); STAR's code draws it
@@ -193,9 +218,15 @@ def sample_replay_features(prototype: torch.Tensor, noise: torch.Tensor, norm_me
     return (prototype + noise * eps) * r
 
 
-def replay_balanced_ce(current_mean: torch.Tensor, replay_sum: torch.Tensor, n_replay: float,
-                       background_sum: torch.Tensor, n_background: float, background_ratio: float,
-                       n_pixels: int) -> tuple[torch.Tensor, torch.Tensor]:
+def replay_balanced_ce(
+    current_mean: torch.Tensor,
+    replay_sum: torch.Tensor,
+    n_replay: float,
+    background_sum: torch.Tensor,
+    n_background: float,
+    background_ratio: float,
+    n_pixels: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """STAR's class-balanced classification loss, split into its current-pixel and replay parts.
 
     ``(mean_cur + w_r * mean_replay + w_b * mean_bg) / (1 + w_r + w_b)`` with
@@ -226,8 +257,9 @@ def ocfm_loss(student: torch.Tensor, teacher: torch.Tensor, region: torch.Tensor
     return (((student - teacher) ** 2) * mask).sum() / count
 
 
-def sad_loss(features: torch.Tensor, labels: torch.Tensor, new_rows: Sequence[int],
-             old_prototypes: torch.Tensor) -> torch.Tensor:
+def sad_loss(
+    features: torch.Tensor, labels: torch.Tensor, new_rows: Sequence[int], old_prototypes: torch.Tensor
+) -> torch.Tensor:
     """STAR's similarity-aware discriminative loss (Adapter's CPD with compensated prototypes).
 
     For each new class present in the batch, its centre is the L2-normalised sum
@@ -280,8 +312,14 @@ def uncertainty_constraint_loss(logits: torch.Tensor, target: torch.Tensor, tau:
     return (((1 - certainty) * (~settled).to(certainty.dtype)) ** 2).mean()
 
 
-def compensate_prototypes(prototypes: torch.Tensor, noise: torch.Tensor, before: torch.Tensor, after: torch.Tensor,
-                          confident: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def compensate_prototypes(
+    prototypes: torch.Tensor,
+    noise: torch.Tensor,
+    before: torch.Tensor,
+    after: torch.Tensor,
+    confident: torch.Tensor,
+    counts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Adapter's adaptive deviation compensation (ADC) of stored prototypes.
 
     The representation shift of class c is estimated on pixels both models
@@ -350,7 +388,7 @@ class AdaptReplayOptions(Saving100xOptions):
     adc: bool = True
 
 
-def _eval_mode(model: "Segmenter") -> dict:
+def _eval_mode(model: Segmenter) -> dict:
     modes = {m: m.training for m in model.modules()}
     model.eval()
     return modes
@@ -361,7 +399,7 @@ def _restore_modes(modes: dict) -> None:
         module.train(mode)
 
 
-def _small_logits(model: "Segmenter", out) -> torch.Tensor:
+def _small_logits(model: Segmenter, out) -> torch.Tensor:
     """Logits at the resolution of the features (re-applying the classifier if the logits were upsampled)."""
     if out.logits.shape[2:] == out.features.shape[2:]:
         return out.logits
@@ -402,6 +440,7 @@ class Saving100xPlugin(TeacherPlugin):
 
     name = "saving100x"
     loss_terms = ("saving100x_replay", "saving100x_ocfm", "saving100x_sad")
+    replaces = ("supervised-loss",)  # "seg" is the method's own in incremental sessions
     sad_key = "sad"
 
     def __init__(self, options: Saving100xOptions | None = None, freeze: str | None = "none") -> None:
@@ -428,7 +467,7 @@ class Saving100xPlugin(TeacherPlugin):
     # ------------------------------------------------------------------ statistics passes
 
     @torch.no_grad()
-    def gather_statistics(self, state: "LoopState") -> dict[int, ClassStatistics]:
+    def gather_statistics(self, state: LoopState) -> dict[int, ClassStatistics]:
         """Statistics of the session's taught classes from the current model (eval mode)."""
         model = state.model
         modes = _eval_mode(model)
@@ -443,7 +482,7 @@ class Saving100xPlugin(TeacherPlugin):
         self._labelled_background = background
         return acc.compute()
 
-    def _store_session(self, state: "LoopState", trained: bool) -> None:
+    def _store_session(self, state: LoopState, trained: bool) -> None:
         stats = self.gather_statistics(state)
         for cid, s in stats.items():
             self.store.add(cid, s)
@@ -453,15 +492,18 @@ class Saving100xPlugin(TeacherPlugin):
             self.store.background += self._pred_background
         else:  # a reused incremental session without saved statistics: no old model to separate true background
             self.store.background += self._labelled_background
-            log.warning("%s: session %d reused without saved statistics; its background count includes old "
-                        "classes", self.name, state.session.index)
+            log.warning(
+                "%s: session %d reused without saved statistics; its background count includes old classes",
+                self.name,
+                state.session.index,
+            )
 
-    def session_restored(self, state: "LoopState") -> None:
+    def session_restored(self, state: LoopState) -> None:
         if any(c not in self.store.classes for c in state.session.classes):
             self._store_session(state, trained=False)
 
     @torch.no_grad()
-    def count_present(self, state: "LoopState") -> tuple[dict[int, float], float]:
+    def count_present(self, state: LoopState) -> tuple[dict[int, float], float]:
         """Old-model counts on the labelled set: pixels of each stored class already present, and true background.
 
         Taught classes count their labelled pixels; untaught old classes the
@@ -485,7 +527,7 @@ class Saving100xPlugin(TeacherPlugin):
 
     # ------------------------------------------------------------------ events
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         super().before_session(state)
         if self.teacher is None:
             return
@@ -502,33 +544,42 @@ class Saving100xPlugin(TeacherPlugin):
                 draws = min(per_iter, self.o.max_replay_per_class)
                 self._replay.append((cid, draws, per_iter / draws))
         self._bg_ratio = self.store.background / true_bg if true_bg > 0 else 0.0
-        self._prototypes = (torch.stack([self.store.classes[c].prototype for c in self._old_ids]).to(state.device)
-                            if self._old_ids else torch.zeros(0, state.model.backbone.feature_channels,
-                                                              device=state.device))
+        self._prototypes = (
+            torch.stack([self.store.classes[c].prototype for c in self._old_ids]).to(state.device)
+            if self._old_ids
+            else torch.zeros(0, state.model.backbone.feature_channels, device=state.device)
+        )
         self._generator = torch.Generator(device=state.device).manual_seed(state.seed * 7919 + state.session.index)
-        log.info("%s session %d: replay per iteration %s, background ratio %.3f", self.name, state.session.index,
-                 {c: n for c, n, _ in self._replay}, self._bg_ratio)
+        log.info(
+            "%s session %d: replay per iteration %s, background ratio %.3f",
+            self.name,
+            state.session.index,
+            {c: n for c, n, _ in self._replay},
+            self._bg_ratio,
+        )
 
-    def replay_loss_sums(self, state: "LoopState") -> tuple[torch.Tensor, float]:
+    def replay_loss_sums(self, state: LoopState) -> tuple[torch.Tensor, float]:
         """(sum of replayed CE, number of replayed features represented) for this iteration."""
         if not (self.o.replay and self._replay):
             return state.output.logits.sum() * 0.0, 0.0
         total, represented = [], 0.0
         for cid, draws, weight in self._replay:
             s = self.store.classes[cid]
-            fake = sample_replay_features(s.prototype.to(state.device), s.noise.to(state.device), s.norm_mean,
-                                          s.norm_std, draws, self._generator)
+            fake = sample_replay_features(
+                s.prototype.to(state.device), s.noise.to(state.device), s.norm_mean, s.norm_std, draws, self._generator
+            )
             target = torch.full((draws,), state.seen.index(cid), device=state.device, dtype=torch.long)
             total.append(weight * F.cross_entropy(state.model.classifier(fake), target, reduction="sum"))
             represented += weight * draws
         return torch.stack(total).sum(), represented
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if self.teacher is None:
+            state.losses["seg"] = default_supervised_loss(state)
             return
         cfg = state.config
         out, out_t = state.output, self.teacher_outputs(state)
-        target = state.class_index(state.batch["label"].to(state.device))
+        target = state.target
         current = unbiased_cross_entropy(out.logits, target, self._absorbed)
         dice = 0.0
         if self.o.dice and cfg.lambda_dice:
@@ -546,18 +597,19 @@ class Saving100xPlugin(TeacherPlugin):
         else:
             bg_ce = small.sum() * 0.0
         ratio = self._bg_ratio if self.o.replay else 0.0
-        cur, rep = replay_balanced_ce(current, replay_sum, n_replay, bg_ce, float(true_bg.sum()), ratio,
-                                      labels.numel())
+        cur, rep = replay_balanced_ce(current, replay_sum, n_replay, bg_ce, float(true_bg.sum()), ratio, labels.numel())
         state.losses["seg"] = cfg.lambda_ce * cur + dice
         state.losses[self.key("replay")] = cfg.lambda_ce * rep
 
         hidden_old = torch.isin(pred_old, torch.as_tensor(self._absorbed[1:], device=state.device, dtype=torch.long))
-        state.losses[self.key("ocfm")] = self.o.ocfm_weight * ocfm_loss(out.features, out_t.features,
-                                                                        background & hidden_old)
-        state.losses[self.key(self.sad_key)] = self.o.sad_weight * sad_loss(out.features, labels, self._new_rows,
-                                                                            self._prototypes)
+        state.losses[self.key("ocfm")] = self.o.ocfm_weight * ocfm_loss(
+            out.features, out_t.features, background & hidden_old
+        )
+        state.losses[self.key(self.sad_key)] = self.o.sad_weight * sad_loss(
+            out.features, labels, self._new_rows, self._prototypes
+        )
 
-    def after_training(self, state: "LoopState") -> None:
+    def after_training(self, state: LoopState) -> None:
         self._store_session(state, trained=True)
 
 
@@ -583,16 +635,17 @@ class AdaptReplayPlugin(Saving100xPlugin):
     def __init__(self, options: AdaptReplayOptions | None = None, freeze: str | None = "none") -> None:
         super().__init__(options or AdaptReplayOptions(), freeze)
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         super().after_forward(state)
         if self.teacher is None:
             return
         target = state.class_index(state.batch["label"].to(state.device))
         state.losses[self.key("uac")] = self.o.uac_weight * uncertainty_constraint_loss(
-            state.output.logits, target, self.o.certainty)
+            state.output.logits, target, self.o.certainty
+        )
 
     @torch.no_grad()
-    def compensate(self, state: "LoopState") -> None:
+    def compensate(self, state: LoopState) -> None:
         """ADC on the stored prototypes of the old classes not taught in this session."""
         rows = self._absorbed[1:]
         ids = [state.previous_seen[r] for r in rows if state.previous_seen[r] in self.store.classes]
@@ -610,8 +663,11 @@ class AdaptReplayPlugin(Saving100xPlugin):
             p_t = F.softmax(_small_logits(self.teacher, out_t)[:, : self.num_old], dim=1)
             p_s = F.softmax(_small_logits(state.model, out_s), dim=1)
             labels = resize_labels(state.class_index(batch["label"].to(state.device)), out_s.features.shape[2:])
-            sure = ((labels == 0) & (prediction_certainty(p_t) > self.o.certainty)
-                    & (prediction_certainty(p_s) > self.o.certainty))
+            sure = (
+                (labels == 0)
+                & (prediction_certainty(p_t) > self.o.certainty)
+                & (prediction_certainty(p_s) > self.o.certainty)
+            )
             pred_t, pred_s = p_t.argmax(dim=1), p_s.argmax(dim=1)
             unit_t, unit_s = F.normalize(out_t.features, dim=1), F.normalize(out_s.features, dim=1)
             for i, row in enumerate(rows):
@@ -624,15 +680,26 @@ class AdaptReplayPlugin(Saving100xPlugin):
         _restore_modes(modes)
         stats = [self.store.classes[c] for c in ids]
         stored = torch.stack([s.prototype for s in stats]).double()
-        protos, noise = compensate_prototypes(stored, torch.stack([s.noise for s in stats]).double(), before, after,
-                                              confident, torch.tensor([s.count for s in stats], dtype=torch.float64))
+        protos, noise = compensate_prototypes(
+            stored,
+            torch.stack([s.noise for s in stats]).double(),
+            before,
+            after,
+            confident,
+            torch.tensor([s.count for s in stats], dtype=torch.float64),
+        )
         for i, s in enumerate(stats):
             s.prototype, s.noise = protos[i].float(), noise[i].float()
-        log.info("%s session %d: ADC on classes %s from %s confident pixels, prototype moves %s", self.name,
-                 state.session.index, ids, [int(v) for v in confident],
-                 [round(float(v), 4) for v in (protos - stored).norm(dim=1)])
+        log.info(
+            "%s session %d: ADC on classes %s from %s confident pixels, prototype moves %s",
+            self.name,
+            state.session.index,
+            ids,
+            [int(v) for v in confident],
+            [round(float(v), 4) for v in (protos - stored).norm(dim=1)],
+        )
 
-    def after_training(self, state: "LoopState") -> None:
+    def after_training(self, state: LoopState) -> None:
         if self.teacher is not None and self.o.adc:
             self.compensate(state)
         super().after_training(state)
@@ -650,21 +717,31 @@ def _validated(method: str, o: Saving100xOptions) -> None:
             raise ConfigError(f"method_args.{method}.certainty={o.certainty}: must be in [0, 1]")
 
 
-@METHODS.register("saving100x", doc="baseline: prototype + statistics replay, OCFM, SAD (STAR; Chen et al., NeurIPS 2023)")
-def saving100x(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+@METHODS.register(
+    "saving100x", doc="baseline: prototype + statistics replay, OCFM, SAD (STAR; Chen et al., NeurIPS 2023)"
+)
+def saving100x(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "saving100x", Saving100xOptions())
     _validated("saving100x", o)
-    return Method("saving100x", [Saving100xPlugin(o, freeze_policy("saving100x", o.freeze))],
-                  "STAR: prototype replay reconstructing the training distribution")
+    return Method(
+        "saving100x",
+        [Saving100xPlugin(o, freeze_policy("saving100x", o.freeze))],
+        "STAR: prototype replay reconstructing the training distribution",
+    )
 
 
-@METHODS.register("adapt-replay", doc="baseline: adaptive prototype replay, ADC + UAC + CPD (Adapter; Zhu et al., AAAI 2025)")
-def adapt_replay(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+@METHODS.register(
+    "adapt-replay", doc="baseline: adaptive prototype replay, ADC + UAC + CPD (Adapter; Zhu et al., AAAI 2025)"
+)
+def adapt_replay(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "adapt-replay", AdaptReplayOptions())
     _validated("adapt-replay", o)
-    return Method("adapt-replay", [AdaptReplayPlugin(o, freeze_policy("adapt-replay", o.freeze))],
-                  "Adapter: STAR with compensated prototypes and an uncertainty constraint")
+    return Method(
+        "adapt-replay",
+        [AdaptReplayPlugin(o, freeze_policy("adapt-replay", o.freeze))],
+        "Adapter: STAR with compensated prototypes and an uncertainty constraint",
+    )

@@ -26,20 +26,23 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
-from jascl.methods.base import METHODS, Method, Plugin
+from jascl.methods.registry import METHODS
+from jascl.protocols.schema import IGNORE_INDEX
 
 if TYPE_CHECKING:
-    from jascl.training.config import RunConfig
-    from jascl.training.state import LoopState
+    from jascl.engine.config import RunConfig
+    from jascl.engine.state import LoopState
 
 log = logging.getLogger("jascl")
 
@@ -56,18 +59,14 @@ def check_freeze(method: str, value: str) -> str | None:
     return None if value == "config" else value
 
 
-def check_range(method: str, key: str, value: float, low: float, high: float = math.inf,
-                low_open: bool = False) -> None:
+def check_range(
+    method: str, key: str, value: float, low: float, high: float = math.inf, low_open: bool = False
+) -> None:
     """One-line ConfigError unless ``low <= value <= high`` (``low < value`` if ``low_open``)."""
     ok = (value > low if low_open else value >= low) and value <= high
     if not ok:
         lo = "(" if low_open else "["
         raise ConfigError(f"method_args.{method}.{key}: must be in {lo}{low}, {high}] (got {value!r})")
-
-
-def incremental_policy(state: "LoopState") -> str:
-    """The freezing policy of incremental sessions for the running method."""
-    return state.method.freeze_policy(state.config.freeze_incremental)
 
 
 def always_frozen(model: nn.Module) -> set[int]:
@@ -77,14 +76,14 @@ def always_frozen(model: nn.Module) -> set[int]:
     return {id(p) for m in frozen for p in m.parameters()}
 
 
-def incremental_parameters(state: "LoopState") -> dict[str, nn.Parameter]:
+def incremental_parameters(state: LoopState) -> dict[str, nn.Parameter]:
     """The parameters that can train in incremental sessions under the method's freezing policy.
 
     ``all_but_classifier``: the classifier's; ``none``: every parameter except
     the backbone's always-frozen modules.
     """
     model = state.model
-    if incremental_policy(state) == "all_but_classifier":
+    if state.freeze_incremental == "all_but_classifier":
         return {f"classifier.{n}": p for n, p in model.classifier.named_parameters()}
     skip = always_frozen(model)
     return {n: p for n, p in model.named_parameters() if id(p) not in skip}
@@ -98,10 +97,15 @@ def leading_rows(current: torch.Tensor, reference: torch.Tensor) -> torch.Tensor
     """
     if current.shape == reference.shape:
         return current
-    if current.dim() != reference.dim() or current.shape[1:] != reference.shape[1:] or \
-            current.shape[0] < reference.shape[0]:
-        raise ValueError(f"parameter of shape {tuple(current.shape)} cannot be matched to an anchor of shape "
-                         f"{tuple(reference.shape)} (only growth along dim 0 is supported)")
+    if (
+        current.dim() != reference.dim()
+        or current.shape[1:] != reference.shape[1:]
+        or current.shape[0] < reference.shape[0]
+    ):
+        raise ValueError(
+            f"parameter of shape {tuple(current.shape)} cannot be matched to an anchor of shape "
+            f"{tuple(reference.shape)} (only growth along dim 0 is supported)"
+        )
     return current[: reference.shape[0]]
 
 
@@ -120,15 +124,16 @@ class _SessionGate:
 
     in_base = False
 
-    def active(self, state: "LoopState") -> bool:
+    def active(self, state: LoopState) -> bool:
         return self.in_base or state.session.index > 0
 
 
 # ---------------------------------------------------------------------------- EWC / online EWC
 
 
-def ewc_penalty(params: Mapping[str, torch.Tensor], anchors: Mapping[str, torch.Tensor],
-                fisher: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def ewc_penalty(
+    params: Mapping[str, torch.Tensor], anchors: Mapping[str, torch.Tensor], fisher: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
     """Sum_i F_i (theta_i - theta*_i)^2 over the parameters named in ``fisher`` (Kirkpatrick et al. 2017, eq. 3
     without the lambda/2 factor).
 
@@ -160,9 +165,13 @@ def segmentation_log_likelihood(logits: torch.Tensor, target: torch.Tensor) -> t
     return -F.cross_entropy(logits, target, ignore_index=255)
 
 
-def fisher_diagonal(model: Callable[[torch.Tensor], torch.Tensor], samples: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                    params: Mapping[str, torch.Tensor], labels: str = "empirical",
-                    generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+def fisher_diagonal(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    samples: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    params: Mapping[str, torch.Tensor],
+    labels: str = "empirical",
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
     """Diagonal Fisher information: the mean over samples of the squared per-sample gradient of the log-likelihood.
 
     A "sample" is one image/volume; its log-likelihood is minus the mean pixel
@@ -196,7 +205,7 @@ def fisher_diagonal(model: Callable[[torch.Tensor], torch.Tensor], samples: Iter
             probs = logits.detach().softmax(1).movedim(1, -1).reshape(-1, logits.shape[1])
             drawn = torch.multinomial(probs.cpu(), 1, generator=generator).view(target.shape).to(target.device)
             target = drawn
-        elif not (target != 255).any():
+        elif not (target != IGNORE_INDEX).any():
             continue
         grads = torch.autograd.grad(segmentation_log_likelihood(logits, target), tensors, allow_unused=True)
         for acc, g in zip(total, grads):
@@ -206,8 +215,9 @@ def fisher_diagonal(model: Callable[[torch.Tensor], torch.Tensor], samples: Iter
     return {n: t / max(count, 1) for n, t in zip(names, total)}
 
 
-def online_fisher_update(accumulated: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor],
-                         gamma: float) -> dict[str, torch.Tensor]:
+def online_fisher_update(
+    accumulated: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor], gamma: float
+) -> dict[str, torch.Tensor]:
     """Online EWC's running Fisher F~ <- gamma * F~ + F_t (Schwarz et al. 2018, online EWC).
 
     Parameters that grew since the last update (classifier rows) get zero
@@ -226,7 +236,7 @@ class _FisherSessions:
     fisher_labels = "empirical"
     fisher_samples = 0
 
-    def session_fisher(self, state: "LoopState") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def session_fisher(self, state: LoopState) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(Fisher, anchors) at the current parameters on the session's labelled training data (eval mode)."""
         from jascl.data.datasets import LabelledDataset
 
@@ -240,8 +250,7 @@ class _FisherSessions:
         def samples():
             for i in range(limit):
                 item = dataset[i]
-                yield (item["image"][None].to(state.device),
-                       state.class_index(item["label"][None].to(state.device)))
+                yield (item["image"][None].to(state.device), state.class_index(item["label"][None].to(state.device)))
 
         generator = torch.Generator().manual_seed(state.seed * 1000 + state.session.index)
         try:
@@ -277,8 +286,13 @@ class EWCPlugin(_FisherSessions, Plugin):
     name = "ewc"
     loss_terms = ("ewc",)
 
-    def __init__(self, weight: float = 500.0, fisher_labels: str = "empirical", fisher_samples: int = 0,
-                 freeze: str | None = None) -> None:
+    def __init__(
+        self,
+        weight: float = 500.0,
+        fisher_labels: str = "empirical",
+        fisher_samples: int = 0,
+        freeze: str | None = None,
+    ) -> None:
         self.weight = weight
         self.fisher_labels = fisher_labels
         self.fisher_samples = fisher_samples
@@ -287,27 +301,27 @@ class EWCPlugin(_FisherSessions, Plugin):
         self.sessions: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
         self.consolidated = -1
 
-    def penalty(self, state: "LoopState") -> torch.Tensor | None:
+    def penalty(self, state: LoopState) -> torch.Tensor | None:
         if not self.sessions:
             return None
         params = dict(state.model.named_parameters())
         return sum(ewc_penalty(params, anchors, fisher) for fisher, anchors in self.sessions)
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if state.session.index > 0:
             penalty = self.penalty(state)
             if penalty is not None:
                 state.losses[self.name] = 0.5 * self.weight * penalty
 
-    def consolidate(self, state: "LoopState") -> None:
+    def consolidate(self, state: LoopState) -> None:
         fisher, anchors = self.session_fisher(state)
         self.sessions.append((fisher, anchors))
         self.consolidated = state.session.index
 
-    def after_session(self, state: "LoopState") -> None:
+    def after_session(self, state: LoopState) -> None:
         self.consolidate(state)
 
-    def session_restored(self, state: "LoopState") -> None:
+    def session_restored(self, state: LoopState) -> None:
         if self.consolidated != state.session.index:  # not loaded from this session's saved state
             self.consolidate(state)
 
@@ -345,8 +359,14 @@ class OnlineEWCPlugin(_FisherSessions, Plugin):
     name = "online-ewc"
     loss_terms = ("online-ewc",)
 
-    def __init__(self, weight: float = 500.0, gamma: float = 1.0, fisher_labels: str = "empirical",
-                 fisher_samples: int = 0, freeze: str | None = None) -> None:
+    def __init__(
+        self,
+        weight: float = 500.0,
+        gamma: float = 1.0,
+        fisher_labels: str = "empirical",
+        fisher_samples: int = 0,
+        freeze: str | None = None,
+    ) -> None:
         self.weight = weight
         self.gamma = gamma
         self.fisher_labels = fisher_labels
@@ -356,20 +376,20 @@ class OnlineEWCPlugin(_FisherSessions, Plugin):
         self.anchors: dict[str, torch.Tensor] | None = None
         self.consolidated = -1
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if self.fisher is not None and state.session.index > 0:
             penalty = ewc_penalty(dict(state.model.named_parameters()), self.anchors, self.fisher)
             state.losses[self.name] = 0.5 * self.weight * penalty
 
-    def consolidate(self, state: "LoopState") -> None:
+    def consolidate(self, state: LoopState) -> None:
         fisher, self.anchors = self.session_fisher(state)
         self.fisher = online_fisher_update(self.fisher, fisher, self.gamma)
         self.consolidated = state.session.index
 
-    def after_session(self, state: "LoopState") -> None:
+    def after_session(self, state: LoopState) -> None:
         self.consolidate(state)
 
-    def session_restored(self, state: "LoopState") -> None:
+    def session_restored(self, state: LoopState) -> None:
         if self.consolidated != state.session.index:
             self.consolidate(state)
 
@@ -382,8 +402,8 @@ class OnlineEWCPlugin(_FisherSessions, Plugin):
 
     def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
         self.consolidated = int(tensors["consolidated"])
-        fisher = {k[len("fisher."):]: v for k, v in tensors.items() if k.startswith("fisher.")}
-        anchors = {k[len("anchor."):]: v for k, v in tensors.items() if k.startswith("anchor.")}
+        fisher = {k[len("fisher.") :]: v for k, v in tensors.items() if k.startswith("fisher.")}
+        anchors = {k[len("anchor.") :]: v for k, v in tensors.items() if k.startswith("anchor.")}
         self.fisher, self.anchors = (fisher, anchors) if fisher else (None, None)
 
 
@@ -406,31 +426,36 @@ class EWCOptions:
     freeze: str = "config"
 
 
-def _ewc_options(config: "RunConfig", name: str) -> EWCOptions:
-    from jascl.training.config import method_options
+def _ewc_options(config: RunConfig, name: str) -> EWCOptions:
+    from jascl.engine.config import method_options
 
     opts = method_options(config, name, EWCOptions())
     check_range(name, "weight", opts.weight, 0.0)
     check_range(name, "gamma", opts.gamma, 0.0, 1.0)
     check_range(name, "fisher_samples", opts.fisher_samples, 0)
     if opts.fisher_labels not in ("empirical", "sampled"):
-        raise ConfigError(f"method_args.{name}.fisher_labels: must be 'empirical' or 'sampled' "
-                          f"(got {opts.fisher_labels!r})")
+        raise ConfigError(
+            f"method_args.{name}.fisher_labels: must be 'empirical' or 'sampled' (got {opts.fisher_labels!r})"
+        )
     check_freeze(name, opts.freeze)
     return opts
 
 
-@METHODS.register("ewc", doc="baseline: elastic weight consolidation, one Fisher penalty per earlier session "
-                             "(Kirkpatrick et al., PNAS 2017)")
-def ewc(config: "RunConfig") -> Method:
+@METHODS.register(
+    "ewc",
+    doc="baseline: elastic weight consolidation, one Fisher penalty per earlier session "
+    "(Kirkpatrick et al., PNAS 2017)",
+)
+def ewc(config: RunConfig) -> Method:
     o = _ewc_options(config, "ewc")
     plugin = EWCPlugin(o.weight, o.fisher_labels, o.fisher_samples, check_freeze("ewc", o.freeze))
     return Method("ewc", [plugin], "EWC: quadratic penalty weighted by the diagonal Fisher of every earlier session")
 
 
-@METHODS.register("online-ewc", doc="baseline: online EWC, one running Fisher and the latest anchor "
-                                    "(Schwarz et al., ICML 2018)")
-def online_ewc(config: "RunConfig") -> Method:
+@METHODS.register(
+    "online-ewc", doc="baseline: online EWC, one running Fisher and the latest anchor (Schwarz et al., ICML 2018)"
+)
+def online_ewc(config: RunConfig) -> Method:
     o = _ewc_options(config, "online-ewc")
     plugin = OnlineEWCPlugin(o.weight, o.gamma, o.fisher_labels, o.fisher_samples, check_freeze("online-ewc", o.freeze))
     return Method("online-ewc", [plugin], "online EWC: decayed running Fisher, anchored at the previous session")
@@ -452,9 +477,16 @@ def ucl_std_init(weight_shape: torch.Size, ratio: float) -> float:
     return math.sqrt(ratio * 2.0 / fan)
 
 
-def ucl_layer_terms(mu: torch.Tensor, mu_old: torch.Tensor, sigma: torch.Tensor, sigma_old: torch.Tensor,
-                    std_init: float, node_dim: int = 0, bias: torch.Tensor | None = None,
-                    bias_old: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ucl_layer_terms(
+    mu: torch.Tensor,
+    mu_old: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_old: torch.Tensor,
+    std_init: float,
+    node_dim: int = 0,
+    bias: torch.Tensor | None = None,
+    bias_old: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The three UCL regularisers of one layer (Ahn et al., NeurIPS 2019; official ``custom_regularization``).
 
     Uncertainty is per output node n (sigma_n shared by all weights into n); its
@@ -481,15 +513,15 @@ def ucl_layer_terms(mu: torch.Tensor, mu_old: torch.Tensor, sigma: torch.Tensor,
     mu_kept = mu.narrow(node_dim, 0, n_old)
     s_old = sigma_old.view(shape)
     delta = mu_kept - mu_old
-    l2 = ((std_init / s_old) ** 2 * delta ** 2).sum()
-    l1 = std_init ** 2 * (mu_old ** 2 / s_old ** 2 * delta.abs()).sum()
+    l2 = ((std_init / s_old) ** 2 * delta**2).sum()
+    l1 = std_init**2 * (mu_old**2 / s_old**2 * delta.abs()).sum()
     if bias is not None and bias_old is not None:
         db = bias[:n_old] - bias_old
-        l2 = l2 + ((std_init / sigma_old) ** 2 * db ** 2).sum()
-        l1 = l1 + std_init ** 2 * (bias_old ** 2 / sigma_old ** 2 * db.abs()).sum()
+        l2 = l2 + ((std_init / sigma_old) ** 2 * db**2).sum()
+        l1 = l1 + std_init**2 * (bias_old**2 / sigma_old**2 * db.abs()).sum()
     prior = torch.cat([sigma_old, sigma_old.new_full((sigma.shape[0] - n_old,), std_init)])
-    ratio = sigma ** 2 / prior ** 2
-    sig = (ratio - torch.log(ratio)).sum() + (sigma ** 2 - torch.log(sigma ** 2)).sum()
+    ratio = sigma**2 / prior**2
+    sig = (ratio - torch.log(ratio)).sum() + (sigma**2 - torch.log(sigma**2)).sum()
     return l2, l1, sig
 
 
@@ -557,8 +589,14 @@ class UCLPlugin(Plugin):
     loss_terms = ("ucl",)
     changes_base_session = True
 
-    def __init__(self, alpha: float = 0.3, beta: float = 0.0002, ratio: float = 0.125, lr_rho: float = 0.01,
-                 freeze: str | None = None) -> None:
+    def __init__(
+        self,
+        alpha: float = 0.3,
+        beta: float = 0.0002,
+        ratio: float = 0.125,
+        lr_rho: float = 0.01,
+        freeze: str | None = None,
+    ) -> None:
         self.alpha = alpha
         self.beta = beta
         self.ratio = ratio
@@ -597,12 +635,14 @@ class UCLPlugin(Plugin):
 
     # -- events
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         model = state.model
         if state.session.index == 0 or not self.anchors:
             # session 0 (or nothing consolidated yet): the prior is the initialisation, sigma_old = sigma_init
-            self.anchors = {p: (m.weight.detach().clone(), None if getattr(m, "bias", None) is None
-                                else m.bias.detach().clone()) for p, m in self.candidate_layers(model).items()}
+            self.anchors = {
+                p: (m.weight.detach().clone(), None if getattr(m, "bias", None) is None else m.bias.detach().clone())
+                for p, m in self.candidate_layers(model).items()
+            }
         self.layers = {}
         for path, module in self.candidate_layers(model).items():
             if not module.weight.requires_grad:
@@ -612,17 +652,24 @@ class UCLPlugin(Plugin):
             parametrize.register_parametrization(module, "weight", noise)
             self.layers[path] = (module, noise)
         if not self.layers:
-            raise ConfigError("method ucl: no trainable layer with a weight to make Bayesian in session "
-                              f"{state.session.index}; set method_args.ucl.freeze=none or another freeze_incremental")
+            raise ConfigError(
+                "method ucl: no trainable layer with a weight to make Bayesian in session "
+                f"{state.session.index}; set method_args.ucl.freeze=none or another freeze_incremental"
+            )
 
-    def make_optimizer(self, state: "LoopState", params: list, lr: float) -> torch.optim.Optimizer:
+    def make_optimizer(self, state: LoopState, params: list, lr: float) -> torch.optim.Optimizer:
         cfg = state.config
         rho_ids = {id(noise.rho) for _, noise in self.layers.values()}
         rho = [p for p in params if id(p) in rho_ids]
         rest = [p for p in params if id(p) not in rho_ids]
         groups = [{"params": rest}, {"params": rho, "lr": self.lr_rho, "weight_decay": 0.0}]
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                               nesterov=cfg.nesterov and cfg.momentum > 0)
+        return torch.optim.SGD(
+            groups,
+            lr=lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            nesterov=cfg.nesterov and cfg.momentum > 0,
+        )
 
     def regulariser(self, batch_size: int, session: int) -> torch.Tensor:
         """The UCL terms of the Bayesian layers, scaled as in the official code."""
@@ -632,22 +679,33 @@ class UCLPlugin(Plugin):
             mu_old, bias_old = self.anchors[path]
             sigma_old = self._prior_sigma(path, module)[: mu_old.shape[_node_dim(module)]]
             bias = getattr(module, "bias", None)
-            a, b, c = ucl_layer_terms(mu, mu_old, noise.sigma(), sigma_old, ucl_std_init(mu.shape, self.ratio),
-                                      _node_dim(module), bias if bias_old is not None else None, bias_old)
+            a, b, c = ucl_layer_terms(
+                mu,
+                mu_old,
+                noise.sigma(),
+                sigma_old,
+                ucl_std_init(mu.shape, self.ratio),
+                _node_dim(module),
+                bias if bias_old is not None else None,
+                bias_old,
+            )
             l2, l1, sig = l2 + a, l1 + b, sig + c
         alpha = self.alpha if session == 0 else 1.0
         saved = 1.0 if self.saved else 0.0
-        terms = {"l2": alpha * l2 / 2 / batch_size, "l1": saved * l1 / batch_size,
-                 "sigma": self.beta * sig / 2 / batch_size}
+        terms = {
+            "l2": alpha * l2 / 2 / batch_size,
+            "l1": saved * l1 / batch_size,
+            "sigma": self.beta * sig / 2 / batch_size,
+        }
         self.last_terms = {k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in terms.items()}
         return terms["l2"] + terms["l1"] + terms["sigma"]
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if self.layers:
             batch = state.batch["image"].shape[0]
             state.losses[self.name] = self.regulariser(batch, state.session.index)
 
-    def after_session(self, state: "LoopState") -> None:
+    def after_session(self, state: LoopState) -> None:
         for path, (module, noise) in self.layers.items():
             self.sigmas[path] = noise.sigma().detach().clone()
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
@@ -656,21 +714,24 @@ class UCLPlugin(Plugin):
 
     def _consolidate(self, model: nn.Module) -> None:
         """The end-of-session model becomes (mu_old, sigma_old) of the next session."""
-        self.anchors = {p: (m.weight.detach().clone(), None if getattr(m, "bias", None) is None
-                            else m.bias.detach().clone()) for p, m in self.candidate_layers(model).items()}
+        self.anchors = {
+            p: (m.weight.detach().clone(), None if getattr(m, "bias", None) is None else m.bias.detach().clone())
+            for p, m in self.candidate_layers(model).items()
+        }
         self.saved = True
 
-    def session_restored(self, state: "LoopState") -> None:
+    def session_restored(self, state: LoopState) -> None:
         if not self.sigmas:
-            log.warning("ucl: session %d was reused without saved uncertainties; sigma_old = sigma_init",
-                        state.session.index)
+            log.warning(
+                "ucl: session %d was reused without saved uncertainties; sigma_old = sigma_init", state.session.index
+            )
         self._consolidate(state.model)
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         return {f"sigma.{p}": s for p, s in self.sigmas.items()}
 
     def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.sigmas = {k[len("sigma."):]: v for k, v in tensors.items() if k.startswith("sigma.")}
+        self.sigmas = {k[len("sigma.") :]: v for k, v in tensors.items() if k.startswith("sigma.")}
 
 
 @dataclass
@@ -692,10 +753,13 @@ class UCLOptions:
     freeze: str = "config"
 
 
-@METHODS.register("ucl", doc="baseline: uncertainty-regularised CL with node-wise Bayesian weights, trains its own "
-                             "base session (Ahn et al., NeurIPS 2019)")
-def ucl(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+@METHODS.register(
+    "ucl",
+    doc="baseline: uncertainty-regularised CL with node-wise Bayesian weights, trains its own "
+    "base session (Ahn et al., NeurIPS 2019)",
+)
+def ucl(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "ucl", UCLOptions())
     check_range("ucl", "alpha", o.alpha, 0.0)
@@ -711,7 +775,7 @@ def ucl(config: "RunConfig") -> Method:
 
 def l2_penalty(params: Iterable[torch.Tensor]) -> torch.Tensor:
     """sum ||theta||^2 (weight decay as a loss: d/dtheta (wd/2)||theta||^2 = wd * theta, SGD's weight_decay)."""
-    return sum((p ** 2).sum() for p in params)
+    return sum((p**2).sum() for p in params)
 
 
 class DropoutWeightDecayPlugin(_SessionGate, Plugin):
@@ -734,8 +798,9 @@ class DropoutWeightDecayPlugin(_SessionGate, Plugin):
     name = "dropout-wd"
     loss_terms = ("wd",)
 
-    def __init__(self, p: float = 0.5, weight_decay: float = 5e-4, in_base: bool = False,
-                 freeze: str | None = None) -> None:
+    def __init__(
+        self, p: float = 0.5, weight_decay: float = 5e-4, in_base: bool = False, freeze: str | None = None
+    ) -> None:
         self.p = p
         self.weight_decay = weight_decay
         self.in_base = in_base
@@ -747,23 +812,24 @@ class DropoutWeightDecayPlugin(_SessionGate, Plugin):
     def _dropout(self, module: nn.Module, args: tuple) -> tuple:
         return (F.dropout(args[0], self.p, training=module.training), *args[1:])
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         if self.active(state):
             self._hook = state.model.classifier.register_forward_pre_hook(self._dropout)
 
-    def make_optimizer(self, state: "LoopState", params: list, lr: float) -> torch.optim.Optimizer | None:
+    def make_optimizer(self, state: LoopState, params: list, lr: float) -> torch.optim.Optimizer | None:
         if not self.active(state):
             return None
         self._params = list(params)
         cfg = state.config
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=0.0,
-                               nesterov=cfg.nesterov and cfg.momentum > 0)
+        return torch.optim.SGD(
+            params, lr=lr, momentum=cfg.momentum, weight_decay=0.0, nesterov=cfg.nesterov and cfg.momentum > 0
+        )
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if self.active(state) and self.weight_decay > 0 and self._params:
             state.losses["wd"] = 0.5 * self.weight_decay * l2_penalty(self._params)
 
-    def after_session(self, state: "LoopState") -> None:
+    def after_session(self, state: LoopState) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -786,10 +852,13 @@ class DropoutWDOptions:
     freeze: str = "config"
 
 
-@METHODS.register("dropout-wd", doc="baseline: dropout before the classifier + stronger weight decay (Srivastava "
-                                    "et al., JMLR 2014; Goodfellow et al. 2013; Mirzadeh et al., NeurIPS 2020)")
-def dropout_wd(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+@METHODS.register(
+    "dropout-wd",
+    doc="baseline: dropout before the classifier + stronger weight decay (Srivastava "
+    "et al., JMLR 2014; Goodfellow et al. 2013; Mirzadeh et al., NeurIPS 2020)",
+)
+def dropout_wd(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "dropout-wd", DropoutWDOptions())
     check_range("dropout-wd", "p", o.p, 0.0, 1.0)
@@ -821,8 +890,15 @@ class AdagradPlugin(_SessionGate, Plugin):
 
     name = "adagrad"
 
-    def __init__(self, lr: float | None = None, eps: float = 1e-10, initial_accumulator_value: float = 0.0,
-                 keep_state: bool = True, in_base: bool = False, freeze: str | None = None) -> None:
+    def __init__(
+        self,
+        lr: float | None = None,
+        eps: float = 1e-10,
+        initial_accumulator_value: float = 0.0,
+        keep_state: bool = True,
+        in_base: bool = False,
+        freeze: str | None = None,
+    ) -> None:
         self.lr = lr
         self.eps = eps
         self.initial = initial_accumulator_value
@@ -833,13 +909,17 @@ class AdagradPlugin(_SessionGate, Plugin):
         self.sums: dict[str, torch.Tensor] = {}
         self._optimizer: torch.optim.Adagrad | None = None
 
-    def make_optimizer(self, state: "LoopState", params: list, lr: float) -> torch.optim.Optimizer | None:
+    def make_optimizer(self, state: LoopState, params: list, lr: float) -> torch.optim.Optimizer | None:
         if not self.active(state):
             self._optimizer = None
             return None
-        opt = torch.optim.Adagrad(params, lr=self.lr if self.lr is not None else lr, eps=self.eps,
-                                  weight_decay=state.config.weight_decay,
-                                  initial_accumulator_value=self.initial)
+        opt = torch.optim.Adagrad(
+            params,
+            lr=self.lr if self.lr is not None else lr,
+            eps=self.eps,
+            weight_decay=state.config.weight_decay,
+            initial_accumulator_value=self.initial,
+        )
         if self.keep_state and self.sums:
             wanted = {id(p) for p in params}
             for name, p in state.model.named_parameters():
@@ -848,7 +928,7 @@ class AdagradPlugin(_SessionGate, Plugin):
         self._optimizer = opt
         return opt
 
-    def after_session(self, state: "LoopState") -> None:
+    def after_session(self, state: LoopState) -> None:
         if self._optimizer is None or not self.keep_state:
             return
         for name, p in state.model.named_parameters():
@@ -860,7 +940,7 @@ class AdagradPlugin(_SessionGate, Plugin):
         return {f"sum.{n}": v for n, v in self.sums.items()}
 
     def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.sums = {k[len("sum."):]: v for k, v in tensors.items() if k.startswith("sum.")}
+        self.sums = {k[len("sum.") :]: v for k, v in tensors.items() if k.startswith("sum.")}
 
 
 @dataclass
@@ -881,10 +961,12 @@ class AdagradOptions:
     freeze: str = "config"
 
 
-@METHODS.register("adagrad", doc="baseline: Adagrad optimiser with squared-gradient sums kept across sessions "
-                                 "(Duchi et al., JMLR 2011)")
-def adagrad(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+@METHODS.register(
+    "adagrad",
+    doc="baseline: Adagrad optimiser with squared-gradient sums kept across sessions (Duchi et al., JMLR 2011)",
+)
+def adagrad(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "adagrad", AdagradOptions())
     if o.lr is not None:
@@ -893,11 +975,18 @@ def adagrad(config: "RunConfig") -> Method:
         except (TypeError, ValueError):
             o.lr = None
         if o.lr is None:
-            raise ConfigError(f"method_args.adagrad.lr: must be a number or null "
-                              f"(got {config.method_args['adagrad']['lr']!r})")
+            raise ConfigError(
+                f"method_args.adagrad.lr: must be a number or null (got {config.method_args['adagrad']['lr']!r})"
+            )
         check_range("adagrad", "lr", o.lr, 0.0, low_open=True)
     check_range("adagrad", "eps", o.eps, 0.0, low_open=True)
     check_range("adagrad", "initial_accumulator_value", o.initial_accumulator_value, 0.0)
-    plugin = AdagradPlugin(None if o.lr is None else float(o.lr), o.eps, o.initial_accumulator_value, o.keep_state,
-                           o.in_base, check_freeze("adagrad", o.freeze))
+    plugin = AdagradPlugin(
+        None if o.lr is None else float(o.lr),
+        o.eps,
+        o.initial_accumulator_value,
+        o.keep_state,
+        o.in_base,
+        check_freeze("adagrad", o.freeze),
+    )
     return Method("adagrad", [plugin], "Adagrad optimiser in the incremental sessions")

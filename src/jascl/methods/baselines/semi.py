@@ -5,7 +5,7 @@ schedule as the mean teacher (``config.pas.start_epoch`` / ``config.pas.every``:
 an *unlabelled phase* is an epoch that makes one pass over the pool, each step
 pairing a labelled batch with an unlabelled one). The pool's labels are hidden
 ground truth: they ride along for measuring pseudo-label quality
-(``state.metrics["pseudo_labels"]``) and never enter a loss.
+(``state.report["pseudo_labels"]``) and never enter a loss.
 
 * ``uad-ce``  -- Cui, Deng, Chen and Liu, "Uncertainty-Aware Distillation for
   Semi-Supervised Few-Shot Class-Incremental Learning", IEEE TNNLS 2023
@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -53,21 +54,22 @@ from torch.func import functional_call
 from torch.utils.data import DataLoader, Subset
 
 from jascl.data.datasets import BatchStream, LabelledDataset
+from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
-from jascl.methods.base import METHODS, Method, Plugin
 from jascl.methods.gas import clean_state_dict
 from jascl.methods.mean_teacher import MeanTeacherPlugin, UnlabelledDataset, view_transform
 from jascl.methods.pas import FilterCounters, consistency_loss, pas_filter
+from jascl.methods.registry import METHODS
+from jascl.protocols.schema import IGNORE_INDEX
 
 if TYPE_CHECKING:
+    from jascl.engine.config import RunConfig
+    from jascl.engine.state import LoopState
     from jascl.networks.base import Segmenter
-    from jascl.training.config import RunConfig
-    from jascl.training.state import LoopState
 
 log = logging.getLogger("jascl")
 
 FREEZE_CHOICES = ("config", "none", "all_but_classifier")
-IGNORE = 255
 
 
 def freeze_policy(value: str, method: str) -> str | None:
@@ -81,7 +83,7 @@ def freeze_policy(value: str, method: str) -> str | None:
 
 
 @torch.no_grad()
-def _eval_logits(model: "Segmenter", images: torch.Tensor) -> torch.Tensor:
+def _eval_logits(model: Segmenter, images: torch.Tensor) -> torch.Tensor:
     """Logits of ``model`` in eval mode (train/eval modes restored afterwards)."""
     modes = {m: m.training for m in model.modules()}
     model.eval()
@@ -110,25 +112,29 @@ class PoolPhasesPlugin(Plugin):
         self._batches: BatchStream | None = None
         self._phase = False
 
-    def _setup_pool(self, state: "LoopState", salt: int) -> bool:
+    def _setup_pool(self, state: LoopState, salt: int) -> bool:
         """Build the pool loader for an incremental session with a pool; False if there is none."""
         self._loader, self._batches, self._phase = None, None, False
         pool = state.data.unlabelled
         if state.session.index == 0 or pool is None or len(pool) == 0:
             return False
         generator = torch.Generator().manual_seed(state.seed * 7919 + state.session.index * 31 + salt)
-        self._loader = DataLoader(UnlabelledDataset(pool), batch_size=self.batch_size or state.config.batch_size,
-                                  shuffle=True, generator=generator)
+        self._loader = DataLoader(
+            UnlabelledDataset(pool),
+            batch_size=self.batch_size or state.config.batch_size,
+            shuffle=True,
+            generator=generator,
+        )
         self._batches = BatchStream(self._loader)
         return True
 
     def _is_phase(self, epoch: int) -> bool:
         return self._loader is not None and epoch >= self.start_epoch and (epoch - self.start_epoch) % self.every == 0
 
-    def epoch_iterations(self, state: "LoopState") -> int | None:
+    def epoch_iterations(self, state: LoopState) -> int | None:
         return len(self._loader) if self._is_phase(state.epoch) else None
 
-    def before_epoch(self, state: "LoopState") -> None:
+    def before_epoch(self, state: LoopState) -> None:
         self._phase = self._is_phase(state.epoch)
         if self._phase:
             self._batches = BatchStream(self._loader)
@@ -136,7 +142,7 @@ class PoolPhasesPlugin(Plugin):
     def _pool_batch(self) -> dict:
         return next(self._batches)
 
-    def after_session(self, state: "LoopState") -> None:
+    def after_session(self, state: LoopState) -> None:
         self._loader, self._batches, self._phase = None, None, False
 
 
@@ -185,8 +191,9 @@ def uad_keep_mask(uncertainty: torch.Tensor, from_pool: torch.Tensor, u_t: float
     return ~(from_pool & (uncertainty > threshold))
 
 
-def uad_distillation(student_old_logits: torch.Tensor, teacher_logits: torch.Tensor, keep: torch.Tensor,
-                     temperature: float) -> torch.Tensor:
+def uad_distillation(
+    student_old_logits: torch.Tensor, teacher_logits: torch.Tensor, keep: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """Mean over kept pixels of KL(softmax(t/T) || softmax(s/T)), summed over the old classes.
 
     (The official ``KLDivLoss()(...) * num_old_classes``: its mean over all
@@ -214,8 +221,9 @@ def adaptive_lambda(base: float, u_t: float, n_old: int, n_new: int, adapt: bool
     return base / u_t * math.sqrt(n_old / max(n_new, 1)) if adapt else base
 
 
-def class_balanced_selection(probs: torch.Tensor, candidates: torch.Tensor, rows: list[int],
-                             quota: int) -> torch.Tensor:
+def class_balanced_selection(
+    probs: torch.Tensor, candidates: torch.Tensor, rows: list[int], quota: int
+) -> torch.Tensor:
     """ClE's class-balanced self-training, per pixel: at most ``quota`` new pseudo-labels per class.
 
     For every class row r in ``rows``, among candidate pixels whose prediction
@@ -232,7 +240,7 @@ def class_balanced_selection(probs: torch.Tensor, candidates: torch.Tensor, rows
         (N, *spatial) int64: the selected row, 255 elsewhere.
     """
     conf, pred = probs.max(dim=1)
-    out = torch.full_like(pred, IGNORE)
+    out = torch.full_like(pred, IGNORE_INDEX)
     flat_out, flat_conf, flat_pred, flat_cand = out.view(-1), conf.flatten(), pred.flatten(), candidates.flatten()
     for row in rows:
         index = torch.nonzero(flat_cand & (flat_pred == row)).squeeze(1)
@@ -311,15 +319,30 @@ class UaDCEPlugin(PoolPhasesPlugin):
     name = "uadce"
     loss_terms = ("uadce_kd", "uadce_st")
 
-    def __init__(self, base_lambda: float = 2.0, u_t: float = 0.6, adapt_lambda: bool = True,
-                 temperature: float = 2.0, beta: float = 0.25, noise_passes: int = 10, noise_std: float = 0.01,
-                 noise_clip: float = 0.02, round_fraction: float = 10 / 300, max_fraction: float = 160 / 300,
-                 st_weight: float = 1.0, start_epoch: int = 25, every: int = 25, batch_size: int | None = None,
-                 freeze: str | None = None) -> None:
+    def __init__(
+        self,
+        base_lambda: float = 2.0,
+        u_t: float = 0.6,
+        adapt_lambda: bool = True,
+        temperature: float = 2.0,
+        beta: float = 0.25,
+        noise_passes: int = 10,
+        noise_std: float = 0.01,
+        noise_clip: float = 0.02,
+        round_fraction: float = 10 / 300,
+        max_fraction: float = 160 / 300,
+        st_weight: float = 1.0,
+        start_epoch: int = 25,
+        every: int = 25,
+        batch_size: int | None = None,
+        freeze: str | None = None,
+    ) -> None:
         super().__init__(start_epoch, every, batch_size)
         if not 0 < u_t <= 1 or noise_passes < 2 or temperature <= 0:
-            raise ConfigError(f"method_args.uad-ce: need 0 < u_t <= 1, noise_passes >= 2 and temperature > 0 "
-                              f"(got {u_t}, {noise_passes}, {temperature})")
+            raise ConfigError(
+                f"method_args.uad-ce: need 0 < u_t <= 1, noise_passes >= 2 and temperature > 0 "
+                f"(got {u_t}, {noise_passes}, {temperature})"
+            )
         if not 0 <= round_fraction <= 1 or not 0 <= max_fraction <= 1:
             raise ConfigError("method_args.uad-ce: round_fraction and max_fraction must be in [0, 1]")
         self.base_lambda, self.u_t, self.adapt = base_lambda, u_t, adapt_lambda
@@ -327,10 +350,10 @@ class UaDCEPlugin(PoolPhasesPlugin):
         self.noise_passes, self.noise_std, self.noise_clip = noise_passes, noise_std, noise_clip
         self.round_fraction, self.max_fraction, self.st_weight = round_fraction, max_fraction, st_weight
         self.freeze_incremental = freeze
-        self.teacher: "Segmenter | None" = None
+        self.teacher: Segmenter | None = None
         self.pseudo: torch.Tensor | None = None
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         self.teacher, self.pseudo = None, None
         if state.session.index == 0:
             return
@@ -341,20 +364,20 @@ class UaDCEPlugin(PoolPhasesPlugin):
         self.kd_weight = adaptive_lambda(self.base_lambda, self.u_t, self.n_old, len(state.session.classes), self.adapt)
         if self._setup_pool(state, salt=1):
             pool = state.data.unlabelled
-            self.pseudo = torch.full((len(pool), *np.asarray(pool.labels[0]).shape), IGNORE, dtype=torch.long)
+            self.pseudo = torch.full((len(pool), *np.asarray(pool.labels[0]).shape), IGNORE_INDEX, dtype=torch.long)
             self.rounds = 0
 
-    def before_epoch(self, state: "LoopState") -> None:
+    def before_epoch(self, state: LoopState) -> None:
         super().before_epoch(state)
         if self._phase:
             self.select_round(state)
 
     @torch.no_grad()
-    def select_round(self, state: "LoopState") -> int:
+    def select_round(self, state: LoopState) -> int:
         """One ClE round: pseudo-label up to ``round_fraction`` more pool pixels; returns how many."""
         total = self.pseudo.numel()
         rows = [state.seen.index(c) for c in [0, *state.session.classes]]
-        remaining = int(self.max_fraction * total) - int((self.pseudo != IGNORE).sum())
+        remaining = int(self.max_fraction * total) - int((self.pseudo != IGNORE_INDEX).sum())
         quota = min(int(self.round_fraction * total), remaining) // len(rows)
         if quota < 1:
             return 0
@@ -362,8 +385,8 @@ class UaDCEPlugin(PoolPhasesPlugin):
         loader = DataLoader(UnlabelledDataset(state.data.unlabelled), batch_size=self._loader.batch_size)
         for batch in loader:
             probs.append(torch.softmax(_eval_logits(state.model, batch["image"].to(state.device)).float(), 1).cpu())
-        chosen = class_balanced_selection(torch.cat(probs), self.pseudo == IGNORE, rows, quota)
-        new = chosen != IGNORE
+        chosen = class_balanced_selection(torch.cat(probs), self.pseudo == IGNORE_INDEX, rows, quota)
+        new = chosen != IGNORE_INDEX
         self.pseudo[new] = chosen[new]
         self.rounds += 1
         return int(new.sum())
@@ -379,7 +402,7 @@ class UaDCEPlugin(PoolPhasesPlugin):
             _, std = uncertainty_from_samples(torch.stack(samples))
         return logits, std
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if self.teacher is None:
             return
         x = state.batch["image"].to(state.device)
@@ -390,8 +413,8 @@ class UaDCEPlugin(PoolPhasesPlugin):
             xu = batch["image"].to(state.device)
             student_u = state.model(xu)
             target = self.pseudo[batch["index"]].to(state.device)
-            if (target != IGNORE).any():
-                st = F.cross_entropy(student_u, target, ignore_index=IGNORE)
+            if (target != IGNORE_INDEX).any():
+                st = F.cross_entropy(student_u, target, ignore_index=IGNORE_INDEX)
             else:
                 st = student_u.sum() * 0.0
             state.losses["uadce_st"] = self.st_weight * st
@@ -401,21 +424,25 @@ class UaDCEPlugin(PoolPhasesPlugin):
         teacher, std = self._reference(x)
         keep = uad_keep_mask(std, from_pool, self.u_t)
         kd = uad_distillation(student[:, : self.n_old], teacher[:, : self.n_old], keep, self.temperature)
-        state.losses["uadce_kd"] = self.kd_weight * self.beta * self.temperature ** 2 * kd
+        state.losses["uadce_kd"] = self.kd_weight * self.beta * self.temperature**2 * kd
 
-    def after_training(self, state: "LoopState") -> None:
+    def after_training(self, state: LoopState) -> None:
         if self.pseudo is None:
             return
         truth = torch.from_numpy(np.asarray(state.data.unlabelled.labels).astype("int64"))  # measurement only
         seen = torch.as_tensor(state.seen)
         counters = FilterCounters()
-        chosen = self.pseudo != IGNORE
+        chosen = self.pseudo != IGNORE_INDEX
         counters.update(chosen, seen[self.pseudo.clamp(max=len(seen) - 1)], truth)
         stats = counters.stats()
-        state.metrics["pseudo_labels"] = {"method": "uad-ce", "rounds": self.rounds, "coverage": stats.coverage,
-                                          "precision": stats.precision}
+        state.report["pseudo_labels"] = {
+            "method": "uad-ce",
+            "rounds": self.rounds,
+            "coverage": stats.coverage,
+            "precision": stats.precision,
+        }
 
-    def after_session(self, state: "LoopState") -> None:
+    def after_session(self, state: LoopState) -> None:
         super().after_session(state)
         self.teacher, self.pseudo = None, None
 
@@ -478,8 +505,9 @@ def reliable_cluster(features: torch.Tensor, assignment: torch.Tensor) -> tuple[
     return means[best], variances[best]
 
 
-def csl_weights_from_features(m: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None,
-                              alpha: float = 2.0, eps: float = 1e-8) -> torch.Tensor:
+def csl_weights_from_features(
+    m: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None, alpha: float = 2.0, eps: float = 1e-8
+) -> torch.Tensor:
     """CSL's per-pixel weights for one image from its (m, v) features.
 
     With the reliable cluster's means (mu_m, mu_v) and variances (s_m, s_v):
@@ -503,7 +531,7 @@ def csl_weights_from_features(m: torch.Tensor, v: torch.Tensor, valid: torch.Ten
         mean, var = reliable_cluster(feats, spectral_two_clusters(feats))
     z_m = (m.double() - mean[0]) / torch.sqrt(var[0] + eps)
     z_v = (mean[1] - v.double()) / torch.sqrt(var[1] + eps)
-    w = torch.exp(-z_m ** 2 / alpha) * torch.exp(-z_v ** 2 / alpha)
+    w = torch.exp(-(z_m**2) / alpha) * torch.exp(-(z_v**2) / alpha)
     w = torch.where((z_m > 0) | (z_v > 0), torch.ones_like(w), w)
     return torch.where(valid, w, torch.zeros_like(w)).to(m.dtype)
 
@@ -511,12 +539,17 @@ def csl_weights_from_features(m: torch.Tensor, v: torch.Tensor, valid: torch.Ten
 def csl_weights(probs: torch.Tensor, valid: torch.Tensor | None = None, alpha: float = 2.0) -> torch.Tensor:
     """(B, *spatial) CSL weights of a batch of softmax outputs (B, K, *spatial); statistics per image."""
     m, v = confidence_features(probs)
-    return torch.stack([csl_weights_from_features(m[b], v[b], None if valid is None else valid[b], alpha)
-                        for b in range(probs.shape[0])])
+    return torch.stack(
+        [
+            csl_weights_from_features(m[b], v[b], None if valid is None else valid[b], alpha)
+            for b in range(probs.shape[0])
+        ]
+    )
 
 
-def csl_loss(logits: torch.Tensor, pseudo: torch.Tensor, weights: torch.Tensor,
-             valid: torch.Tensor | None = None) -> torch.Tensor:
+def csl_loss(
+    logits: torch.Tensor, pseudo: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """sum(CE(logits, pseudo) * w) / number of valid pixels (the authors' ``semi_loss``).
 
     Args:
@@ -553,8 +586,9 @@ def cutmix_box(spatial: tuple[int, ...], prob: float, generator: torch.Generator
     return box
 
 
-def block_mask(spatial: tuple[int, ...], block: int, ratio: float,
-               generator: torch.Generator | None = None) -> torch.Tensor:
+def block_mask(
+    spatial: tuple[int, ...], block: int, ratio: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Random blocks of side ``block``, each covered with probability ``ratio``; (*spatial) bool."""
     grid = [math.ceil(s / block) for s in spatial]
     cover = torch.rand(grid, generator=generator) < ratio
@@ -622,19 +656,30 @@ class CSLPlugin(PoolPhasesPlugin):
     name = "csl"
     loss_terms = ("csl",)
 
-    def __init__(self, weight: float = 1.0, alpha: float = 2.0, cover_ratio: float = 0.7, block_fraction: float = 0.1,
-                 fp_dropout: float = 0.5, cutmix_prob: float = 0.5, start_epoch: int = 25, every: int = 25,
-                 batch_size: int | None = None, freeze: str | None = None) -> None:
+    def __init__(
+        self,
+        weight: float = 1.0,
+        alpha: float = 2.0,
+        cover_ratio: float = 0.7,
+        block_fraction: float = 0.1,
+        fp_dropout: float = 0.5,
+        cutmix_prob: float = 0.5,
+        start_epoch: int = 25,
+        every: int = 25,
+        batch_size: int | None = None,
+        freeze: str | None = None,
+    ) -> None:
         super().__init__(start_epoch, every, batch_size)
         if alpha <= 0 or not 0 <= cover_ratio <= 1 or not 0 < block_fraction <= 1 or not 0 <= fp_dropout < 1:
-            raise ConfigError("method_args.csl: need alpha > 0, cover_ratio in [0, 1], block_fraction in (0, 1], "
-                              "fp_dropout in [0, 1)")
+            raise ConfigError(
+                "method_args.csl: need alpha > 0, cover_ratio in [0, 1], block_fraction in (0, 1], fp_dropout in [0, 1)"
+            )
         self.weight, self.alpha = weight, alpha
         self.cover_ratio, self.block_fraction = cover_ratio, block_fraction
         self.fp_dropout, self.cutmix_prob = fp_dropout, cutmix_prob
         self.freeze_incremental = freeze
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         if self._setup_pool(state, salt=2):
             self._views = (view_transform(state.seed + 11), view_transform(state.seed + 12))
             self.counters = FilterCounters()
@@ -644,7 +689,7 @@ class CSLPlugin(PoolPhasesPlugin):
         # plain tensors: MONAI's MetaTensor would slow every later operation down
         return torch.stack([torch.as_tensor(t(img)).as_subclass(torch.Tensor) for img in images]).float()
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if not self._phase:
             return
         batch = self._pool_batch()
@@ -677,27 +722,34 @@ class CSLPlugin(PoolPhasesPlugin):
         logits_s, logits_m = model(torch.cat(views)).chunk(2)
         fp = model.classifier(channel_dropout(weak.features, self.fp_dropout))
         if fp.shape[2:] != weak.logits.shape[2:]:
-            fp = F.interpolate(fp, size=weak.logits.shape[2:], mode="bilinear" if fp.dim() == 4 else "trilinear",
-                               align_corners=False)
-        loss = (0.25 * csl_loss(logits_s, targets[0], view_weights[0])
-                + 0.25 * csl_loss(logits_m, targets[1], view_weights[1])
-                + 0.5 * csl_loss(fp, pseudo, weights))
+            fp = F.interpolate(
+                fp, size=weak.logits.shape[2:], mode="bilinear" if fp.dim() == 4 else "trilinear", align_corners=False
+            )
+        loss = (
+            0.25 * csl_loss(logits_s, targets[0], view_weights[0])
+            + 0.25 * csl_loss(logits_m, targets[1], view_weights[1])
+            + 0.5 * csl_loss(fp, pseudo, weights)
+        )
         state.losses[self.name] = self.weight * loss
         seen = torch.as_tensor(state.seen, device=device)
         self.counters.update(weights == 1, seen[pseudo], batch["truth"].to(device))  # measurement only
 
-    def after_training(self, state: "LoopState") -> None:
+    def after_training(self, state: LoopState) -> None:
         if self._loader is not None and self.counters.total:
             stats = self.counters.stats()
-            state.metrics["pseudo_labels"] = {"method": "csl", "coverage": stats.coverage,
-                                              "precision": stats.precision}
+            state.report["pseudo_labels"] = {"method": "csl", "coverage": stats.coverage, "precision": stats.precision}
 
 
 # ============================================================== RETRIEVE
 
 
-def retrieve_greedy(unlabelled_grads: torch.Tensor, val_grad: Callable[[torch.Tensor], torch.Tensor], budget: int,
-                    eta: float, candidates: Callable[[list[int]], list[int]] | None = None) -> list[int]:
+def retrieve_greedy(
+    unlabelled_grads: torch.Tensor,
+    val_grad: Callable[[torch.Tensor], torch.Tensor],
+    budget: int,
+    eta: float,
+    candidates: Callable[[list[int]], list[int]] | None = None,
+) -> list[int]:
     """RETRIEVE's greedy coreset selection (Killamsetty et al. 2021, Alg. 1, last-layer version).
 
     Gain of adding element e to S: the one-step Taylor estimate of the drop of
@@ -778,19 +830,39 @@ class RetrievePlugin(MeanTeacherPlugin):
     name = "retrieve"
     loss_terms = ("retrieve",)
 
-    def __init__(self, fraction: float = 0.1, greedy: str = "stochastic", epsilon: float = 0.01,
-                 tau_conf: float = 0.7, weight: float = 0.05, ema_decay: float = 0.99, start_epoch: int = 25,
-                 every: int = 25, batch_size: int | None = None, freeze: str | None = None) -> None:
-        super().__init__(filter="confidence", tau_conf=tau_conf, tau_sim=0.0, weight=weight, ema_decay=ema_decay,
-                         start_epoch=start_epoch, every=every, batch_size=batch_size)
+    def __init__(
+        self,
+        fraction: float = 0.1,
+        greedy: str = "stochastic",
+        epsilon: float = 0.01,
+        tau_conf: float = 0.7,
+        weight: float = 0.05,
+        ema_decay: float = 0.99,
+        start_epoch: int = 25,
+        every: int = 25,
+        batch_size: int | None = None,
+        freeze: str | None = None,
+    ) -> None:
+        super().__init__(
+            filter="confidence",
+            tau_conf=tau_conf,
+            tau_sim=0.0,
+            weight=weight,
+            ema_decay=ema_decay,
+            start_epoch=start_epoch,
+            every=every,
+            batch_size=batch_size,
+        )
         if not 0 < fraction <= 1 or greedy not in ("stochastic", "naive") or not 0 < epsilon < 1:
-            raise ConfigError(f"method_args.retrieve: need 0 < fraction <= 1, greedy 'stochastic' or 'naive', "
-                              f"0 < epsilon < 1 (got {fraction}, {greedy!r}, {epsilon})")
+            raise ConfigError(
+                f"method_args.retrieve: need 0 < fraction <= 1, greedy 'stochastic' or 'naive', "
+                f"0 < epsilon < 1 (got {fraction}, {greedy!r}, {epsilon})"
+            )
         self.fraction, self.greedy, self.epsilon = fraction, greedy, epsilon
         self.freeze_incremental = freeze
         self.coresets: list[list[int]] = []
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         super().before_session(state)
         self.coresets = []
         if self.teacher is not None:
@@ -798,19 +870,22 @@ class RetrievePlugin(MeanTeacherPlugin):
             self._select_rng = torch.Generator().manual_seed(state.seed * 104729 + state.session.index)
             self._views = (view_transform(state.seed + 1), view_transform(state.seed + 2))
 
-    def _coreset_loader(self, state: "LoopState", coreset: list[int]) -> DataLoader:
-        return DataLoader(Subset(UnlabelledDataset(state.data.unlabelled), coreset),
-                          batch_size=self.batch_size or state.config.batch_size, shuffle=True,
-                          generator=self._generator)
+    def _coreset_loader(self, state: LoopState, coreset: list[int]) -> DataLoader:
+        return DataLoader(
+            Subset(UnlabelledDataset(state.data.unlabelled), coreset),
+            batch_size=self.batch_size or state.config.batch_size,
+            shuffle=True,
+            generator=self._generator,
+        )
 
-    def before_epoch(self, state: "LoopState") -> None:
+    def before_epoch(self, state: LoopState) -> None:
         if self.teacher is not None and self._is_phase(state.epoch):
             chosen = self.select(state)
             self.coresets.append(sorted(chosen))
             self._loader = self._coreset_loader(state, self.coresets[-1])
         super().before_epoch(state)
 
-    def resume_epoch(self, state: "LoopState") -> None:
+    def resume_epoch(self, state: LoopState) -> None:
         """The phase's coreset loader again (the coreset and its stream's position are in the checkpoint)."""
         if self._phase:
             position = self._batches.state_dict()
@@ -827,18 +902,20 @@ class RetrievePlugin(MeanTeacherPlugin):
     def _student_teacher_views(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         return self._view(batch["image"], 0), self._view(batch["image"], 1)
 
-    def _classifier_params(self, model: "Segmenter") -> dict[str, torch.Tensor]:
+    def _classifier_params(self, model: Segmenter) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in model.classifier.named_parameters()}
 
-    def _logits(self, model: "Segmenter", params: dict[str, torch.Tensor], features: torch.Tensor,
-                size: torch.Size) -> torch.Tensor:
+    def _logits(
+        self, model: Segmenter, params: dict[str, torch.Tensor], features: torch.Tensor, size: torch.Size
+    ) -> torch.Tensor:
         logits = functional_call(model.classifier, params, (features,))
         if logits.shape[2:] != size:
-            logits = F.interpolate(logits, size=size, mode="bilinear" if logits.dim() == 4 else "trilinear",
-                                   align_corners=False)
+            logits = F.interpolate(
+                logits, size=size, mode="bilinear" if logits.dim() == 4 else "trilinear", align_corners=False
+            )
         return logits
 
-    def select(self, state: "LoopState") -> list[int]:
+    def select(self, state: LoopState) -> list[int]:
         """Choose this phase's coreset of pool indices (see the class docstring)."""
         model = state.model
         base = self._classifier_params(model)
@@ -859,15 +936,24 @@ class RetrievePlugin(MeanTeacherPlugin):
                 t = pas_filter(out_t.logits, out_t.features, None, self.tau_conf, self.tau_sim)
                 loss = self.weight * consistency_loss(logits, out_t.logits, s.valid & t.valid)
                 g = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
-                grads.append(torch.cat([(gi if gi is not None else torch.zeros_like(params[n])).flatten()
-                                        for gi, n in zip(g, names)]))
-            labelled = DataLoader(LabelledDataset(state.data.train, state.session.classes, state.session.other_classes),
-                                  batch_size=state.config.batch_size)
+                grads.append(
+                    torch.cat(
+                        [(gi if gi is not None else torch.zeros_like(params[n])).flatten() for gi, n in zip(g, names)]
+                    )
+                )
+            labelled = DataLoader(
+                LabelledDataset(state.data.train, state.session.classes, state.session.other_classes),
+                batch_size=state.config.batch_size,
+            )
             cached = []
             with torch.no_grad():
                 for batch in labelled:
-                    cached.append((model.backbone(batch["image"].to(state.device)),
-                                   state.class_index(batch["label"].to(state.device))))
+                    cached.append(
+                        (
+                            model.backbone(batch["image"].to(state.device)),
+                            state.class_index(batch["label"].to(state.device)),
+                        )
+                    )
         finally:
             for m, mode in modes.items():
                 m.train(mode)
@@ -879,10 +965,14 @@ class RetrievePlugin(MeanTeacherPlugin):
             params = dict(zip(names, [p.view(s) for p, s in zip(flat.split([math.prod(s) for s in shapes]), shapes)]))
             total, count = 0.0, 0
             for features, target in cached:
-                ce = F.cross_entropy(self._logits(model, params, features, target.shape[1:]), target,
-                                     ignore_index=IGNORE, reduction="sum")
+                ce = F.cross_entropy(
+                    self._logits(model, params, features, target.shape[1:]),
+                    target,
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
                 total = total + ce
-                count += int((target != IGNORE).sum())
+                count += int((target != IGNORE_INDEX).sum())
             return torch.autograd.grad(total / max(count, 1), flat)[0]
 
         n = len(grads)
@@ -899,53 +989,89 @@ class RetrievePlugin(MeanTeacherPlugin):
         chooser = sample if self.greedy == "stochastic" else None
         return retrieve_greedy(torch.stack(grads), val_grad, budget, eta, chooser)
 
-    def after_training(self, state: "LoopState") -> None:
+    def after_training(self, state: LoopState) -> None:
         super().after_training(state)
-        if "pseudo_labels" in state.metrics and self.coresets:
-            state.metrics["pseudo_labels"]["coresets"] = self.coresets
+        if "pseudo_labels" in state.report and self.coresets:
+            state.report["pseudo_labels"]["coresets"] = self.coresets
 
 
 # ============================================================== registry
 
 
-def _schedule(config: "RunConfig") -> dict:
-    p = config.pas
+def _schedule(config: RunConfig) -> dict:
+    """The unlabelled-phase schedule of ``method_args.jascl.pas``: every pool method follows the same one."""
+    from jascl.methods.presets import jascl_options
+
+    p = jascl_options(config).pas
     return {"start_epoch": p.start_epoch, "every": p.every, "batch_size": p.batch_size}
 
 
-@METHODS.register("uad-ce", doc="baseline: class-balanced self-training + uncertainty-aware distillation "
-                                "(Cui et al., IEEE TNNLS 2023)")
-def uad_ce(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+@METHODS.register(
+    "uad-ce",
+    doc="baseline: class-balanced self-training + uncertainty-aware distillation (Cui et al., IEEE TNNLS 2023)",
+)
+def uad_ce(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "uad-ce", UaDCEOptions())
-    plugin = UaDCEPlugin(base_lambda=o.base_lambda, u_t=o.u_t, adapt_lambda=o.adapt_lambda,
-                         temperature=o.temperature, beta=o.beta, noise_passes=o.noise_passes, noise_std=o.noise_std,
-                         noise_clip=o.noise_clip, round_fraction=o.round_fraction, max_fraction=o.max_fraction,
-                         st_weight=o.st_weight, freeze=freeze_policy(o.freeze, "uad-ce"), **_schedule(config))
+    plugin = UaDCEPlugin(
+        base_lambda=o.base_lambda,
+        u_t=o.u_t,
+        adapt_lambda=o.adapt_lambda,
+        temperature=o.temperature,
+        beta=o.beta,
+        noise_passes=o.noise_passes,
+        noise_std=o.noise_std,
+        noise_clip=o.noise_clip,
+        round_fraction=o.round_fraction,
+        max_fraction=o.max_fraction,
+        st_weight=o.st_weight,
+        freeze=freeze_policy(o.freeze, "uad-ce"),
+        **_schedule(config),
+    )
     return Method("uad-ce", [plugin], "UaD-CE: class-balanced self-training + uncertainty-aware distillation")
 
 
-@METHODS.register("csl", doc="baseline: confidence-separable pseudo-label weighting on a UniMatch-style student "
-                             "(Liu & Liu, arXiv 2025)")
-def csl(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+@METHODS.register(
+    "csl",
+    doc="baseline: confidence-separable pseudo-label weighting on a UniMatch-style student (Liu & Liu, arXiv 2025)",
+)
+def csl(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "csl", CSLOptions())
-    plugin = CSLPlugin(weight=o.weight, alpha=o.alpha, cover_ratio=o.cover_ratio, block_fraction=o.block_fraction,
-                       fp_dropout=o.fp_dropout, cutmix_prob=o.cutmix_prob, freeze=freeze_policy(o.freeze, "csl"),
-                       **_schedule(config))
+    plugin = CSLPlugin(
+        weight=o.weight,
+        alpha=o.alpha,
+        cover_ratio=o.cover_ratio,
+        block_fraction=o.block_fraction,
+        fp_dropout=o.fp_dropout,
+        cutmix_prob=o.cutmix_prob,
+        freeze=freeze_policy(o.freeze, "csl"),
+        **_schedule(config),
+    )
     return Method("csl", [plugin], "CSL: confidence-separable pseudo-label selection")
 
 
-@METHODS.register("retrieve", doc="baseline: greedy bilevel coreset of the unlabelled pool under a mean teacher "
-                                  "(Killamsetty et al., NeurIPS 2021)")
-def retrieve(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+@METHODS.register(
+    "retrieve",
+    doc="baseline: greedy bilevel coreset of the unlabelled pool under a mean teacher "
+    "(Killamsetty et al., NeurIPS 2021)",
+)
+def retrieve(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
+    from jascl.methods.presets import jascl_options
 
     o = method_options(config, "retrieve", RetrieveOptions())
-    p = config.pas
-    plugin = RetrievePlugin(fraction=o.fraction, greedy=o.greedy, epsilon=o.epsilon,
-                            tau_conf=p.tau_conf if o.tau_conf < 0 else o.tau_conf, weight=p.weight,
-                            ema_decay=p.ema_decay, freeze=freeze_policy(o.freeze, "retrieve"), **_schedule(config))
+    p = jascl_options(config).pas
+    plugin = RetrievePlugin(
+        fraction=o.fraction,
+        greedy=o.greedy,
+        epsilon=o.epsilon,
+        tau_conf=p.tau_conf if o.tau_conf < 0 else o.tau_conf,
+        weight=p.weight,
+        ema_decay=p.ema_decay,
+        freeze=freeze_policy(o.freeze, "retrieve"),
+        **_schedule(config),
+    )
     return Method("retrieve", [plugin], "RETRIEVE: coreset selection + confidence-filtered mean teacher")

@@ -16,8 +16,9 @@ trainable (``freeze`` option, see :mod:`jascl.methods.baselines.regularization`)
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +26,13 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from jascl.methods.base import METHODS, Method, Plugin
+from jascl.engine.plugin import Method, Plugin
 from jascl.methods.baselines.regularization import _SessionGate, check_freeze, check_range
+from jascl.methods.registry import METHODS
 
 if TYPE_CHECKING:
-    from jascl.training.config import RunConfig
-    from jascl.training.state import LoopState
+    from jascl.engine.config import RunConfig
+    from jascl.engine.state import LoopState
 
 
 # ---------------------------------------------------------------------------- shared
@@ -102,9 +104,9 @@ def displaced(params: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) ->
 # ---------------------------------------------------------------------------- SAM
 
 
-def sam_gradient(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                 grad_fn: Callable[[], list[torch.Tensor]],
-                 rho: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def sam_gradient(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], grad_fn: Callable[[], list[torch.Tensor]], rho: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """SAM's update direction: the gradient at theta + rho * g/||g|| (Foret et al. 2021).
 
     Args:
@@ -145,7 +147,7 @@ class SAMPlugin(_SessionGate, Plugin):
         self.freeze_incremental = freeze
         self.last_sharpness: float | None = None
 
-    def before_update(self, state: "LoopState") -> None:
+    def before_update(self, state: LoopState) -> None:
         if not self.active(state):
             return
         params = _trainable_with_grad(state.optimizer)
@@ -173,21 +175,29 @@ class SAMOptions:
 
 
 @METHODS.register("sam", doc="baseline: sharpness-aware minimisation, two-step update (Foret et al., ICLR 2021)")
-def sam(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+def sam(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "sam", SAMOptions())
     check_range("sam", "rho", o.rho, 0.0, low_open=True)
-    return Method("sam", [SAMPlugin(o.rho, o.in_base, check_freeze("sam", o.freeze))],
-                  "SAM: gradient taken at the worst-case neighbour within radius rho")
+    return Method(
+        "sam",
+        [SAMPlugin(o.rho, o.in_base, check_freeze("sam", o.freeze))],
+        "SAM: gradient taken at the worst-case neighbour within radius rho",
+    )
 
 
 # ---------------------------------------------------------------------------- C-Flat
 
 
-def c_flat_gradient(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                    grad_fn: Callable[[], list[torch.Tensor]], rho: float, lamb: float,
-                    eps: float = 1e-12) -> list[torch.Tensor]:
+def c_flat_gradient(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    grad_fn: Callable[[], list[torch.Tensor]],
+    rho: float,
+    lamb: float,
+    eps: float = 1e-12,
+) -> list[torch.Tensor]:
     """C-Flat's update direction (Bian et al., NeurIPS 2024; official ``C_Flat.step``).
 
     Minimises L^{R_rho}(theta) + lamb * R^(1)_rho(theta): the zeroth-order
@@ -240,7 +250,7 @@ class CFlatPlugin(_SessionGate, Plugin):
         self.changes_base_session = in_base
         self.freeze_incremental = freeze
 
-    def before_update(self, state: "LoopState") -> None:
+    def before_update(self, state: LoopState) -> None:
         if not self.active(state):
             return
         params = _trainable_with_grad(state.optimizer)
@@ -264,16 +274,20 @@ class CFlatOptions:
     freeze: str = "config"
 
 
-@METHODS.register("c-flat", doc="baseline: C-Flat, zeroth- + first-order flatness in the update "
-                                "(Bian et al., NeurIPS 2024)")
-def c_flat(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+@METHODS.register(
+    "c-flat", doc="baseline: C-Flat, zeroth- + first-order flatness in the update (Bian et al., NeurIPS 2024)"
+)
+def c_flat(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "c-flat", CFlatOptions())
     check_range("c-flat", "rho", o.rho, 0.0, low_open=True)
     check_range("c-flat", "lamb", o.lamb, 0.0)
-    return Method("c-flat", [CFlatPlugin(o.rho, o.lamb, o.in_base, check_freeze("c-flat", o.freeze))],
-                  "C-Flat: SAM gradient plus a first-order flatness correction")
+    return Method(
+        "c-flat",
+        [CFlatPlugin(o.rho, o.lamb, o.in_base, check_freeze("c-flat", o.freeze))],
+        "C-Flat: SAM gradient plus a first-order flatness correction",
+    )
 
 
 # ---------------------------------------------------------------------------- STAR
@@ -292,8 +306,9 @@ def star_kl(clean_logits: torch.Tensor, perturbed_logits: torch.Tensor, mask: to
     return (kl * mask).sum() / mask.sum().clamp_min(1)
 
 
-def star_layer_step(weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], gamma: float,
-                    eps: float = 1e-20) -> list[torch.Tensor]:
+def star_layer_step(
+    weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], gamma: float, eps: float = 1e-20
+) -> list[torch.Tensor]:
     """STAR's per-layer normalised ascent step: gamma * ||w_l|| * g_l / ||g_l|| for each layer l."""
     return [gamma * w.norm() * g / (g.norm() + eps) for w, g in zip(weights, grads)]
 
@@ -335,8 +350,14 @@ class STARPlugin(Plugin):
     name = "star"
     loss_terms = ("star",)
 
-    def __init__(self, weight: float = 0.01, gamma: float = 0.05, steps: int = 1, init_scale: float = 1e-3,
-                 freeze: str | None = None) -> None:
+    def __init__(
+        self,
+        weight: float = 0.01,
+        gamma: float = 0.05,
+        steps: int = 1,
+        init_scale: float = 1e-3,
+        freeze: str | None = None,
+    ) -> None:
         self.weight = weight
         self.gamma = gamma
         self.steps = steps
@@ -345,7 +366,7 @@ class STARPlugin(Plugin):
         self._inputs: torch.Tensor | None = None
         self._targets: torch.Tensor | None = None
 
-    def before_session(self, state: "LoopState") -> None:
+    def before_session(self, state: LoopState) -> None:
         self._inputs = None
         if state.session.index == 0:
             return
@@ -354,8 +375,9 @@ class STARPlugin(Plugin):
             self._inputs = protos.to(state.device)
             self._targets = state.class_index(class_ids).to(state.device)
 
-    def perturbation(self, classifier: nn.Module, inputs: torch.Tensor, clean: torch.Tensor,
-                     mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    def perturbation(
+        self, classifier: nn.Module, inputs: torch.Tensor, clean: torch.Tensor, mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """dw for every parameter of rank >= 2 of ``classifier`` (worst case for the masked KL)."""
         weights = {n: p.detach() for n, p in classifier.named_parameters() if p.dim() >= 2}
         delta = {}
@@ -371,7 +393,7 @@ class STARPlugin(Plugin):
             delta = {n: delta[n] + s for n, s in zip(weights, step)}
         return delta
 
-    def after_forward(self, state: "LoopState") -> None:
+    def after_forward(self, state: LoopState) -> None:
         if self._inputs is None or self.weight <= 0:
             return
         classifier = state.model.classifier
@@ -403,15 +425,21 @@ class STAROptions:
     freeze: str = "config"
 
 
-@METHODS.register("star", doc="baseline: STAR worst-case weight-perturbation KL on stored prototypes instead of a "
-                              "replay buffer (Eskandar et al., ICLR 2025)")
-def star(config: "RunConfig") -> Method:
-    from jascl.training.config import method_options
+@METHODS.register(
+    "star",
+    doc="baseline: STAR worst-case weight-perturbation KL on stored prototypes instead of a "
+    "replay buffer (Eskandar et al., ICLR 2025)",
+)
+def star(config: RunConfig) -> Method:
+    from jascl.engine.config import method_options
 
     o = method_options(config, "star", STAROptions())
     check_range("star", "weight", o.weight, 0.0)
     check_range("star", "gamma", o.gamma, 0.0, low_open=True)
     check_range("star", "steps", o.steps, 1)
     check_range("star", "init_scale", o.init_scale, 0.0, low_open=True)
-    return Method("star", [STARPlugin(o.weight, o.gamma, o.steps, o.init_scale, check_freeze("star", o.freeze))],
-                  "STAR: KL stability under worst-case classifier perturbation, on past prototypes")
+    return Method(
+        "star",
+        [STARPlugin(o.weight, o.gamma, o.steps, o.init_scale, check_freeze("star", o.freeze))],
+        "STAR: KL stability under worst-case classifier perturbation, on past prototypes",
+    )

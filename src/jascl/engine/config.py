@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -22,61 +23,6 @@ EVAL_MODES = ("sliding-window", "authors")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "poly")
 PRECISIONS = ("auto", "fp32", "bf16")
-
-
-@dataclass
-class GASConfig:
-    """GAS options (paper eq. 1; defaults from the paper's appendix on GAS robustness)."""
-
-    layer: str = "classifier"
-    eps: float = 1e-8
-    sigma2: float = 1.0
-    in_base: bool = False
-
-
-@dataclass
-class ReplayConfig:
-    """Prototype replay: weight 0.1 and sum over prototypes, as in the authors' medical code."""
-
-    weight: float = 0.1
-    reduction: str = "sum"
-
-
-@dataclass
-class PASConfig:
-    """Mean teacher + PAS options.
-
-    Defaults: tau_conf = tau_sim = 0.7 (paper, "Hyperparameters"); lambda_cons
-    0.05, EMA decay 0.99, an unlabelled phase every 25 epochs from epoch 25
-    (the authors' medical semi-supervised code, per AUTHORS-CODE-NOTES).
-    ``normalize_pixels``: the session's PAS prototypes average L2-normalised pixel
-    features (the authors' ``get_prototype``); False: eq. 2's plain feature mean.
-    ``anchors``: "per-sample" (every labelled sample's prototype, the summands of
-    eq. 2; the best-matching one counts) or "mean" (eq. 2's class prototype).
-    ``normalize_pixels=false, anchors=mean`` is eq. 2 literally. ``max_anchors``: per class at
-    most this many per-sample anchors, a spread-out subset (0 = all); PAS compares every
-    pixel with each, so its cost grows with them.
-    """
-
-    tau_conf: float = 0.7
-    tau_sim: float = 0.7
-    weight: float = 0.05
-    ema_decay: float = 0.99
-    start_epoch: int = 25
-    every: int = 25
-    batch_size: int | None = None
-    normalize_pixels: bool = True
-    anchors: str = "per-sample"
-    max_anchors: int = 16
-
-
-@dataclass
-class JasclComponents:
-    """Switches of the ``jascl`` preset, for ablations (``--ablate gas,pas,proto``)."""
-
-    gas: bool = True
-    replay: bool = True
-    pas: bool = True
 
 
 @dataclass
@@ -112,8 +58,10 @@ class RunConfig:
         device: "auto", "cpu", "cuda", "cuda:1", ...
         seed: training seed (None = the protocol's seed).
         threads: torch CPU threads (0 = leave torch's default).
-        method_args: per-method options of the baselines, ``{method name: {option: value}}``
-            (e.g. ``--set method_args.ewc.weight=500``); each method checks its own keys.
+        method_args: every method's options, ``{options key: {option: value}}`` (e.g.
+            ``--set method_args.ewc.weight=500``, ``--set method_args.jascl.gas.eps=1e-9``); each method
+            checks its own (:mod:`jascl.methods.options`, ``jascl methods NAME``). Merged key by key
+            across the protocol, a config file and ``--set``.
         tensorboard: log losses, GAS noise-scale statistics, per-session metrics and pseudo-label
             statistics to ``<run>/tensorboard/<method>/`` (``jascl.results.tensorboard``).
         precision: "auto" (bf16 autocast on a GPU that supports it, else fp32), "fp32" or "bf16".
@@ -161,10 +109,6 @@ class RunConfig:
     device: str = "auto"
     seed: int | None = None
     threads: int = 0
-    gas: GASConfig = field(default_factory=GASConfig)
-    replay: ReplayConfig = field(default_factory=ReplayConfig)
-    pas: PASConfig = field(default_factory=PASConfig)
-    jascl: JasclComponents = field(default_factory=JasclComponents)
     method_args: dict = field(default_factory=dict)
     tensorboard: bool = False
     precision: str = "auto"
@@ -196,32 +140,15 @@ class RunConfig:
         if self.classifier not in ("cosine", "linear"):
             raise bad("classifier", f"must be 'cosine' or 'linear' (got {self.classifier!r})")
         if self.freeze_incremental not in FREEZE_POLICIES:
-            raise bad("freeze_incremental", f"must be one of {', '.join(FREEZE_POLICIES)} (got {self.freeze_incremental!r})")
+            raise bad(
+                "freeze_incremental", f"must be one of {', '.join(FREEZE_POLICIES)} (got {self.freeze_incremental!r})"
+            )
         if self.eval_mode not in EVAL_MODES:
             raise bad("eval_mode", f"must be one of {', '.join(EVAL_MODES)} (got {self.eval_mode!r})")
         if self.eval_mc_samples < 0:
             raise bad("eval_mc_samples", f"must be >= 0 (got {self.eval_mc_samples})")
         if not 0 <= self.sw_overlap < 1:
             raise bad("sw_overlap", f"must be in [0, 1) (got {self.sw_overlap})")
-        if self.gas.eps <= 0:
-            raise bad("gas.eps", f"must be > 0 (got {self.gas.eps})")
-        if self.gas.sigma2 < 0:
-            raise bad("gas.sigma2", f"must be >= 0 (got {self.gas.sigma2})")
-        if self.replay.reduction not in ("sum", "mean"):
-            raise bad("replay.reduction", f"must be 'sum' or 'mean' (got {self.replay.reduction!r})")
-        for key in ("tau_conf", "tau_sim"):
-            if not 0.0 <= getattr(self.pas, key) <= 1.0:
-                raise bad(f"pas.{key}", f"must be in [0, 1] (got {getattr(self.pas, key)})")
-        if not 0.0 <= self.pas.ema_decay < 1.0:
-            raise bad("pas.ema_decay", f"must be in [0, 1) (got {self.pas.ema_decay})")
-        if self.pas.max_anchors < 0:
-            raise bad("pas.max_anchors", f"must be >= 0 (0 = all; got {self.pas.max_anchors})")
-        if self.pas.anchors not in ("mean", "per-sample"):
-            raise bad("pas.anchors", f"must be 'mean' or 'per-sample' (got {self.pas.anchors!r})")
-        if self.pas.weight < 0 or self.pas.start_epoch < 0 or self.pas.every < 1:
-            raise bad("pas", f"weight >= 0, start_epoch >= 0 and every >= 1 are required (got {self.pas})")
-        if self.replay.weight < 0:
-            raise bad("replay.weight", f"must be >= 0 (got {self.replay.weight})")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise bad("seed", f"must be a non-negative integer or null (got {self.seed!r})")
         if self.threads < 0:
@@ -236,8 +163,9 @@ class RunConfig:
             raise bad("checkpoint_every", f"must be >= 0 epochs (got {self.checkpoint_every})")
         if self.checkpoint_steps < 0:
             raise bad("checkpoint_steps", f"must be >= 0 steps (got {self.checkpoint_steps})")
-        if self.patch_size is not None and (not isinstance(self.patch_size, list) or
-                                            not all(isinstance(v, int) and v > 0 for v in self.patch_size)):
+        if self.patch_size is not None and (
+            not isinstance(self.patch_size, list) or not all(isinstance(v, int) and v > 0 for v in self.patch_size)
+        ):
             raise bad("patch_size", f"must be a list of positive integers or null (got {self.patch_size!r})")
 
     def to_dict(self) -> dict:
@@ -247,44 +175,88 @@ class RunConfig:
 _NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
-def _coerce(value: Any, current: Any, key: str, source: str) -> Any:
+def _at(source: str | None) -> str:
+    """The message prefix naming where a value came from ("" when the key itself says it)."""
+    return f"{source}: " if source else ""
+
+
+def _coerce(value: Any, current: Any, key: str, source: str | None) -> Any:
     """Check ``value`` against the type of the default ``current``."""
     if current is None or value is None:
         return value
     if isinstance(current, bool):
         if not isinstance(value, bool):
-            raise ConfigError(f"{source}: {key}: must be true or false (got {value!r})")
+            raise ConfigError(f"{_at(source)}{key}: must be true or false (got {value!r})")
         return value
     if isinstance(current, (int, float)) and not isinstance(current, bool):
         if isinstance(value, str) and _NUMBER.match(value.strip()):
             value = float(value)  # YAML 1.1 reads "1e-6" (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{source}: {key}: must be a number (got {value!r})")
+            raise ConfigError(f"{_at(source)}{key}: must be a number (got {value!r})")
         if isinstance(current, int) and not isinstance(current, bool) and isinstance(value, float):
             if not value.is_integer():
-                raise ConfigError(f"{source}: {key}: must be an integer (got {value!r})")
+                raise ConfigError(f"{_at(source)}{key}: must be an integer (got {value!r})")
             value = int(value)
         return type(current)(value) if isinstance(current, float) else value
     if isinstance(current, str) and not isinstance(value, str):
-        raise ConfigError(f"{source}: {key}: must be a string (got {value!r})")
+        raise ConfigError(f"{_at(source)}{key}: must be a string (got {value!r})")
     if isinstance(current, dict) and not isinstance(value, Mapping):
-        raise ConfigError(f"{source}: {key}: must be a mapping (got {value!r})")
+        raise ConfigError(f"{_at(source)}{key}: must be a mapping (got {value!r})")
     if isinstance(current, list) and not isinstance(value, list):
-        raise ConfigError(f"{source}: {key}: must be a list (got {value!r})")
+        raise ConfigError(f"{_at(source)}{key}: must be a list (got {value!r})")
     return value
 
 
-def _apply(target: Any, updates: Mapping[str, Any], source: str, prefix: str = "") -> None:
+#: top-level sections of earlier versions, now options of the JASCL family: section -> key in method_args.jascl
+LEGACY_SECTIONS = {"gas": "gas", "replay": "replay", "pas": "pas", "jascl": "components"}
+
+
+def translate_legacy(updates: Mapping[str, Any]) -> dict:
+    """``updates`` with the sections of earlier versions (``gas``, ``replay``, ``pas``, ``jascl``) moved to
+    ``method_args.jascl.<gas|replay|pas|components>``, where JASCL's options live now."""
+    out = {k: v for k, v in updates.items() if k not in LEGACY_SECTIONS}
+    moved = {LEGACY_SECTIONS[k]: v for k, v in updates.items() if k in LEGACY_SECTIONS}
+    if moved:
+        method_args = dict(out.get("method_args") or {})
+        jascl = dict(method_args.get("jascl") or {})
+        for section, value in moved.items():
+            jascl[section] = _merge(jascl.get(section), value)
+        method_args["jascl"] = jascl
+        out["method_args"] = method_args
+    return out
+
+
+def _merge(base: Any, update: Any) -> Any:
+    """``update`` merged into ``base`` key by key where both are mappings, else ``update``."""
+    if isinstance(base, Mapping) and isinstance(update, Mapping):
+        merged = dict(base)
+        for key, value in update.items():
+            merged[key] = _merge(merged.get(key), value)
+        return merged
+    return update
+
+
+def apply_mapping(target: Any, updates: Mapping[str, Any], source: str | None, prefix: str = "") -> None:
+    """Set ``target``'s fields (a dataclass, nested ones included) from ``updates``, type-checked.
+
+    Raises:
+        ConfigError: one line naming the key (with ``prefix``) and ``source``: unknown key or wrong type.
+    """
     names = {f.name for f in dataclasses.fields(target)}
     for key, value in updates.items():
         full = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"{source}: {full}: unknown configuration key; valid keys: {', '.join(sorted(names))}")
+            raise ConfigError(f"{_at(source)}{full}: unknown configuration key; valid keys: {', '.join(sorted(names))}")
         current = getattr(target, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, Mapping):
-                raise ConfigError(f"{source}: {full}: must be a mapping of {', '.join(f.name for f in dataclasses.fields(current))}")
-            _apply(current, value, source, prefix=f"{full}.")
+                raise ConfigError(
+                    f"{_at(source)}{full}: must be a mapping of "
+                    f"{', '.join(f.name for f in dataclasses.fields(current))}"
+                )
+            apply_mapping(current, value, source, prefix=f"{full}.")
+        elif full == "method_args":  # merged key by key: the protocol's, a file's and --set's options all hold
+            setattr(target, key, _merge(current, _coerce(value, current, full, source)))
         else:
             setattr(target, key, _coerce(value, current, full, source))
 
@@ -298,7 +270,7 @@ def method_options(config: RunConfig, method: str, options: Any) -> Any:
     given = config.method_args.get(method) or {}
     if not isinstance(given, Mapping):
         raise ConfigError(f"method_args.{method}: must be a mapping of option: value (got {given!r})")
-    _apply(options, given, "config", prefix=f"method_args.{method}.")
+    apply_mapping(options, given, "config", prefix=f"method_args.{method}.")
     return options
 
 
@@ -323,12 +295,16 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
-def resolve_config(protocol_defaults: Mapping[str, Any] | None = None, protocol_source: str = "protocol",
-                   config_file: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+def resolve_config(
+    protocol_defaults: Mapping[str, Any] | None = None,
+    protocol_source: str = "protocol",
+    config_file: str | Path | None = None,
+    overrides: list[str] | None = None,
+) -> RunConfig:
     """Defaults < protocol ``training`` section < config file < ``--set`` overrides."""
     cfg = RunConfig()
     if protocol_defaults:
-        _apply(cfg, protocol_defaults, f"{protocol_source}: training")
+        apply_mapping(cfg, translate_legacy(protocol_defaults), f"{protocol_source}: training")
         cfg.validate(f"{protocol_source}: training")
     if config_file is not None:
         path = Path(config_file)
@@ -343,9 +319,9 @@ def resolve_config(protocol_defaults: Mapping[str, Any] | None = None, protocol_
             raise ConfigError(f"{path}:{where} not valid YAML ({problem})") from None
         if not isinstance(data, Mapping):
             raise ConfigError(f"{path}: must contain a mapping of configuration keys")
-        _apply(cfg, data, path.name)
+        apply_mapping(cfg, translate_legacy(data), path.name)
         cfg.validate(path.name)
     if overrides:
-        _apply(cfg, parse_overrides(overrides), "--set")
+        apply_mapping(cfg, translate_legacy(parse_overrides(overrides)), "--set")
     cfg.validate("--set" if overrides else "config")
     return cfg

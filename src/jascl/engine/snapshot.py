@@ -120,14 +120,22 @@ def capture(value: Any) -> Any:
     if isinstance(value, np.random.RandomState):
         return {"random_state": list(value.get_state())}
     if isinstance(value, Randomizable):
-        return {"monai": [list(t.R.get_state()) if isinstance(getattr(t, "R", None), np.random.RandomState) else None
-                          for t in _randomizables(value)]}
+        return {
+            "monai": [
+                list(t.R.get_state()) if isinstance(getattr(t, "R", None), np.random.RandomState) else None
+                for t in _randomizables(value)
+            ]
+        }
     if isinstance(value, BatchStream):
         return {"stream": value.state_dict()}
     if isinstance(value, DataLoader):
         sampler = value.batch_sampler
-        return {"loader": {"generator": value.generator.get_state() if value.generator is not None else None,
-                           "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None}}
+        return {
+            "loader": {
+                "generator": value.generator.get_state() if value.generator is not None else None,
+                "sampler": getattr(sampler, "state_dict", lambda: None)(),
+            }
+        }
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: capture(getattr(value, f.name)) for f in dataclasses.fields(value)}
         return {"dataclass": {k: v for k, v in fields.items() if v is not SKIP}}
@@ -184,11 +192,11 @@ def restore(current: Any, snap: Any) -> Any:
             setattr(current, name, restore(getattr(current, name), value))
         return current
     if kind == "dict":
-        old = current if isinstance(current, dict) else {}
-        return {k: restore(old.get(k), v) for k, v in data}
+        before = current if isinstance(current, dict) else {}
+        return {k: restore(before.get(k), v) for k, v in data}
     if kind in ("list", "tuple"):
-        old = list(current) if isinstance(current, (list, tuple)) else []
-        items = [restore(old[i] if i < len(old) else None, v) for i, v in enumerate(data)]
+        earlier = list(current) if isinstance(current, (list, tuple)) else []
+        items = [restore(earlier[i] if i < len(earlier) else None, v) for i, v in enumerate(data)]
         return items if kind == "list" else tuple(items)
     raise ValueError(f"unknown snapshot entry {kind!r}")
 

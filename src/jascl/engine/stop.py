@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 from jascl.errors import JasclError
 
@@ -62,7 +62,7 @@ class StopRequest:
         self.signum = None
 
     @contextlib.contextmanager
-    def installed(self, signals: tuple[str, ...] = SIGNALS) -> Iterator["StopRequest"]:
+    def installed(self, signals: tuple[str, ...] = SIGNALS) -> Iterator[StopRequest]:
         """Handle ``signals`` by recording them while the block runs (main thread only; else a no-op)."""
         self.clear()
         if threading.current_thread() is not threading.main_thread():

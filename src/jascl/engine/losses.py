@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from monai.losses import DiceCELoss, MaskedDiceLoss
 from torch import nn
 
-IGNORE_INDEX = 255
+from jascl.protocols.schema import IGNORE_INDEX
 
 
 class SegmentationLoss(nn.Module):

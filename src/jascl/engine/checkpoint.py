@@ -13,8 +13,10 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from jascl.engine.config import RunConfig
 from jascl.errors import CheckpointError
-from jascl.networks.base import Segmenter
+from jascl.networks.base import Segmenter, create_segmenter
+from jascl.protocols.schema import Protocol
 
 
 def save_model(model: Segmenter, path: str | Path, meta: dict) -> None:
@@ -32,7 +34,9 @@ def read_meta(path: str | Path) -> dict:
         with safe_open(str(path), framework="pt") as f:
             return json.loads((f.metadata() or {}).get("jascl", "{}"))
     except Exception as exc:  # corrupt or not safetensors
-        raise CheckpointError(f"{path}: not a readable jascl checkpoint ({exc}); delete it to recompute the session") from None
+        raise CheckpointError(
+            f"{path}: not a readable jascl checkpoint ({exc}); delete it to recompute the session"
+        ) from None
 
 
 def check_meta(path: str | Path, meta: dict, expect: dict | None) -> None:
@@ -40,8 +44,10 @@ def check_meta(path: str | Path, meta: dict, expect: dict | None) -> None:
     wanted_meta = json.loads(json.dumps(expect or {}))  # as stored: tuples become lists
     for key, wanted in wanted_meta.items():
         if key in meta and meta[key] != wanted:
-            raise CheckpointError(f"{path}: made for {key} {meta[key]!r}, but this run has {key} {wanted!r}; "
-                                  "use a new --out, or run with the settings the checkpoint was made with")
+            raise CheckpointError(
+                f"{path}: made for {key} {meta[key]!r}, but this run has {key} {wanted!r}; "
+                "use a new --out, or run with the settings the checkpoint was made with"
+            )
 
 
 def load_model(model: Segmenter, path: str | Path, expect: dict | None = None) -> dict:
@@ -54,15 +60,50 @@ def load_model(model: Segmenter, path: str | Path, expect: dict | None = None) -
     with safe_open(str(path), framework="pt") as f:
         state = {k: f.get_tensor(k) for k in f.keys()}
     own = model.state_dict()
-    mismatched = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
-                  for k, v in state.items() if k in own and own[k].shape != v.shape]
+    mismatched = [
+        f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+        for k, v in state.items()
+        if k in own and own[k].shape != v.shape
+    ]
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     if mismatched or missing or unexpected:
-        detail = "; ".join(mismatched[:3] + [f"missing {m}" for m in missing[:3]] + [f"unexpected {u}" for u in unexpected[:3]])
+        detail = "; ".join(
+            mismatched[:3] + [f"missing {m}" for m in missing[:3]] + [f"unexpected {u}" for u in unexpected[:3]]
+        )
         raise CheckpointError(f"{path}: does not fit the model ({detail}); check --backbone/--set backbone_args")
     model.load_state_dict(state)
     return meta
+
+
+def session_meta(protocol: Protocol, config: RunConfig, session: int) -> dict:
+    """What a session-``session`` model checkpoint of a run must match to be loaded (protocol, backbone, classes)."""
+    return {
+        "protocol": protocol.name,
+        "backbone": config.backbone,
+        "backbone_args": config.backbone_args,
+        "classifier": config.classifier,
+        "seen": list(protocol.seen_classes(session)),
+    }
+
+
+def read_session_model(folder: str | Path, protocol: Protocol, config: RunConfig, session: int) -> Segmenter:
+    """The model a finished session saved in ``folder``, built from the run's protocol and configuration.
+
+    A checkpoint reader for whoever needs a trained model without training (reports, your own analysis):
+    the model is on the CPU in eval mode; a checkpoint that does not fit is a one-line :class:`CheckpointError`.
+    """
+    model = create_segmenter(
+        config.backbone,
+        protocol.spatial_dims,
+        protocol.in_channels,
+        len(protocol.seen_classes(session)),
+        cosine=config.classifier == "cosine",
+        temperature=config.temperature,
+        **config.backbone_args,
+    )
+    load_model(model, Path(folder) / "model.safetensors", session_meta(protocol, config, session))
+    return model.eval()
 
 
 def save_tensors(tensors: dict, path: str | Path) -> None:
@@ -81,7 +122,9 @@ def load_tensors(path: str | Path) -> dict:
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
     except Exception as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); delete it to recompute the session") from None
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({exc}); delete it to recompute the session"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------------------ in-session progress
@@ -92,23 +135,26 @@ PROGRESS_FORMAT = "jascl-progress-v1"
 def save_progress(path: str | Path, meta: dict, payload: dict) -> None:
     """Write an in-session checkpoint atomically: ``payload`` (nested data with tensors) as one safetensors file.
 
-    The structure goes to the file's metadata as JSON (:func:`jascl.training.snapshot.pack`),
+    The structure goes to the file's metadata as JSON (:func:`jascl.engine.snapshot.pack`),
     the tensors to its body; nothing is pickled.
     """
-    from jascl.training.snapshot import pack
+    from jascl.engine.snapshot import pack
 
     path = Path(path)
     tensors: dict = {}
     skeleton = pack(payload, "p", tensors)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": PROGRESS_FORMAT, "jascl": json.dumps(meta),
-                                           "payload": json.dumps(skeleton)})
+    save_file(
+        tensors,
+        str(tmp),
+        metadata={"format": PROGRESS_FORMAT, "jascl": json.dumps(meta), "payload": json.dumps(skeleton)},
+    )
     os.replace(tmp, path)
 
 
 def load_progress(path: str | Path, expect: dict | None = None) -> tuple[dict, dict]:
     """(metadata, payload) of an in-session checkpoint written by :func:`save_progress`."""
-    from jascl.training.snapshot import unpack
+    from jascl.engine.snapshot import unpack
 
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -119,7 +165,9 @@ def load_progress(path: str | Path, expect: dict | None = None) -> tuple[dict, d
         meta = json.loads(header["jascl"])
         payload = unpack(json.loads(header["payload"]), tensors)
     except Exception as exc:
-        raise CheckpointError(f"{path}: not a readable jascl progress checkpoint ({exc}); delete it to restart "
-                              "this session from its beginning") from None
+        raise CheckpointError(
+            f"{path}: not a readable jascl progress checkpoint ({exc}); delete it to restart "
+            "this session from its beginning"
+        ) from None
     check_meta(path, meta, expect)
     return meta, payload

@@ -1,17 +1,28 @@
 """Plugins on the training loop's named events, and methods as lists of plugins.
 
-The trainer (``jascl.training.trainer``) fires these events, in this order,
+The trainer (``jascl.engine.loop``) fires these events, in this order,
 for every session::
 
-    before_session
+    setup_model      (the classifier grows to the session's classes)
+    before_session   (after the freezing policy is applied)
       before_epoch   (an epoch runs max(len(labelled loader), any plugin's epoch_iterations) steps,
                       cycling the labelled loader; resume_epoch instead for an epoch resumed inside)
         before_iteration -> after_forward (add loss terms) -> before_backward
         -> after_backward -> before_update -> after_update
       after_epoch
-    after_training -> (prototypes computed) -> before_eval
-      before_eval_split (once per test split, ``state.eval_session`` = its session)
-    after_eval -> (checkpoint saved) -> after_session
+    after_training
+    before_eval      (the session's prototypes are stored first)
+    evaluate         (before_eval_split once per test split, ``state.eval_session`` = its session)
+    after_eval -> after_session
+    save_session     (the session's checkpoint and metrics are written)
+
+What the loop does for every method is itself done by *default plugins*
+(:mod:`jascl.engine.defaults`), fired before the method's own on each event: the
+supervised loss ("supervised-loss"), classifier growth with prototype imprinting
+("classifier-growth"), the prototype store ("prototypes"), evaluation
+("evaluation") and the session checkpoint ("checkpoint"). A method that needs
+another policy lists the default's name in :attr:`Plugin.replaces` and does the
+work itself, instead of undoing what the default did.
 
 A session that is *reused* instead of trained (the shared base model, or a
 finished session of an interrupted run) fires ``session_restored`` instead,
@@ -22,14 +33,15 @@ there too.
 Besides events, a plugin may override the freezing policy of incremental
 sessions (``freeze_incremental``), supply the optimiser (:meth:`Plugin.make_optimizer`),
 re-evaluate the loss of the current batch (``state.closure``, for sharpness-aware
-updates), and keep tensors across sessions that are saved with each session's
+updates), add entries to the session's record (``state.report``, e.g. pseudo-label
+statistics), and keep tensors across sessions that are saved with each session's
 checkpoint (:meth:`Plugin.extra_state` / :meth:`Plugin.load_extra_state`).
 
 Within a session, the trainer checkpoints every plugin's mutable state at epoch
 ends, and with ``checkpoint_steps`` also inside epochs (:meth:`Plugin.state_dict`),
 so that a killed run resumes exactly where it stopped. The default captures every
 data-like attribute (tensors, modules, counters, random generators, loaders' and
-batch streams' positions; :mod:`jascl.training.snapshot`); a plugin whose state
+batch streams' positions; :mod:`jascl.engine.snapshot`); a plugin whose state
 lives elsewhere overrides the pair. A session resumed *inside* an epoch fires
 ``resume_epoch`` instead of that epoch's ``before_epoch``: what ``before_epoch``
 set up (prototypes, a batch stream's position) comes back from the checkpoint.
@@ -45,21 +57,33 @@ are logged separately and summed by the loop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
-
-
-from jascl.registry import Registry
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-    from jascl.training.state import LoopState
-    from jascl.training.config import RunConfig
+    from jascl.engine.state import LoopState
 
 EVENTS = (
-    "before_session", "before_epoch", "resume_epoch", "before_iteration", "after_forward", "before_backward", "after_backward",
-    "before_update", "after_update", "after_epoch", "after_training", "before_eval", "before_eval_split",
-    "after_eval", "after_session", "session_restored",
+    "setup_model",
+    "before_session",
+    "before_epoch",
+    "resume_epoch",
+    "before_iteration",
+    "after_forward",
+    "before_backward",
+    "after_backward",
+    "before_update",
+    "after_update",
+    "after_epoch",
+    "after_training",
+    "before_eval",
+    "evaluate",
+    "before_eval_split",
+    "after_eval",
+    "after_session",
+    "save_session",
+    "session_restored",
 )
 
 
@@ -74,9 +98,13 @@ class Plugin:
             needs ("all_but_classifier" or "none"); None = the run configuration's.
         loss_terms: the ``state.losses`` keys the plugin adds (checked non-zero by
             the registry test in the incremental session).
+        replaces: names of the loop's default plugins (:mod:`jascl.engine.defaults`) this
+            plugin does the work of, e.g. ``("supervised-loss",)`` for a method with its own
+            segmentation loss; those defaults are then not fired.
     """
 
     name = "plugin"
+    replaces: tuple[str, ...] = ()
     changes_base_session = False
     freeze_incremental: str | None = None
     #: keys this plugin adds to ``state.losses`` (non-zero in incremental sessions)
@@ -94,52 +122,55 @@ class Plugin:
             return self.mid_epoch_resume
         return type(self).before_epoch is Plugin.before_epoch
 
-    def make_optimizer(self, state: "LoopState", params: list, lr: float) -> "torch.optim.Optimizer | None":
+    def make_optimizer(self, state: LoopState, params: list, lr: float) -> torch.optim.Optimizer | None:
         """The optimiser of the coming session (None = the loop's SGD from the run configuration)."""
         return None
 
-    def extra_state(self) -> dict[str, "torch.Tensor"]:
+    def extra_state(self) -> dict[str, torch.Tensor]:
         """Tensors to save with the session checkpoint (restored by :meth:`load_extra_state`)."""
         return {}
 
-    def load_extra_state(self, tensors: dict[str, "torch.Tensor"]) -> None:
+    def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore what :meth:`extra_state` returned, when a saved session is reused."""
 
     def state_dict(self) -> dict:
         """In-session state for a resumable checkpoint (default: every data-like attribute)."""
-        from jascl.training.snapshot import capture_object
+        from jascl.engine.snapshot import capture_object
 
         return capture_object(self, exclude=self.snapshot_exclude)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` into a plugin whose session was set up again (``before_session`` ran)."""
-        from jascl.training.snapshot import restore_object
+        from jascl.engine.snapshot import restore_object
 
         restore_object(self, state)
 
-    def epoch_iterations(self, state: "LoopState") -> int | None:
+    def epoch_iterations(self, state: LoopState) -> int | None:
         """Iterations the plugin needs in the coming epoch (None = the labelled loader's length)."""
         return None
 
-    def before_session(self, state: "LoopState") -> None: ...
-    def before_epoch(self, state: "LoopState") -> None: ...
+    def setup_model(self, state: LoopState) -> None: ...
+    def before_session(self, state: LoopState) -> None: ...
+    def before_epoch(self, state: LoopState) -> None: ...
 
-    def resume_epoch(self, state: "LoopState") -> None:
+    def resume_epoch(self, state: LoopState) -> None:
         """Fired instead of ``before_epoch`` for the epoch a session resumes inside, after :meth:`load_state_dict`."""
 
-    def before_iteration(self, state: "LoopState") -> None: ...
-    def after_forward(self, state: "LoopState") -> None: ...
-    def before_backward(self, state: "LoopState") -> None: ...
-    def after_backward(self, state: "LoopState") -> None: ...
-    def before_update(self, state: "LoopState") -> None: ...
-    def after_update(self, state: "LoopState") -> None: ...
-    def after_epoch(self, state: "LoopState") -> None: ...
-    def after_training(self, state: "LoopState") -> None: ...
-    def before_eval(self, state: "LoopState") -> None: ...
-    def before_eval_split(self, state: "LoopState") -> None: ...
-    def after_eval(self, state: "LoopState") -> None: ...
-    def after_session(self, state: "LoopState") -> None: ...
-    def session_restored(self, state: "LoopState") -> None: ...
+    def before_iteration(self, state: LoopState) -> None: ...
+    def after_forward(self, state: LoopState) -> None: ...
+    def before_backward(self, state: LoopState) -> None: ...
+    def after_backward(self, state: LoopState) -> None: ...
+    def before_update(self, state: LoopState) -> None: ...
+    def after_update(self, state: LoopState) -> None: ...
+    def after_epoch(self, state: LoopState) -> None: ...
+    def after_training(self, state: LoopState) -> None: ...
+    def before_eval(self, state: LoopState) -> None: ...
+    def before_eval_split(self, state: LoopState) -> None: ...
+    def evaluate(self, state: LoopState) -> None: ...
+    def after_eval(self, state: LoopState) -> None: ...
+    def after_session(self, state: LoopState) -> None: ...
+    def save_session(self, state: LoopState) -> None: ...
+    def session_restored(self, state: LoopState) -> None: ...
 
 
 @dataclass
@@ -154,7 +185,7 @@ class Method:
     def changes_base_session(self) -> bool:
         return any(p.changes_base_session for p in self.plugins)
 
-    def epoch_iterations(self, state: "LoopState") -> int:
+    def epoch_iterations(self, state: LoopState) -> int:
         """The largest number of iterations any plugin asks for in the coming epoch (0 = none)."""
         return max([p.epoch_iterations(state) or 0 for p in self.plugins], default=0)
 
@@ -169,13 +200,13 @@ class Method:
             raise ValueError(f"method {self.name!r}: plugins need different freezing policies {sorted(wanted)}")
         return wanted.pop() if wanted else default
 
-    def make_optimizer(self, state: "LoopState", params: list, lr: float) -> "torch.optim.Optimizer | None":
+    def make_optimizer(self, state: LoopState, params: list, lr: float) -> torch.optim.Optimizer | None:
         made = [o for o in (p.make_optimizer(state, params, lr) for p in self.plugins) if o is not None]
         if len(made) > 1:
             raise ValueError(f"method {self.name!r}: more than one plugin supplies the optimiser")
         return made[0] if made else None
 
-    def extra_state(self) -> dict[str, "torch.Tensor"]:
+    def extra_state(self) -> dict[str, torch.Tensor]:
         """Every plugin's extra state, keys prefixed ``<index>.<plugin name>.``."""
         out = {}
         for i, plugin in enumerate(self.plugins):
@@ -183,10 +214,10 @@ class Method:
                 out[f"{i}.{plugin.name}.{key}"] = value
         return out
 
-    def load_extra_state(self, tensors: dict[str, "torch.Tensor"]) -> None:
+    def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
         for i, plugin in enumerate(self.plugins):
             prefix = f"{i}.{plugin.name}."
-            own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            own = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
             if own:
                 plugin.load_extra_state(own)
 
@@ -200,11 +231,32 @@ class Method:
             if key in state:
                 plugin.load_state_dict(state[key])
 
-    def fire(self, event: str, state: "LoopState") -> None:
+    def with_plugins(self, extra: list[Plugin]) -> Method:
+        """A copy of this method with ``extra`` plugins after its own (this one is left as it is)."""
+        return Method(self.name, [*self.plugins, *extra], self.description)
+
+    def compose(self, defaults: list[Plugin]) -> list[Plugin]:
+        """The plugins a trainer fires, in order: the defaults no plugin replaces, then this method's.
+
+        Raises:
+            ValueError: a plugin replaces a default that does not exist, or two plugins replace the same one.
+        """
+        known = {d.name for d in defaults}
+        replaced: dict[str, str] = {}
+        for plugin in self.plugins:
+            for name in plugin.replaces:
+                if name not in known:
+                    raise ValueError(
+                        f"method {self.name!r}: plugin {plugin.name!r} replaces {name!r}, which is not "
+                        f"a default plugin (defaults: {', '.join(sorted(known))})"
+                    )
+                if name in replaced:
+                    raise ValueError(
+                        f"method {self.name!r}: plugins {replaced[name]!r} and {plugin.name!r} both replace {name!r}"
+                    )
+                replaced[name] = plugin.name
+        return [d for d in defaults if d.name not in replaced] + list(self.plugins)
+
+    def fire(self, event: str, state: LoopState) -> None:
         for plugin in self.plugins:
             getattr(plugin, event)(state)
-
-
-#: Method factories take the resolved run configuration.
-METHODS: Registry[Method] = Registry("method")
-MethodFactory = Callable[["RunConfig"], Method]

@@ -22,8 +22,6 @@ from safetensors.torch import load_file, save_file
 
 from jascl.errors import CheckpointError
 
-IGNORE_INDEX = 255
-
 
 def align_labels(labels: torch.Tensor, spatial: torch.Size) -> torch.Tensor:
     """Nearest-neighbour resize of (B, *spatial) labels to a feature map's spatial size."""
@@ -32,8 +30,9 @@ def align_labels(labels: torch.Tensor, spatial: torch.Size) -> torch.Tensor:
     return F.interpolate(labels[:, None].float(), size=spatial, mode="nearest")[:, 0].long()
 
 
-def per_sample_prototypes(features: torch.Tensor, labels: torch.Tensor, classes: list[int],
-                          normalize_pixels: bool = False) -> dict[int, list[torch.Tensor]]:
+def per_sample_prototypes(
+    features: torch.Tensor, labels: torch.Tensor, classes: list[int], normalize_pixels: bool = False
+) -> dict[int, list[torch.Tensor]]:
     """Per-sample normalised prototypes p_c^(i)/|p_c^(i)| (the summands of eq. 2).
 
     Args:
@@ -62,11 +61,15 @@ def per_sample_prototypes(features: torch.Tensor, labels: torch.Tensor, classes:
     return out
 
 
-def class_prototypes(features: torch.Tensor, labels: torch.Tensor, classes: list[int],
-                     normalize_pixels: bool = False) -> dict[int, torch.Tensor]:
+def class_prototypes(
+    features: torch.Tensor, labels: torch.Tensor, classes: list[int], normalize_pixels: bool = False
+) -> dict[int, torch.Tensor]:
     """Eq. 2 on one batch: P_c = mean over samples containing c of the normalised per-sample means."""
-    return {c: torch.stack(v).mean(0)
-            for c, v in per_sample_prototypes(features, labels, classes, normalize_pixels).items() if v}
+    return {
+        c: torch.stack(v).mean(0)
+        for c, v in per_sample_prototypes(features, labels, classes, normalize_pixels).items()
+        if v
+    }
 
 
 class PrototypeAccumulator:
@@ -131,7 +134,7 @@ class PrototypeStore:
         for c, p in prototypes.items():
             self.entries[(session, int(c))] = p.detach().float().cpu()
 
-    def before(self, session: int) -> "PrototypeStore":
+    def before(self, session: int) -> PrototypeStore:
         """Entries from sessions strictly earlier than ``session``."""
         return PrototypeStore({k: v for k, v in self.entries.items() if k[0] < session})
 
@@ -154,16 +157,21 @@ class PrototypeStore:
         """Atomic safetensors write; keys are ``s<session>.c<class>``."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        save_file({f"s{s}.c{c}": v.contiguous() for (s, c), v in self.entries.items()}, str(tmp),
-                  metadata={"format": "jascl-prototypes-v1"})
+        save_file(
+            {f"s{s}.c{c}": v.contiguous() for (s, c), v in self.entries.items()},
+            str(tmp),
+            metadata={"format": "jascl-prototypes-v1"},
+        )
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str | Path) -> "PrototypeStore":
+    def load(cls, path: str | Path) -> PrototypeStore:
         try:
             raw = load_file(str(path))
         except Exception as exc:  # safetensors raises several error types for bad files
-            raise CheckpointError(f"{path}: cannot read prototypes ({exc}); delete the file and rerun the session") from None
+            raise CheckpointError(
+                f"{path}: cannot read prototypes ({exc}); delete the file and rerun the session"
+            ) from None
         entries = {}
         for key, value in raw.items():
             s, c = key.split(".")

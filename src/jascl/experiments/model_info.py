@@ -94,8 +94,14 @@ def _bytes(tensors) -> int:
     return total
 
 
-def _train_step(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, with_jascl: bool, num_prototypes: int,
-                saved: dict[int, int] | None) -> None:
+def _train_step(
+    model: nn.Module,
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    with_jascl: bool,
+    num_prototypes: int,
+    saved: dict[int, int] | None,
+) -> None:
     """Forward + backward + SGD step; records saved-tensor bytes into ``saved`` when given."""
     from jascl.methods.gas import record_sq_grad
     from jascl.methods.replay import prototype_replay_loss
@@ -110,7 +116,9 @@ def _train_step(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, with_ja
             saved[key] = t.untyped_storage().nbytes()
         return t
 
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if saved is not None else contextlib.nullcontext()
+    hooks = (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if saved is not None else contextlib.nullcontext()
+    )
     with hooks:
         out = model.forward_features(x)
         loss = F.cross_entropy(out.logits, labels)
@@ -126,8 +134,9 @@ def _train_step(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, with_ja
     optimizer.step()
 
 
-def _estimate_memory(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, with_jascl: bool,
-                     num_prototypes: int) -> int:
+def _estimate_memory(
+    model: nn.Module, x: torch.Tensor, labels: torch.Tensor, with_jascl: bool, num_prototypes: int
+) -> int:
     saved: dict[int, int] = {}
     _train_step(model, x, labels, with_jascl, num_prototypes, saved)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -137,8 +146,9 @@ def _estimate_memory(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, wi
     return params + grads_and_momentum + buffers + sum(saved.values()) + x.nbytes + labels.nbytes
 
 
-def _measure_cuda_memory(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, with_jascl: bool,
-                         num_prototypes: int) -> int:
+def _measure_cuda_memory(
+    model: nn.Module, x: torch.Tensor, labels: torch.Tensor, with_jascl: bool, num_prototypes: int
+) -> int:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     _train_step(model, x, labels, with_jascl, num_prototypes, None)
@@ -146,10 +156,18 @@ def _measure_cuda_memory(model: nn.Module, x: torch.Tensor, labels: torch.Tensor
     return int(torch.cuda.max_memory_allocated())
 
 
-def model_info(name: str, spatial_dims: int | None = None, in_channels: int | None = None,
-               num_classes: int | None = None, spatial_size: tuple[int, ...] | None = None,
-               backbone_args: dict | None = None, with_jascl: bool = False, batch_size: int = 2,
-               num_prototypes: int = 40, device: str | None = None) -> dict:
+def model_info(
+    name: str,
+    spatial_dims: int | None = None,
+    in_channels: int | None = None,
+    num_classes: int | None = None,
+    spatial_size: tuple[int, ...] | None = None,
+    backbone_args: dict | None = None,
+    with_jascl: bool = False,
+    batch_size: int = 2,
+    num_prototypes: int = 40,
+    device: str | None = None,
+) -> dict:
     """Parameters, FLOPs per forward and training-step memory of a registered backbone + classifier.
 
     Args:
@@ -184,11 +202,14 @@ def model_info(name: str, spatial_dims: int | None = None, in_channels: int | No
         spatial_size = d.spatial_size if len(d.spatial_size) == spatial_dims else (d.spatial_size[-1],) * spatial_dims
     spatial_size = tuple(int(s) for s in spatial_size)
     if len(spatial_size) != spatial_dims:
-        raise ConfigError(f"spatial_size={list(spatial_size)} has {len(spatial_size)} entries, spatial_dims={spatial_dims}")
+        raise ConfigError(
+            f"spatial_size={list(spatial_size)} has {len(spatial_size)} entries, spatial_dims={spatial_dims}"
+        )
     device = device or ("cuda" if torch.cuda.is_available() else "meta")
 
-    model = create_segmenter(name, spatial_dims=spatial_dims, in_channels=in_channels, num_classes=num_classes,
-                             **backbone_args)
+    model = create_segmenter(
+        name, spatial_dims=spatial_dims, in_channels=in_channels, num_classes=num_classes, **backbone_args
+    )
     model.backbone.check_input_size(spatial_size, "spatial_size")
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -211,10 +232,22 @@ def model_info(name: str, spatial_dims: int | None = None, in_channels: int | No
         method = "measured (cuda max_memory_allocated)"
     else:
         raise ConfigError(f"device={device!r}: model-info runs on 'cuda' (measured) or 'meta' (estimated)")
-    return {"name": name, "spatial_dims": spatial_dims, "in_channels": in_channels, "num_classes": num_classes,
-            "spatial_size": list(spatial_size), "batch_size": batch_size, "with_jascl": with_jascl,
-            "params_m": params / 1e6, "trainable_params_m": trainable / 1e6, "gflops": flops / 1e9,
-            "gmacs": flops / 2e9, "train_memory_mib": memory / 2**20, "memory_method": method, "device": device}
+    return {
+        "name": name,
+        "spatial_dims": spatial_dims,
+        "in_channels": in_channels,
+        "num_classes": num_classes,
+        "spatial_size": list(spatial_size),
+        "batch_size": batch_size,
+        "with_jascl": with_jascl,
+        "params_m": params / 1e6,
+        "trainable_params_m": trainable / 1e6,
+        "gflops": flops / 1e9,
+        "gmacs": flops / 2e9,
+        "train_memory_mib": memory / 2**20,
+        "memory_method": method,
+        "device": device,
+    }
 
 
 def _parse_size(text: str | None, spatial_dims: int | None) -> tuple[int, ...] | None:
@@ -239,7 +272,7 @@ def _parse_backbone_args(text: str | None) -> dict | None:
     except yaml.YAMLError as exc:
         raise ConfigError(f"--backbone-args: not valid YAML ({str(exc).splitlines()[0]})") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"--backbone-args {text!r}: expected a mapping such as \"{{feature_size: 24}}\"")
+        raise ConfigError(f'--backbone-args {text!r}: expected a mapping such as "{{feature_size: 24}}"')
     return value
 
 
@@ -255,25 +288,47 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     rows = []
     for name in names:
         dims = args.spatial_dims or defaults_for(name).spatial_dims
-        common = dict(spatial_dims=args.spatial_dims, in_channels=args.in_channels, num_classes=args.num_classes,
-                      spatial_size=_parse_size(args.spatial_size, dims), backbone_args=backbone_args,
-                      batch_size=args.batch_size, device=args.device)
+        common = dict(
+            spatial_dims=args.spatial_dims,
+            in_channels=args.in_channels,
+            num_classes=args.num_classes,
+            spatial_size=_parse_size(args.spatial_size, dims),
+            backbone_args=backbone_args,
+            batch_size=args.batch_size,
+            device=args.device,
+        )
         rows.append((model_info(name, with_jascl=False, **common), model_info(name, with_jascl=True, **common)))
     console = Console(width=None if sys.stdout.isatty() else 170)  # keep the table readable in logs
     if args.json:
         console.print_json(json.dumps([{"without_jascl": a, "with_jascl": b} for a, b in rows]))
         return 0
     table = Table(title=f"model-info (batch {args.batch_size} for memory; FLOPs per image = 2 x MACs)")
-    for col in ("backbone", "input", "params (M)", "trainable (M)", "GFLOPs", "GFLOPs +JASCL",
-                "train mem (MiB)", "mem +JASCL (MiB)", "mem overhead"):
+    for col in (
+        "backbone",
+        "input",
+        "params (M)",
+        "trainable (M)",
+        "GFLOPs",
+        "GFLOPs +JASCL",
+        "train mem (MiB)",
+        "mem +JASCL (MiB)",
+        "mem overhead",
+    ):
         table.add_column(col, justify="left" if col in ("backbone", "input") else "right")
     for a, b in rows:
         size = "x".join(map(str, a["spatial_size"]))
         overhead = b["train_memory_mib"] - a["train_memory_mib"]
-        table.add_row(a["name"], f"{a['in_channels']}x{size} ({a['spatial_dims']}D, K={a['num_classes']})",
-                      f"{a['params_m']:.2f}", f"{a['trainable_params_m']:.2f}", f"{a['gflops']:.1f}",
-                      f"{b['gflops']:.1f}", f"{a['train_memory_mib']:.0f}", f"{b['train_memory_mib']:.0f}",
-                      f"+{overhead:.2f} MiB ({100 * overhead / a['train_memory_mib']:.3f}%)")
+        table.add_row(
+            a["name"],
+            f"{a['in_channels']}x{size} ({a['spatial_dims']}D, K={a['num_classes']})",
+            f"{a['params_m']:.2f}",
+            f"{a['trainable_params_m']:.2f}",
+            f"{a['gflops']:.1f}",
+            f"{b['gflops']:.1f}",
+            f"{a['train_memory_mib']:.0f}",
+            f"{b['train_memory_mib']:.0f}",
+            f"+{overhead:.2f} MiB ({100 * overhead / a['train_memory_mib']:.3f}%)",
+        )
     console.print(table)
     console.print(f"memory: {rows[0][0]['memory_method']} on {rows[0][0]['device']}")
     return 0

@@ -27,14 +27,16 @@ import io
 import math
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
+from jascl.data.sessions import load_sessions
+from jascl.engine.config import resolve_config
 from jascl.errors import ConfigError
+from jascl.experiments.runner import ensure_base, run_benchmark
+from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import Protocol
-from jascl.results.report import atomic_write_text, md_table, write_json
-from jascl.training.config import resolve_config
-from jascl.training.runner import ensure_base, load_data, run_benchmark
+from jascl.results.report import md_table, write_json
 
 GRIDS: dict[str, list[dict[str, object]]] = {
     "eps": [{"gas.eps": v} for v in (1e-6, 1e-7, 1e-8, 1e-9)],
@@ -60,9 +62,17 @@ def _mean(values: Sequence[float]) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def run_sweep(protocol: Protocol, grids: Sequence[str], out: str | Path, method: str = "jascl",
-              config_file: str | Path | None = None, overrides: Sequence[str] = (),
-              cache_dir: str | Path | None = None, progress: bool = True, echo=print) -> list[dict]:
+def run_sweep(
+    protocol: Protocol,
+    grids: Sequence[str],
+    out: str | Path,
+    method: str = "jascl",
+    config_file: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    echo=print,
+) -> list[dict]:
     """Run every point of ``grids`` for ``method`` and write the sweep table; returns its rows."""
     unknown = [g for g in grids if g not in GRIDS]
     if unknown or not grids:
@@ -70,7 +80,7 @@ def run_sweep(protocol: Protocol, grids: Sequence[str], out: str | Path, method:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     base_config = resolve_config(protocol.training, protocol.path, config_file, list(overrides))
-    ensure_base(protocol, base_config, load_data(protocol, cache_dir, echo), out / "base", progress, echo)
+    ensure_base(protocol, base_config, load_sessions(protocol, cache_dir, echo), out / "base", progress, echo)
     rows = []
     for grid in grids:
         for point in GRIDS[grid]:
@@ -91,17 +101,24 @@ def run_sweep(protocol: Protocol, grids: Sequence[str], out: str | Path, method:
                 except OSError:  # file systems without symlinks
                     shutil.copytree(out / "base", link)
             echo(f"[sweep] {grid}: {_point_name(point)}")
-            results = run_benchmark(point_protocol, config, [method], folder, cache_dir=cache_dir,
-                                    progress=progress, echo=echo)
+            results = run_benchmark(
+                point_protocol, config, [method], folder, cache_dir=cache_dir, progress=progress, echo=echo
+            )
             m = results["methods"][method]
             sessions = m["sessions"]
             pls = [s["pseudo_labels"] for s in sessions if "pseudo_labels" in s]
-            rows.append({
-                "grid": grid, "point": _point_name(point), **{k: v for k, v in point.items()},
-                "last_all": sessions[-1]["all"], "last_base": sessions[-1]["base"], "total_drop": m["total_drop"],
-                "retention_pct": 100 * _mean([p["coverage"] for p in pls]) if pls else math.nan,
-                "precision": _mean([p["precision"] for p in pls]) if pls else math.nan,
-            })
+            rows.append(
+                {
+                    "grid": grid,
+                    "point": _point_name(point),
+                    **{k: v for k, v in point.items()},
+                    "last_all": sessions[-1]["all"],
+                    "last_base": sessions[-1]["base"],
+                    "total_drop": m["total_drop"],
+                    "retention_pct": 100 * _mean([p["coverage"] for p in pls]) if pls else math.nan,
+                    "precision": _mean([p["precision"] for p in pls]) if pls else math.nan,
+                }
+            )
     write_sweep(rows, out, protocol, method)
     return rows
 
@@ -112,16 +129,30 @@ def sweep_table(rows: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
     def f(v: float, fmt: str) -> str:
         return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
-    body = [[r["grid"], r["point"], f(r["last_all"], ".3f"), f(r["last_base"], ".3f"), f(r["total_drop"], ".1f"),
-             f(r["retention_pct"], ".1f"), f(r["precision"], ".3f")] for r in rows]
+    body = [
+        [
+            r["grid"],
+            r["point"],
+            f(r["last_all"], ".3f"),
+            f(r["last_base"], ".3f"),
+            f(r["total_drop"], ".1f"),
+            f(r["retention_pct"], ".1f"),
+            f(r["precision"], ".3f"),
+        ]
+        for r in rows
+    ]
     return header, body
 
 
 def write_sweep(rows: Sequence[dict], out: Path, protocol: Protocol, method: str) -> None:
     header, body = sweep_table(rows)
-    title = f"## sweep: {method} on {protocol.name} (seed {protocol.seed}); scores = mean Dice/IoU over foreground classes"
+    title = (
+        f"## sweep: {method} on {protocol.name} (seed {protocol.seed}); scores = mean Dice/IoU over foreground classes"
+    )
     atomic_write_text(out / "sweep.md", f"{title}\n\n{md_table(header, body)}\n")
     buf = io.StringIO()
     csv.writer(buf, lineterminator="\n").writerows([header, *body])  # point names contain commas: quote them
     atomic_write_text(out / "sweep.csv", buf.getvalue())
-    write_json({"protocol": protocol.name, "seed": protocol.seed, "method": method, "rows": list(rows)}, out / "sweep.json")
+    write_json(
+        {"protocol": protocol.name, "seed": protocol.seed, "method": method, "rows": list(rows)}, out / "sweep.json"
+    )

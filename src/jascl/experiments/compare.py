@@ -1,7 +1,7 @@
 """``jascl compare``: several methods, several seeds, one paper-style table with mean ± std.
 
 Fairness is by construction: for every seed, all methods run in one run folder
-(:func:`jascl.training.runner.run_benchmark`), so they share the protocol, the
+(:func:`jascl.experiments.runner.run_benchmark`), so they share the protocol, the
 data and K-shot manifest of that seed, the session-0 checkpoint (methods that do
 not change session 0 all start from the same base model; those that do train
 their own) and the evaluation code. Finished sessions are reused, so a compare
@@ -10,7 +10,7 @@ what is missing.
 
 Folder layout::
 
-    <out>/seed-<s>/...          one run folder per seed (see jascl.training.runner)
+    <out>/seed-<s>/...          one run folder per seed (see jascl.experiments.runner)
     <out>/compare.{md,csv,json}
 """
 
@@ -20,13 +20,15 @@ import dataclasses
 import json
 import math
 import statistics
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
+from jascl.engine.config import RunConfig
 from jascl.errors import ConfigError
+from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import Protocol
-from jascl.results.report import MISSING, atomic_write_text, format_score, md_table, table_title
-from jascl.training.config import RunConfig
+from jascl.results.report import MISSING, format_score, md_table, table_title
 
 
 def parse_seeds(spec: str | int, base_seed: int) -> list[int]:
@@ -41,7 +43,9 @@ def parse_seeds(spec: str | int, base_seed: int) -> list[int]:
                 raise ValueError
             seeds = [base_seed + i for i in range(count)]
     except ValueError:
-        raise ConfigError(f"--seeds {spec}: give a count (e.g. 3) or a comma-separated list of seeds (e.g. 1024,7)") from None
+        raise ConfigError(
+            f"--seeds {spec}: give a count (e.g. 3) or a comma-separated list of seeds (e.g. 1024,7)"
+        ) from None
     if any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
         raise ConfigError(f"--seeds {spec}: seeds must be distinct non-negative integers")
     return seeds
@@ -68,9 +72,14 @@ def aggregate(per_seed: Mapping[int, Mapping[str, Any]], methods: Sequence[str])
     """
     seeds = list(per_seed)
     first = per_seed[seeds[0]]
-    out: dict = {"protocol": first.get("protocol"), "metric": first.get("metric", "dice"),
-                 "eval_mode": first.get("eval_mode"), "background": first.get("background"), "seeds": seeds,
-                 "methods": {}}
+    out: dict = {
+        "protocol": first.get("protocol"),
+        "metric": first.get("metric", "dice"),
+        "eval_mode": first.get("eval_mode"),
+        "background": first.get("background"),
+        "seeds": seeds,
+        "methods": {},
+    }
     for name in methods:
         runs = [per_seed[s]["methods"][name] for s in seeds]
         n_sessions = max(len(r["sessions"]) for r in runs)
@@ -131,25 +140,52 @@ def write_compare(summary: Mapping[str, Any], out: Path) -> dict[str, Path]:
     lines = ["method,session,name,all_mean,all_std,old_mean,old_std,new_mean,new_std,per_seed_all"]
     for name, m in summary["methods"].items():
         for s in m["sessions"]:
-            cells = [name, str(s["session"]), str(s["name"]), *(f"{v:.6g}" for key in ("all", "old", "new") for v in s[key]),
-                     '"' + ";".join(f"{v:.6g}" for v in s["values"]) + '"']
+            cells = [
+                name,
+                str(s["session"]),
+                str(s["name"]),
+                *(f"{v:.6g}" for key in ("all", "old", "new") for v in s[key]),
+                '"' + ";".join(f"{v:.6g}" for v in s["values"]) + '"',
+            ]
             lines.append(",".join(cells))
-        lines.append(",".join([name, "total_drop", "", *(f"{v:.6g}" for v in m["total_drop"]), "", "", "", "",
-                               '"' + ";".join(f"{v:.6g}" for v in m["total_drop_values"]) + '"']))
+        lines.append(
+            ",".join(
+                [
+                    name,
+                    "total_drop",
+                    "",
+                    *(f"{v:.6g}" for v in m["total_drop"]),
+                    "",
+                    "",
+                    "",
+                    "",
+                    '"' + ";".join(f"{v:.6g}" for v in m["total_drop_values"]) + '"',
+                ]
+            )
+        )
     atomic_write_text(paths["csv"], "\n".join(lines) + "\n")
     atomic_write_text(paths["json"], json.dumps(summary, indent=1, default=float))
     return paths
 
 
-def run_compare(protocol: Protocol, config: RunConfig, methods: Sequence[str], seeds: Sequence[int], out: str | Path,
-                cache_dir: str | Path | None = None, progress: bool = True, echo=print, **run_kwargs: Any) -> dict:
+def run_compare(
+    protocol: Protocol,
+    config: RunConfig,
+    methods: Sequence[str],
+    seeds: Sequence[int],
+    out: str | Path,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    echo=print,
+    **run_kwargs: Any,
+) -> dict:
     """Run (or reuse) every method for every seed and write the aggregated table.
 
     The protocol's seed is replaced by each seed in turn (it drives data
     generation / K-shot selection and training); ``config.seed`` must be unset
     so that the training seed follows.
     """
-    from jascl.training.runner import run_benchmark
+    from jascl.experiments.runner import run_benchmark
 
     if config.seed is not None:
         raise ConfigError("compare: do not set 'seed' in the configuration; give the seeds with --seeds")
@@ -158,8 +194,16 @@ def run_compare(protocol: Protocol, config: RunConfig, methods: Sequence[str], s
     for i, seed in enumerate(seeds):
         echo(f"[compare] seed {seed} ({i + 1}/{len(seeds)})")
         seeded = dataclasses.replace(protocol, seed=seed)
-        per_seed[seed] = run_benchmark(seeded, config, methods, out / f"seed-{seed}", cache_dir=cache_dir,
-                                       progress=progress, echo=echo, **run_kwargs)
+        per_seed[seed] = run_benchmark(
+            seeded,
+            config,
+            methods,
+            out / f"seed-{seed}",
+            cache_dir=cache_dir,
+            progress=progress,
+            echo=echo,
+            **run_kwargs,
+        )
     summary = aggregate(per_seed, methods)
     write_compare(summary, out)
     return summary

@@ -29,51 +29,28 @@ import json
 import logging
 import math
 import platform
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import yaml
 from tqdm.auto import tqdm
 
 from jascl import __version__, distributed
-from jascl.data.noise import degrade_pool
-from jascl.data.synthetic import SessionData, load_or_generate
-from jascl.errors import ConfigError, DataError, JasclError
+from jascl.data.sessions import apply_unlabelled_noise, check_same_samples, load_sessions, write_manifest
+from jascl.data.types import SessionData
+from jascl.engine.config import RunConfig, translate_legacy
+from jascl.engine.loop import ContinualTrainer
+from jascl.engine.plugin import Method, Plugin
+from jascl.engine.prototypes import PrototypeStore
+from jascl.errors import ConfigError, JasclError
 from jascl.evaluation.metrics import per_class_forgetting, total_drop
-from jascl.methods import create_method
-from jascl.methods.base import Method
-from jascl.methods.prototypes import PrototypeStore
+from jascl.fileio import atomic_write_text
+from jascl.methods.presets import jascl_options
+from jascl.methods.registry import check_method_args, create_method
 from jascl.protocols.schema import Protocol
-from jascl.results.report import atomic_write_text, write_all
-from jascl.training.config import RunConfig
-from jascl.training.trainer import ContinualTrainer
+from jascl.results.report import write_all
 
 log = logging.getLogger("jascl")
-
-
-def write_manifest(protocol: Protocol, data: Sequence[SessionData], path: Path,
-                   roots: Mapping[str, Path] | None = None) -> None:
-    """The K-shot manifest (sample ids of every split, per session) as ``path``; reusable with ``--split-manifest``."""
-    from jascl.data.real import manifest_dict
-
-    atomic_write_text(path, json.dumps(manifest_dict(protocol, data, roots), indent=1))
-
-
-def check_same_samples(protocol: Protocol, data: Sequence[SessionData]) -> None:
-    """With several processes: every rank must have drawn the same K-shot samples (else the ranks would train
-    on different sessions); a one-line error names the first rank that differs."""
-    if not distributed.active():
-        return
-    import hashlib
-
-    from jascl.data.real import manifest_dict
-
-    digest = hashlib.sha256(json.dumps(manifest_dict(protocol, data, None), sort_keys=True).encode()).hexdigest()
-    digests = distributed.all_gather_object(digest)
-    for r, other in enumerate(digests):
-        if other != digests[0]:
-            raise DataError(f"rank {r} selected other samples than rank 0 (K-shot manifests differ); every node must "
-                            "see the same dataset copies and cache: check the roots and --cache-dir on each node")
 
 
 def _environment() -> dict:
@@ -83,11 +60,18 @@ def _environment() -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
-    env = {"jascl": __version__, "torch": torch.__version__, "monai": monai.__version__,
-           "python": platform.python_version(), "platform": platform.platform(), "numpy": numpy.__version__,
-           "cuda": torch.version.cuda if cuda else None, "torch_built_with_cuda": torch.version.cuda,
-           "cudnn": torch.backends.cudnn.version() if cuda else None,
-           "device_count": torch.cuda.device_count() if cuda else 0}
+    env = {
+        "jascl": __version__,
+        "torch": torch.__version__,
+        "monai": monai.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "numpy": numpy.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "torch_built_with_cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "device_count": torch.cuda.device_count() if cuda else 0,
+    }
     if cuda:
         env["devices"] = [torch.cuda.get_device_name(i) for i in range(env["device_count"])]
     return env
@@ -120,8 +104,14 @@ def _setup_logging(out: Path) -> logging.Handler:
     return handler
 
 
-def ensure_base(protocol: Protocol, config: RunConfig, data: Sequence[SessionData], base_dir: Path,
-                progress: bool = True, echo=print) -> None:
+def ensure_base(
+    protocol: Protocol,
+    config: RunConfig,
+    data: Sequence[SessionData],
+    base_dir: Path,
+    progress: bool = True,
+    echo=print,
+) -> None:
     """Train the shared session-0 model into ``base_dir`` unless it is already complete there."""
     if distributed.broadcast_object((base_dir / "metrics.json").exists()):
         return
@@ -131,94 +121,81 @@ def ensure_base(protocol: Protocol, config: RunConfig, data: Sequence[SessionDat
     distributed.barrier()  # rank 0 has written it before anyone reads it
 
 
-def load_data(protocol: Protocol, cache_dir: str | Path | None = None, echo=print,
-              roots: Mapping[str, str | Path] | None = None, split_manifest: str | Path | None = None,
-              roots_file: str | Path | None = None, config: RunConfig | None = None) -> list[SessionData]:
-    """The protocol's data, with its unlabelled-noise schedule applied.
-
-    Synthetic protocols are generated (and cached); protocols on public datasets are
-    assembled from the local copies (:func:`jascl.data.real.load_real`: roots from
-    ``roots`` / ``roots_file`` / ``JASCL_ROOT_<NAME>``, lazy splits, seeded K-shot
-    selection or the samples of ``split_manifest``). A ``split_manifest`` given for a
-    synthetic protocol must list exactly the generated samples.
-    """
-    if protocol.uses_datasets:
-        from jascl.data.real import load_real
-
-        if protocol.unlabelled_noise != "none":
-            raise ConfigError(f"{protocol.path}: unlabelled_noise is implemented for synthetic protocols only; "
-                              "remove it from this protocol")
-        patch = config.patch_size if config is not None else None
-        data, _ = load_real(protocol, roots, cache_dir, echo, split_manifest, roots_file, unlabelled_crop=patch)
-        return data
-    data = load_or_generate(protocol, cache_dir, progress=lambda msg: echo(f"[data] {msg}"))
-    if split_manifest is not None:
-        _check_synthetic_manifest(protocol, data, split_manifest)
-    return apply_unlabelled_noise(protocol, data)
-
-
-def _check_synthetic_manifest(protocol: Protocol, data: Sequence[SessionData], path: str | Path) -> None:
-    """Synthetic samples are a function of (protocol, seed): a reused manifest must name exactly them."""
-    from jascl.data.real import load_manifest
-
-    manifest = load_manifest(path, protocol)
-    if manifest.get("seed") != protocol.seed:  # synthetic ids are positions; the pixels depend on the seed
-        raise DataError(f"{path}: made with seed {manifest.get('seed')}, this run has seed {protocol.seed}; synthetic "
-                        "samples are a function of the seed, so run with --seed "
-                        f"{manifest.get('seed')} to reuse them")
-    for d, entry in zip(data, manifest["sessions"]):
-        for split in ("train", "test", "unlabelled"):
-            ours = getattr(d, split)
-            theirs = entry.get(split)
-            if (ours.ids if ours is not None else None) != theirs:
-                raise DataError(f"{path}: sessions[{d.session.index}].{split} lists other samples than protocol "
-                                f"{protocol.name} generates with seed {protocol.seed}; synthetic samples cannot be "
-                                "chosen, so run with the seed the manifest was made with (its 'seed')")
-
-
-def apply_unlabelled_noise(protocol: Protocol, data: Sequence[SessionData]) -> list[SessionData]:
-    if protocol.unlabelled_noise == "none":
-        return list(data)
-    return [dataclasses.replace(d, unlabelled=degrade_pool(d.unlabelled, protocol.unlabelled_noise,
-                                                           protocol.seed + d.session.index))
-            if d.unlabelled is not None else d for d in data]
-
-
 #: configuration keys that may differ between a run folder's runs without changing results
-_NEUTRAL_KEYS = ("device", "threads", "method_args", "tensorboard", "num_workers", "pin_memory", "checkpoint_every",
-                "checkpoint_steps")
+_NEUTRAL_KEYS = (
+    "device",
+    "threads",
+    "method_args",
+    "tensorboard",
+    "num_workers",
+    "pin_memory",
+    "checkpoint_every",
+    "checkpoint_steps",
+)
 
 
 def check_reusable(out: Path, config: RunConfig, protocol: Protocol) -> None:
     """Refuse to add to a run folder whose finished sessions came from another configuration or protocol.
 
     Reusing a session trained under other settings would silently mix results.
-    ``device`` and ``threads`` may differ; ``method_args`` may too (they only
-    concern the methods they name, and a changed method should get a new folder).
-    A key the folder's configuration lacks (added to jascl later) matches its default value.
+    ``device`` and ``threads`` may differ; the baselines' ``method_args`` may too (they only
+    concern the methods they name, and a changed method should get a new folder), but not
+    JASCL's (``method_args.jascl``, the settings of the method under study, compared as
+    resolved options). A key the folder's configuration lacks (added to jascl later) matches
+    its default value; a folder written before JASCL's options moved to ``method_args.jascl``
+    is read with them there.
     """
     previous = out / "config.yaml"
     if previous.exists():
-        old = yaml.safe_load(previous.read_text()) or {}
+        old = translate_legacy(yaml.safe_load(previous.read_text()) or {})
         new = config.to_dict()
         default = RunConfig().to_dict()
-        changed = sorted(k for k in set(old) | set(new) if k not in _NEUTRAL_KEYS
-                         and old.get(k, default.get(k)) != new.get(k))
+        changed = sorted(
+            k for k in set(old) | set(new) if k not in _NEUTRAL_KEYS and old.get(k, default.get(k)) != new.get(k)
+        )
+        before = _flat(dataclasses.asdict(jascl_options(RunConfig(method_args=old.get("method_args") or {}))))
+        after = _flat(dataclasses.asdict(jascl_options(config)))
+        changed += sorted(f"method_args.jascl.{k}" for k in before if before[k] != after[k])
         if changed:
-            raise ConfigError(f"{out}: this run folder was made with a different configuration ({', '.join(changed)}); "
-                              "use a new --out, or rerun with the same settings to resume")
+            raise ConfigError(
+                f"{out}: this run folder was made with a different configuration ({', '.join(changed)}); "
+                "use a new --out, or rerun with the same settings to resume"
+            )
     resolved = out / "protocol-resolved.json"
     if resolved.exists():
         old_p = json.loads(resolved.read_text())
         new_p = json.loads(json.dumps(dataclasses.asdict(protocol), default=list))
-        changed = sorted(k for k in set(old_p) | set(new_p) if k not in ("path", "file") and old_p.get(k) != new_p.get(k))
+        changed = sorted(
+            k for k in set(old_p) | set(new_p) if k not in ("path", "file") and old_p.get(k) != new_p.get(k)
+        )
         if changed:
-            raise ConfigError(f"{out}: this run folder was made with a different protocol ({', '.join(changed)}); "
-                              "use a new --out")
+            raise ConfigError(
+                f"{out}: this run folder was made with a different protocol ({', '.join(changed)}); use a new --out"
+            )
 
 
-def write_run_files(out: Path, protocol: Protocol, config: RunConfig, methods: Sequence[str],
-                    data: Sequence[SessionData], cache_dir, roots, roots_file, split_manifest) -> None:
+def _flat(tree: Mapping, prefix: str = "") -> dict:
+    """A nested mapping as ``{"a.b": value}``."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def write_run_files(
+    out: Path,
+    protocol: Protocol,
+    config: RunConfig,
+    methods: Sequence[str],
+    data: Sequence[SessionData],
+    cache_dir,
+    roots,
+    roots_file,
+    split_manifest,
+) -> None:
     """The run folder's description of itself (atomic writes): configuration, protocol, manifest, environment,
     and ``run.json``, from which ``jascl run --resume`` restarts the run with nothing else given."""
     atomic_write_text(out / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
@@ -235,12 +212,16 @@ def write_run_files(out: Path, protocol: Protocol, config: RunConfig, methods: S
             resolved_roots = None
     write_manifest(protocol, data, out / "manifest.json", resolved_roots)
     atomic_write_text(out / "environment.json", json.dumps(_environment(), indent=1))
-    record = {"protocol": protocol.name, "protocol_file": "protocol.yaml" if (out / "protocol.yaml").exists() else None,
-              "seed": protocol.seed, "methods": list(methods),
-              "cache_dir": str(Path(cache_dir).resolve()) if cache_dir is not None else None,
-              "roots": {k: str(Path(v).resolve()) for k, v in (roots or {}).items()},
-              "roots_file": str(Path(roots_file).resolve()) if roots_file is not None else None,
-              "split_manifest": str(Path(split_manifest).resolve()) if split_manifest is not None else None}
+    record = {
+        "protocol": protocol.name,
+        "protocol_file": "protocol.yaml" if (out / "protocol.yaml").exists() else None,
+        "seed": protocol.seed,
+        "methods": list(methods),
+        "cache_dir": str(Path(cache_dir).resolve()) if cache_dir is not None else None,
+        "roots": {k: str(Path(v).resolve()) for k, v in (roots or {}).items()},
+        "roots_file": str(Path(roots_file).resolve()) if roots_file is not None else None,
+        "split_manifest": str(Path(split_manifest).resolve()) if split_manifest is not None else None,
+    }
     atomic_write_text(out / "run.json", json.dumps(record, indent=1))
 
 
@@ -248,8 +229,10 @@ def read_run_file(out: str | Path) -> dict:
     """``run.json`` of a run folder (for ``--resume``), with a one-line error if the folder is not a run."""
     path = Path(out) / "run.json"
     if not path.is_file():
-        raise ConfigError(f"{out}: not a jascl run folder (no run.json); give the --out folder of an earlier "
-                          "'jascl run' (runs made before jascl 0.2 resume by rerunning their command with --out)")
+        raise ConfigError(
+            f"{out}: not a jascl run folder (no run.json); give the --out folder of an earlier "
+            "'jascl run' (runs made before jascl 0.2 resume by rerunning their command with --out)"
+        )
     try:
         record = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -260,15 +243,32 @@ def read_run_file(out: str | Path) -> dict:
     return record
 
 
-def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str], out: str | Path,
-                  cache_dir: str | Path | None = None, progress: bool = True, echo=print,
-                  data: Sequence[SessionData] | None = None, roots: Mapping[str, str | Path] | None = None,
-                  split_manifest: str | Path | None = None, roots_file: str | Path | None = None) -> dict:
+def run_benchmark(
+    protocol: Protocol,
+    config: RunConfig,
+    methods: Sequence[str | Method],
+    out: str | Path,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    echo=print,
+    data: Sequence[SessionData] | None = None,
+    roots: Mapping[str, str | Path] | None = None,
+    split_manifest: str | Path | None = None,
+    roots_file: str | Path | None = None,
+    extra_plugins: Sequence[Plugin | Callable[[], Plugin]] = (),
+) -> dict:
     """Run ``methods`` on ``protocol`` and write the run folder; returns the results dict.
 
     Args:
+        methods: registered method names (``jascl methods``; register your own with
+            ``@METHODS.register(name)`` from :mod:`jascl.methods`), or :class:`Method` objects
+            built by hand (their names name the run-folder entries).
+        extra_plugins: plugins added after every method's own (logging, probes, your own
+            instrumentation): a :class:`Plugin` instance is shared by every method, a callable
+            (e.g. the plugin class) is called once per method for a fresh one. They do not change
+            which base model a method shares.
         data: one :class:`SessionData` per session, for your own arrays; by default
-            the protocol's data is loaded by :func:`load_data` (synthetic: generated and
+            the protocol's data is loaded by :func:`jascl.data.sessions.load_sessions` (synthetic: generated and
             cached in ``cache_dir``; on datasets: assembled from the local copies).
         roots, roots_file: dataset root folders by name (protocols on datasets; see
             :func:`jascl.data.real.resolve_roots`).
@@ -276,27 +276,31 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
     """
     if not methods:
         raise ConfigError("--methods: give at least one method (see 'jascl methods')")
+    check_method_args(config)
+    built: list[Method] = [m if isinstance(m, Method) else create_method(m, config) for m in methods]
+    methods = [m.name for m in built]
     if len(set(methods)) != len(methods):
         raise ConfigError(f"--methods: a method is listed twice ({','.join(methods)})")
-    built: list[Method] = [create_method(m, config) for m in methods]
     out = Path(out)
     main = distributed.is_main()
+    extras = list(extra_plugins)
     if config.tensorboard and main:  # live scalars; last plugin, so it sees every loss term and statistic
         from jascl.results.tensorboard import TensorBoardPlugin
 
-        for method in built:
-            method.plugins.append(TensorBoardPlugin(out))
+        extras.append(lambda: TensorBoardPlugin(out))
     if main:
         out.mkdir(parents=True, exist_ok=True)
     handler = _setup_logging(out)
     try:
         if protocol.uses_datasets and config.patch_size is None:
-            raise ConfigError(f"{protocol.path}: patch_size is null; protocols on datasets train on patches and "
-                              "evaluate with a sliding window of that size: set training.patch_size or "
-                              "--set patch_size=[...]")
+            raise ConfigError(
+                f"{protocol.path}: patch_size is null; protocols on datasets train on patches and "
+                "evaluate with a sliding window of that size: set training.patch_size or "
+                "--set patch_size=[...]"
+            )
         if data is None:
             with distributed.main_first():  # rank 0 generates and caches, the others read the cache
-                data = load_data(protocol, cache_dir, echo, roots, split_manifest, roots_file, config)
+                data = load_sessions(protocol, cache_dir, echo, roots, split_manifest, roots_file, config.patch_size)
         elif len(data) != len(protocol.sessions):
             raise ConfigError(f"{protocol.path}: {len(protocol.sessions)} sessions but data for {len(data)} were given")
         else:
@@ -308,15 +312,23 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
         log.info("run %s: protocol %s seed %d methods %s", out, protocol.name, protocol.seed, ",".join(methods))
 
         shared_base = None
-        results = {"protocol": protocol.name, "metric": protocol.metric, "eval_mode": config.eval_mode,
-                   "background": ("included in means (authors' convention)" if config.eval_mode == "authors"
-                                  else "excluded from means"),
-                   "seed": protocol.seed, "classes": {str(c.id): c.name for c in protocol.classes},
-                   "methods": {}}
-        bar = tqdm(total=len(built) * len(protocol.sessions), desc="sessions", unit="session",
-                   disable=not (progress and main))
+        results = {
+            "protocol": protocol.name,
+            "metric": protocol.metric,
+            "eval_mode": config.eval_mode,
+            "background": (
+                "included in means (authors' convention)" if config.eval_mode == "authors" else "excluded from means"
+            ),
+            "seed": protocol.seed,
+            "classes": {str(c.id): c.name for c in protocol.classes},
+            "methods": {},
+        }
+        bar = tqdm(
+            total=len(built) * len(protocol.sessions), desc="sessions", unit="session", disable=not (progress and main)
+        )
         for method in built:
-            trainer = ContinualTrainer(protocol, config, method, data, progress=progress)
+            plugins = [p if isinstance(p, Plugin) else p() for p in extras]
+            trainer = ContinualTrainer(protocol, config, method, data, progress=progress, extra_plugins=plugins)
             records: list[dict] = []
             start = 0
             if not method.changes_base_session:
@@ -341,8 +353,16 @@ def run_benchmark(protocol: Protocol, config: RunConfig, methods: Sequence[str],
                 else:
                     echo(f"[{method.name}] session {t} ({session.name}): training")
                     record = trainer.run_session(t, model, store, folder)
-                log.info("%s session %d %s: all=%.4f old=%.4f new=%.4f base=%.4f", method.name, t, session.name,
-                         record["all"], record["old"], record["new"], record["base"])
+                log.info(
+                    "%s session %d %s: all=%.4f old=%.4f new=%.4f base=%.4f",
+                    method.name,
+                    t,
+                    session.name,
+                    record["all"],
+                    record["old"],
+                    record["new"],
+                    record["base"],
+                )
                 records.append(record)
                 bar.update(1)
             results["methods"][method.name] = _method_summary(protocol, records)

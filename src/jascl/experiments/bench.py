@@ -26,7 +26,7 @@ the kernels launched). These counts do not depend on the machine (they are
 skipped with ``compile=true``, where a dispatch mode would change what is compiled); on a GPU running a
 small model, where a step's time is mostly launches, they predict the ratios.
 Each case runs in a fresh process
-(``python -m jascl.training.bench``), the cases are interleaved over
+(``python -m jascl.experiments.bench``), the cases are interleaved over
 ``rounds`` and the median is reported; peak memory is the CUDA allocator's
 peak on a GPU, and the process's peak resident set size on a CPU.
 """
@@ -43,8 +43,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -52,10 +52,12 @@ TRAIN_CASES = ("plain", "vanilla", "gas+replay", "plain-mt", "pas")
 EVAL_CASES = ("eval-plain", "eval")
 CASES = TRAIN_CASES + EVAL_CASES
 #: (case, baseline, target ratio of throughputs, what it shows)
-RATIOS = (("vanilla", "plain", 0.95, "framework overhead: jascl vanilla / plain loop"),
-          ("gas+replay", "vanilla", 0.97, "GAS + prototype replay / jascl vanilla"),
-          ("pas", "plain-mt", 0.90, "PAS (GAS + replay + PAS mean teacher) / plain mean teacher"),
-          ("eval", "eval-plain", 0.95, "jascl evaluator / plain sliding-window loop"))
+RATIOS = (
+    ("vanilla", "plain", 0.95, "framework overhead: jascl vanilla / plain loop"),
+    ("gas+replay", "vanilla", 0.97, "GAS + prototype replay / jascl vanilla"),
+    ("pas", "plain-mt", 0.90, "PAS (GAS + replay + PAS mean teacher) / plain mean teacher"),
+    ("eval", "eval-plain", 0.95, "jascl evaluator / plain sliding-window loop"),
+)
 
 
 class OpCounter:
@@ -71,7 +73,7 @@ class OpCounter:
         self._mode = None
         self._restore = None
 
-    def __enter__(self) -> "OpCounter":
+    def __enter__(self) -> OpCounter:
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils.data import dataloader
 
@@ -96,6 +98,7 @@ class OpCounter:
                     return method(*args, **kwargs)
                 finally:
                     paused[0] -= 1
+
             return wrapper
 
         for name, method in originals.items():  # iterators' set-up (base seed) and batches
@@ -159,7 +162,7 @@ class _Clock:
 
 
 def _clock_plugin(clock: _Clock, epochs: int):
-    from jascl.methods.base import Plugin
+    from jascl.engine.plugin import Plugin
 
     class ClockPlugin(Plugin):
         name = "bench-clock"
@@ -186,54 +189,54 @@ def _clock_plugin(clock: _Clock, epochs: int):
 
 
 def _setup(spec: dict):
+    from jascl.data.sessions import load_sessions
+    from jascl.engine.config import resolve_config
     from jascl.protocols import get_protocol
-    from jascl.training.config import resolve_config
-    from jascl.training.runner import load_data
 
     protocol = get_protocol(spec["protocol"])
     overrides = [f"epochs_incremental={spec['epochs']}", "checkpoint_every=0", "checkpoint_steps=0", *spec["overrides"]]
     config = resolve_config(protocol.training, protocol.path, None, overrides)
-    data = load_data(protocol, spec.get("cache_dir"), echo=lambda *a: None, config=config)
+    data = load_sessions(protocol, spec.get("cache_dir"), echo=lambda *a: None, patch_size=config.patch_size)
     return protocol, config, data
 
 
 def _session_model(trainer, t: int):
     """A model at the start of session t (grown to its classes) and the prototypes of sessions before t."""
-    from jascl.methods.prototypes import PrototypeStore
+    from jascl.engine.prototypes import PrototypeStore
 
     store = PrototypeStore()
     model = trainer.new_model(len(trainer.protocol.seen_classes(0)))
     for s in range(t):
         store.add(s, trainer.compute_prototypes(model, s, [0, *trainer.protocol.sessions[s].classes]))
         if s + 1 < t:
-            trainer._grow(model, s + 1)
+            trainer.setup_model(model, s + 1)
     return model, store
 
 
 def _grown_model(spec: dict):
     """(protocol, config, data, trainer, model at the start of session t grown to its classes, t) for the plain cases."""
-    from jascl.methods.base import Method
-    from jascl.training.trainer import ContinualTrainer
+    from jascl.engine.loop import ContinualTrainer
+    from jascl.engine.plugin import Method
 
     protocol, config, data = _setup(spec)
     trainer = ContinualTrainer(protocol, config, Method("plain"), data, progress=False)
     t = spec["session"]
     model, _ = _session_model(trainer, t)
-    trainer._grow(model, t)
+    trainer.setup_model(model, t)
     return protocol, config, data, trainer, model, t
 
 
 def _jascl_case(case: str, spec: dict, device: torch.device) -> dict:
-    from jascl.methods import create_method
-    from jascl.methods.base import Method
-    from jascl.training.trainer import ContinualTrainer
+    from jascl.engine.loop import ContinualTrainer
+    from jascl.methods.registry import create_method
 
     protocol, config, data = _setup(spec)
     name = {"vanilla": "vanilla", "gas+replay": "jascl-no-unlabelled", "pas": "jascl"}[case]
     method = create_method(name, config)
     clock = _Clock(device, count_ops=not config.compile)  # a dispatch mode would change what is compiled
-    method = Method(method.name, [*method.plugins, _clock_plugin(clock, spec["epochs"])])
-    trainer = ContinualTrainer(protocol, config, method, data, progress=False)
+    trainer = ContinualTrainer(
+        protocol, config, method, data, progress=False, extra_plugins=[_clock_plugin(clock, spec["epochs"])]
+    )
     t = spec["session"]
     model, store = _session_model(trainer, t)
     with tempfile.TemporaryDirectory() as tmp:
@@ -241,8 +244,12 @@ def _jascl_case(case: str, spec: dict, device: torch.device) -> dict:
             trainer.run_session(t, model, store, Path(tmp))
         except _Done:
             pass
-    return {"steps": clock.steps, "seconds": clock.step_seconds,
-            "between_epoch_seconds": clock.between_seconds / max(spec["epochs"] - 1, 1), **clock.op_counts}
+    return {
+        "steps": clock.steps,
+        "seconds": clock.step_seconds,
+        "between_epoch_seconds": clock.between_seconds / max(spec["epochs"] - 1, 1),
+        **clock.op_counts,
+    }
 
 
 def _plain_case(case: str, spec: dict, device: torch.device) -> dict:
@@ -251,10 +258,12 @@ def _plain_case(case: str, spec: dict, device: torch.device) -> dict:
     from torch.utils.data import DataLoader
 
     from jascl.data.datasets import LabelledDataset
+    from jascl.engine.optim import make_optimizer, resolve_precision
     from jascl.methods.mean_teacher import UnlabelledDataset, view_transform
-    from jascl.training.trainer import make_optimizer, resolve_precision
+    from jascl.methods.presets import jascl_options
 
     protocol, config, data, trainer, model, t = _grown_model(spec)
+    pas = jascl_options(config).pas  # the plain mean teacher uses JASCL's weight and EMA decay
     session = protocol.sessions[t]
     if config.freeze_incremental == "all_but_classifier":
         model.backbone.requires_grad_(False)
@@ -264,8 +273,14 @@ def _plain_case(case: str, spec: dict, device: torch.device) -> dict:
     lut = torch.zeros(256, dtype=torch.long)
     lut[torch.tensor(protocol.seen_classes(t))] = torch.arange(len(protocol.seen_classes(t)))
     lut = lut.to(device)
-    dataset = LabelledDataset(data[t].train, session.classes, session.other_classes, augment=config.augment,
-                              patch_size=config.patch_size, seed=0)
+    dataset = LabelledDataset(
+        data[t].train,
+        session.classes,
+        session.other_classes,
+        augment=config.augment,
+        patch_size=config.patch_size,
+        seed=0,
+    )
     opts = trainer.loader_options
     loader = DataLoader(dataset, batch_size=config.batch_size, shuffle=True, **opts)
     amp = resolve_precision(config.precision, device)
@@ -273,8 +288,9 @@ def _plain_case(case: str, spec: dict, device: torch.device) -> dict:
     if mean_teacher:
         teacher = copy.deepcopy(model).eval().requires_grad_(False)
         views = (view_transform(1), view_transform(2))
-        unlabelled = DataLoader(UnlabelledDataset(data[t].unlabelled, views, seed=0), batch_size=config.batch_size,
-                                shuffle=True, **opts)
+        unlabelled = DataLoader(
+            UnlabelledDataset(data[t].unlabelled, views, seed=0), batch_size=config.batch_size, shuffle=True, **opts
+        )
         student_params, teacher_params = list(model.parameters()), list(teacher.parameters())
 
     clock = _Clock(device, count_ops=not config.compile)  # a dispatch mode would change what is compiled
@@ -304,13 +320,13 @@ def _plain_case(case: str, spec: dict, device: torch.device) -> dict:
                     student = torch.softmax(model(views_u[:, 0]).float(), 1)
                     with torch.no_grad():
                         target = torch.softmax(teacher(views_u[:, 1]).float(), 1)
-                    loss = loss + config.pas.weight * ((student - target) ** 2).sum(1).mean()
+                    loss = loss + pas.weight * ((student - target) ** 2).sum(1).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             if mean_teacher:
                 with torch.no_grad():
-                    torch._foreach_lerp_(teacher_params, student_params, 1.0 - config.pas.ema_decay)
+                    torch._foreach_lerp_(teacher_params, student_params, 1.0 - pas.ema_decay)
             steps += 1
         clock.end_epoch(epoch, steps)
     return {"steps": clock.steps, "seconds": clock.step_seconds, "between_epoch_seconds": None, **clock.op_counts}
@@ -335,15 +351,23 @@ def _eval_case(case: str, spec: dict, device: torch.device) -> dict:
         start = time.perf_counter()
         with trainer.autocast():
             if case == "eval":
-                evaluate(model, splits, protocol.seen_classes(t), device, roi=roi, sw_batch_size=config.sw_batch_size,
-                         overlap=config.sw_overlap)
+                evaluate(
+                    model,
+                    splits,
+                    protocol.seen_classes(t),
+                    device,
+                    roi=roi,
+                    sw_batch_size=config.sw_batch_size,
+                    overlap=config.sw_overlap,
+                )
             else:
                 with torch.no_grad():
                     for split in splits:
                         for i in range(len(split)):
                             x = torch.from_numpy(split.images[i][None]).float().to(device)
-                            logits = sliding_window_inference(x, roi, config.sw_batch_size, model,
-                                                              overlap=config.sw_overlap)
+                            logits = sliding_window_inference(
+                                x, roi, config.sw_batch_size, model, overlap=config.sw_overlap
+                            )
                             logits.argmax(1).cpu()
         _sync(device)
         seconds.append(time.perf_counter() - start)
@@ -352,7 +376,7 @@ def _eval_case(case: str, spec: dict, device: torch.device) -> dict:
 
 def run_case(case: str, spec: dict) -> dict:
     """One case in this process; returns steps, seconds and peak memory."""
-    from jascl.training.trainer import resolve_device
+    from jascl.engine.optim import resolve_device
 
     torch.manual_seed(0)
     if spec.get("threads"):
@@ -371,20 +395,32 @@ def run_case(case: str, spec: dict) -> dict:
     else:
         out["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         out["memory"] = "process peak RSS"
-    out["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    out["device"] = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    )
     return out
 
 
 # ------------------------------------------------------------------------------------------------ all cases
 
 
-def run_bench(protocol: str, session: int = 1, epochs: int = 4, rounds: int = 3, device: str = "auto",
-              overrides: Sequence[str] = (), cases: Sequence[str] = CASES, cache_dir: str | None = None,
-              eval_repeats: int = 2, threads: int = 0, echo: Callable[[str], None] = print) -> dict:
+def run_bench(
+    protocol: str,
+    session: int = 1,
+    epochs: int = 4,
+    rounds: int = 3,
+    device: str = "auto",
+    overrides: Sequence[str] = (),
+    cases: Sequence[str] = CASES,
+    cache_dir: str | None = None,
+    eval_repeats: int = 2,
+    threads: int = 0,
+    echo: Callable[[str], None] = print,
+) -> dict:
     """Run every case ``rounds`` times, interleaved, each in a fresh process; medians and ratios."""
+    from jascl.engine.config import resolve_config
     from jascl.errors import ConfigError
     from jascl.protocols import get_protocol
-    from jascl.training.config import resolve_config
 
     p = get_protocol(protocol)
     resolve_config(p.training, p.path, None, list(overrides))  # fail fast on bad input
@@ -396,24 +432,42 @@ def run_bench(protocol: str, session: int = 1, epochs: int = 4, rounds: int = 3,
     if epochs < 2 or rounds < 1:
         raise ConfigError(f"--epochs {epochs} --rounds {rounds}: need epochs >= 2 (the first warms up) and rounds >= 1")
     if any(c in ("plain-mt", "pas") for c in cases) and not p.sessions[session].unlabelled:
-        raise ConfigError(f"protocol {p.name} session {session} has no unlabelled pool for the mean-teacher cases; "
-                          "use --protocol bench-2d or leave out plain-mt,pas")
-    spec = {"protocol": protocol, "session": session, "epochs": epochs, "overrides": list(overrides),
-            "device": device, "cache_dir": cache_dir, "eval_repeats": eval_repeats, "threads": threads}
+        raise ConfigError(
+            f"protocol {p.name} session {session} has no unlabelled pool for the mean-teacher cases; "
+            "use --protocol bench-2d or leave out plain-mt,pas"
+        )
+    spec = {
+        "protocol": protocol,
+        "session": session,
+        "epochs": epochs,
+        "overrides": list(overrides),
+        "device": device,
+        "cache_dir": cache_dir,
+        "eval_repeats": eval_repeats,
+        "threads": threads,
+    }
     # generate and cache the data once, before any timing
-    from jascl.training.runner import load_data
+    from jascl.data.sessions import load_sessions
 
-    load_data(p, cache_dir, echo=lambda m: echo(f"[bench] {m}"), config=resolve_config(p.training, p.path))
+    load_sessions(
+        p, cache_dir, echo=lambda m: echo(f"[bench] {m}"), patch_size=resolve_config(p.training, p.path).patch_size
+    )
     runs: dict[str, list[dict]] = {c: [] for c in cases}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                        os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
     for r in range(rounds):
         for case in cases:
             echo(f"[bench] round {r + 1}/{rounds}: {case}")
-            done = subprocess.run([sys.executable, "-m", "jascl.training.bench", case, json.dumps(spec)],
-                                  capture_output=True, text=True, env=env)
+            done = subprocess.run(
+                [sys.executable, "-m", "jascl.experiments.bench", case, json.dumps(spec)],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             if done.returncode == 2 and done.stderr.startswith("jascl: error: "):  # bad input: one line
-                raise ConfigError(done.stderr.strip().splitlines()[-1][len("jascl: error: "):])
+                raise ConfigError(done.stderr.strip().splitlines()[-1][len("jascl: error: ") :])
             if done.returncode != 0:
                 raise RuntimeError(f"bench case {case} failed:\n{done.stderr[-4000:]}")
             runs[case].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -426,12 +480,16 @@ def summarise(runs: dict[str, list[dict]], spec: dict) -> dict:
     for case, results in runs.items():
         rates = [r["steps"] / r["seconds"] for r in results if r["seconds"] > 0]
         between = [r["between_epoch_seconds"] for r in results if r.get("between_epoch_seconds") is not None]
-        rows[case] = {"rate": statistics.median(rates) if rates else math.nan,
-                      "rate_min": min(rates) if rates else math.nan, "rate_max": max(rates) if rates else math.nan,
-                      "unit": "samples/s" if case in EVAL_CASES else "steps/s",
-                      "peak_mib": max(r["peak_mib"] for r in results), "memory": results[0]["memory"],
-                      "between_epoch_seconds": statistics.median(between) if between else None,
-                      "rounds": len(results)}
+        rows[case] = {
+            "rate": statistics.median(rates) if rates else math.nan,
+            "rate_min": min(rates) if rates else math.nan,
+            "rate_max": max(rates) if rates else math.nan,
+            "unit": "samples/s" if case in EVAL_CASES else "steps/s",
+            "peak_mib": max(r["peak_mib"] for r in results),
+            "memory": results[0]["memory"],
+            "between_epoch_seconds": statistics.median(between) if between else None,
+            "rounds": len(results),
+        }
         for key in ("ops_per_step", "kernels_per_step"):  # the same in every round
             values = [r[key] for r in results if r.get(key) is not None]
             rows[case][key] = statistics.median(values) if values else None
@@ -441,11 +499,23 @@ def summarise(runs: dict[str, list[dict]], spec: dict) -> dict:
             value = rows[case]["rate"] / rows[base]["rate"]
             unit = "sample" if case in EVAL_CASES else "step"
             added_ms = 1000.0 / rows[case]["rate"] - 1000.0 / rows[base]["rate"]
-            kernels = (rows[case]["kernels_per_step"] - rows[base]["kernels_per_step"]
-                       if rows[case].get("kernels_per_step") is not None
-                       and rows[base].get("kernels_per_step") is not None else None)
-            ratios.append({"ratio": f"{case} / {base}", "value": value, "target": target, "met": value >= target,
-                           "what": what, "added_ms": added_ms, "unit": unit, "added_kernels": kernels})
+            kernels = (
+                rows[case]["kernels_per_step"] - rows[base]["kernels_per_step"]
+                if rows[case].get("kernels_per_step") is not None and rows[base].get("kernels_per_step") is not None
+                else None
+            )
+            ratios.append(
+                {
+                    "ratio": f"{case} / {base}",
+                    "value": value,
+                    "target": target,
+                    "met": value >= target,
+                    "what": what,
+                    "added_ms": added_ms,
+                    "unit": unit,
+                    "added_kernels": kernels,
+                }
+            )
     device = next(iter(runs.values()))[0]["device"] if runs else "?"
     return {"spec": spec, "device": device, "cases": rows, "ratios": ratios}
 
@@ -456,12 +526,28 @@ def tables(summary: dict) -> tuple[list[list[str]], list[list[str]]]:
     for case, row in summary["cases"].items():
         between = row["between_epoch_seconds"]
         ops = "-" if row.get("ops_per_step") is None else f"{row['ops_per_step']:.0f} ({row['kernels_per_step']:.0f})"
-        case_rows.append([case, f"{row['rate']:.2f} {row['unit']}", f"{row['rate_min']:.2f}-{row['rate_max']:.2f}",
-                          f"{row['peak_mib']:.0f}", "-" if between is None else f"{between:.3f}", ops])
-    ratio_rows = [[r["ratio"], f"{r['value']:.3f}", f">= {r['target']:.2f}", "yes" if r["met"] else "NO",
-                   f"{r.get('added_ms', math.nan):+.2f} ms/{r.get('unit', 'step')}"
-                   + ("" if r.get("added_kernels") is None else f", {r['added_kernels']:+.0f} kernels"), r["what"]]
-                  for r in summary["ratios"]]
+        case_rows.append(
+            [
+                case,
+                f"{row['rate']:.2f} {row['unit']}",
+                f"{row['rate_min']:.2f}-{row['rate_max']:.2f}",
+                f"{row['peak_mib']:.0f}",
+                "-" if between is None else f"{between:.3f}",
+                ops,
+            ]
+        )
+    ratio_rows = [
+        [
+            r["ratio"],
+            f"{r['value']:.3f}",
+            f">= {r['target']:.2f}",
+            "yes" if r["met"] else "NO",
+            f"{r.get('added_ms', math.nan):+.2f} ms/{r.get('unit', 'step')}"
+            + ("" if r.get("added_kernels") is None else f", {r['added_kernels']:+.0f} kernels"),
+            r["what"],
+        ]
+        for r in summary["ratios"]
+    ]
     return case_rows, ratio_rows
 
 
@@ -469,12 +555,15 @@ def to_markdown(summary: dict) -> str:
     spec = summary["spec"]
     case_rows, ratio_rows = tables(summary)
     mem = next(iter(summary["cases"].values()))["memory"] if summary["cases"] else ""
-    lines = [f"jascl bench · protocol {spec['protocol']} session {spec['session']} · {summary['device']} · "
-             f"{spec['epochs'] - 1} timed epochs x {next(iter(summary['cases'].values()))['rounds']} rounds · "
-             f"overrides: {' '.join(spec['overrides']) or 'none'}", "",
-             f"| case | throughput (median) | range | peak memory (MiB, {mem}) | between epochs (s) "
-             "| ops/step (not views) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"jascl bench · protocol {spec['protocol']} session {spec['session']} · {summary['device']} · "
+        f"{spec['epochs'] - 1} timed epochs x {next(iter(summary['cases'].values()))['rounds']} rounds · "
+        f"overrides: {' '.join(spec['overrides']) or 'none'}",
+        "",
+        f"| case | throughput (median) | range | peak memory (MiB, {mem}) | between epochs (s) "
+        "| ops/step (not views) |",
+        "|---|---|---|---|---|---|",
+    ]
     lines += ["| " + " | ".join(r) + " |" for r in case_rows]
     lines += ["", "| ratio | value | target | met | added per step | what |", "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in ratio_rows]

@@ -1,0 +1,474 @@
+"""The one training loop. Methods are plugins on its named events (``jascl.engine.plugin``); what the loop does
+for every method (supervised loss, classifier growth, prototypes, evaluation, checkpoints) are default plugins
+(``jascl.engine.defaults``) a method can replace."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import operator
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+from tqdm.auto import tqdm
+
+from jascl import distributed
+from jascl.data.datasets import LabelledDataset, iterate_steps, loader_position, set_loader_position
+from jascl.data.sampling import derive_seed, loader_options, seeded_loader
+from jascl.data.types import SessionData
+from jascl.engine.checkpoint import load_model, load_tensors, session_meta
+from jascl.engine.config import RunConfig
+from jascl.engine.defaults import (
+    PROGRESS,
+    ClassifierGrowth,
+    Evaluation,
+    SessionCheckpoint,
+    StorePrototypes,
+    SupervisedLoss,
+)
+from jascl.engine.optim import make_optimizer, resolve_device, resolve_precision, schedule_lr
+from jascl.engine.plugin import EVENTS, Method, Plugin
+from jascl.engine.progress import SessionProgress
+from jascl.engine.prototypes import PrototypeAccumulator, PrototypeStore
+from jascl.engine.state import LoopState
+from jascl.engine.stop import REQUEST
+from jascl.errors import ConfigError, TrainingError
+from jascl.networks.base import Segmenter, SegmenterOutput, create_segmenter, eval_mode
+from jascl.protocols.schema import IGNORE_INDEX, Protocol
+
+log = logging.getLogger("jascl")
+
+
+class _TrainForward(nn.Module):
+    """``forward_features`` as a module returning a tuple, the form DistributedDataParallel wraps."""
+
+    def __init__(self, model: Segmenter) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model.forward_features(x)
+        return out.logits, out.features
+
+
+class ContinualTrainer:
+    """Runs a protocol's sessions in order for one method.
+
+    Each session is a sequence of events (:mod:`jascl.engine.plugin`) fired on the
+    loop's default plugins (:mod:`jascl.engine.defaults`: classifier growth, the
+    supervised loss, prototypes, evaluation, checkpoint) and then on the method's;
+    between them the loop applies the freezing policy, builds the optimiser, runs
+    the epochs and keeps the in-session checkpoint (:mod:`jascl.engine.progress`).
+
+    Args:
+        protocol: the validated protocol.
+        config: resolved run configuration.
+        method: the method (its plugins receive the loop events).
+        data: one :class:`SessionData` per protocol session.
+        progress: show tqdm progress bars.
+        extra_plugins: plugins added after the method's own (logging, probes); they are
+            checkpointed with the method. The caller's ``method`` is left unchanged.
+    """
+
+    def __init__(
+        self,
+        protocol: Protocol,
+        config: RunConfig,
+        method: Method,
+        data: list[SessionData],
+        progress: bool = True,
+        extra_plugins: Sequence[Plugin] = (),
+    ) -> None:
+        self.protocol = protocol
+        self.config = config
+        self.method = method.with_plugins(list(extra_plugins)) if extra_plugins else method
+        self.data = data
+        self.progress = progress
+        self.device = resolve_device(config.device)
+        self.seed = config.seed if config.seed is not None else protocol.seed
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
+        self.amp_dtype = resolve_precision(config.precision, self.device)
+        self.loader_options = loader_options(self.device, config.num_workers, config.pin_memory)
+        self.memory_format = None
+        if config.channels_last:
+            self.memory_format = torch.channels_last if protocol.spatial_dims == 2 else torch.channels_last_3d
+        if distributed.world_size() > config.batch_size:
+            raise ConfigError(
+                f"batch_size={config.batch_size}: smaller than the {distributed.world_size()} "
+                "processes; every rank needs at least one sample per step (batch_size is global)"
+            )
+        defaults = [
+            ClassifierGrowth(),
+            SupervisedLoss(config.lambda_ce, config.lambda_dice),
+            StorePrototypes(),
+            Evaluation(data, self.autocast, progress),
+            SessionCheckpoint(self.method, self.checkpoint_meta),
+        ]
+        #: what the loop fires: the defaults the method does not replace, then the method's plugins
+        self.plugins = self.method.compose(defaults)
+        # per event, only the plugins that handle it: a step fires 8 events, most plugins handle few of them
+        self._handlers = {
+            event: [getattr(p, event) for p in self.plugins if getattr(type(p), event) is not getattr(Plugin, event)]
+            for event in EVENTS
+        }
+
+    def fire(self, event: str, state: LoopState) -> None:
+        """Fire ``event`` on every plugin of the session that handles it, defaults first."""
+        for handler in self._handlers[event]:
+            handler(state)
+
+    def autocast(self) -> AbstractContextManager:
+        """Forwards in the run's precision (bf16 autocast, or nothing for fp32)."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def checkpoint_meta(self, t: int) -> dict:
+        """What a session-``t`` checkpoint of this run must match to be loaded."""
+        return session_meta(self.protocol, self.config, t)
+
+    # ------------------------------------------------------------------ model
+
+    def new_model(self, num_classes: int) -> Segmenter:
+        torch.manual_seed(self.seed)
+        cfg = self.config
+        model = create_segmenter(
+            cfg.backbone,
+            self.protocol.spatial_dims,
+            self.protocol.in_channels,
+            num_classes,
+            cosine=cfg.classifier == "cosine",
+            temperature=cfg.temperature,
+            **cfg.backbone_args,
+        )
+        if cfg.patch_size is not None:
+            if len(cfg.patch_size) != self.protocol.spatial_dims:
+                raise ConfigError(
+                    f"patch_size={cfg.patch_size}: needs {self.protocol.spatial_dims} entries for this protocol"
+                )
+            model.backbone.check_input_size(tuple(cfg.patch_size), "patch_size")
+        else:
+            model.backbone.check_input_size(tuple(self.data[0].train.images.shape[2:]), "image size (patch_size=null)")
+        model = model.to(self.device)
+        if cfg.sync_batchnorm:
+            distributed.sync_batchnorm(model, self.device)
+        if self.memory_format is not None:
+            model = model.to(memory_format=self.memory_format)
+        if cfg.compile:
+            # in place, so parameter names (and checkpoints) stay the same; static shapes: one graph per input
+            # shape (batch remainders, evaluation sizes) is more robust than symbolic shapes
+            model.backbone.compile(dynamic=False)
+        return model
+
+    def initial_model(self, num_classes: int) -> Segmenter:
+        """The session-0 model: a fresh model plus the user's pretrained backbone weights, if any."""
+        model = self.new_model(num_classes)
+        if self.config.weights:
+            from jascl.networks.weights import load_backbone_weights
+
+            load_backbone_weights(model.backbone, self.config.weights)
+        return model
+
+    def load_session(self, folder: Path, session: int) -> tuple[Segmenter, PrototypeStore, dict]:
+        """Model, prototype store and metrics saved by :meth:`run_session` for ``session``."""
+        model = self.new_model(len(self.protocol.seen_classes(session)))
+        load_model(model, folder / "model.safetensors", self.checkpoint_meta(session))
+        store = PrototypeStore.load(folder / "prototypes.safetensors")
+        record = json.loads((folder / "metrics.json").read_text())
+        return model, store, record
+
+    # ------------------------------------------------------------------ helpers
+
+    def _labelled_dataset(self, t: int, augment: bool, crop: bool) -> LabelledDataset:
+        """Session ``t``'s labelled samples; ``crop``: to ``patch_size`` (training), else whole samples."""
+        session = self.protocol.sessions[t]
+        patch = self.config.patch_size
+        return LabelledDataset(
+            self.data[t].train,
+            session.classes,
+            session.other_classes,
+            augment=augment,
+            patch_size=patch if crop else None,
+            seed=derive_seed(self.seed, "augment", t),
+        )
+
+    @torch.no_grad()
+    def compute_prototypes(
+        self, model: Segmenter, t: int, classes: list[int], normalize_pixels: bool = False, per_sample: bool = False
+    ) -> dict[int, torch.Tensor]:
+        """Eq. 2 prototypes of ``classes`` from session ``t``'s labelled data (eval mode, no GAS noise).
+
+        With several processes each rank takes a share of the samples and the
+        sums (and per-sample prototypes) are gathered, so every rank gets those of the whole set.
+        ``normalize_pixels``: see :func:`jascl.engine.prototypes.per_sample_prototypes`.
+        ``per_sample``: return every sample's prototype, (N_c, D) per class, instead of their mean (D,).
+        The train/eval mode of every module is restored afterwards.
+        """
+        acc = PrototypeAccumulator(classes, normalize_pixels, keep_samples=per_sample)
+        dataset = self._labelled_dataset(t, augment=False, crop=False)
+        # whole samples: batch them only when they all have one size (real datasets vary)
+        uniform = getattr(self.data[t].train.images, "uniform", True)
+        loader = DataLoader(
+            Subset(dataset, distributed.shard(range(len(dataset)))), batch_size=self.config.batch_size if uniform else 1
+        )
+        with eval_mode(model), self.autocast():
+            for batch in loader:
+                out = model.forward_features(batch["image"].to(self.device))
+                acc.update(out.features, batch["label"].to(self.device))
+        acc.all_reduce(model.backbone.feature_channels)
+        return acc.samples() if per_sample else acc.compute()
+
+    def setup_model(self, model: Segmenter, t: int) -> None:
+        """Fire ``setup_model`` of session ``t`` on ``model`` alone (the classifier grows to its classes)."""
+        self.fire("setup_model", self.loop_state(t, model, PrototypeStore()))
+
+    def _freeze(self, state: LoopState) -> None:
+        """Apply the session's freezing policy (``state.freeze_incremental`` after session 0); sets ``state.frozen``."""
+        model, t = state.model, state.session.index
+        for p in model.parameters():
+            p.requires_grad_(True)
+        frozen = list(model.backbone.frozen_modules())  # e.g. SAM's image encoder, frozen in every session
+        if t > 0 and state.freeze_incremental == "all_but_classifier":
+            frozen = [model.backbone]
+        for module in frozen:
+            for p in module.parameters():
+                p.requires_grad_(False)
+        state.frozen = frozen
+
+    # ------------------------------------------------------------------ session
+
+    def run_session(
+        self,
+        t: int,
+        model: Segmenter,
+        prototypes: PrototypeStore,
+        out_dir: Path,
+        on_epoch: Callable[[int, float], None] | None = None,
+    ) -> dict:
+        """Train, evaluate and checkpoint session ``t``; returns its metrics record.
+
+        Every ``checkpoint_every`` epochs (and after the last), and every
+        ``checkpoint_steps`` training steps inside epochs, the session's whole
+        training state is written atomically to ``out_dir/progress.safetensors``;
+        if that file exists when the session starts, the session is set up as
+        usual and then continues from it, with bit-identical results on the same
+        machine and thread count. Only rank 0 writes files.
+        """
+        session = self.protocol.sessions[t]
+        started = time.time()
+        if self._stop_requested():
+            raise REQUEST.stopped(
+                f"before {self.method.name} session {t} ({session.name}); the sessions before it are saved"
+            )
+        torch.manual_seed(self.seed * 1000 + t)
+        state = self.loop_state(t, model, prototypes, out_dir)
+        self.fire("setup_model", state)
+        self._freeze(state)
+        self.fire("before_session", state)
+        self._train(state, out_dir, on_epoch)
+        self.fire("after_training", state)
+        self.fire("before_eval", state)
+        self.fire("evaluate", state)
+        self.fire("after_eval", state)
+        self.fire("after_session", state)
+        state.record.update(state.report)
+        state.record["seconds"] = round(time.time() - started, 1)
+        self.fire("save_session", state)
+        return state.record
+
+    def _train(self, state: LoopState, out_dir: Path, on_epoch: Callable[[int, float], None] | None) -> None:
+        """The session's epochs: optimiser, labelled loader, the per-step events and the in-session checkpoints."""
+        cfg, t, model = self.config, state.session.index, state.model
+        params = [p for p in model.parameters() if p.requires_grad]
+        lr = cfg.lr_base if t == 0 else cfg.lr_incremental
+        state.optimizer = self.method.make_optimizer(state, params, lr)
+        if state.optimizer is None:
+            state.optimizer = make_optimizer(cfg, params, lr)
+        for group in state.optimizer.param_groups:  # the schedule scales each group's rate at creation
+            group.setdefault("initial_lr", group["lr"])
+        if params and distributed.active():
+            ddp = distributed.wrap(_TrainForward(model), self.device, cfg.find_unused_parameters)
+            state.forward = lambda x: SegmenterOutput(*ddp(x))
+        loader = seeded_loader(
+            self._labelled_dataset(t, augment=cfg.augment, crop=True),
+            cfg.batch_size,
+            derive_seed(self.seed, "labelled", t),
+            **self.loader_options,
+        )
+        epochs = cfg.epochs_base if t == 0 else cfg.epochs_incremental
+        blockers = self.method.mid_epoch_blockers()
+        step_checkpoints = self._step_checkpoints(t, blockers)
+        alone = not distributed.active()  # one process acts on a stop signal at once, several at sync points
+        progress = SessionProgress(
+            out_dir / PROGRESS, self.method, {**self.checkpoint_meta(t), "session": t, "method": self.method.name}
+        )
+        resume = progress.restore(state, loader)
+        if resume is not None:
+            log.info("%s session %d: resuming %s from %s", self.method.name, t, resume.where, progress.path)
+        first_epoch = 0 if resume is None else resume.epoch + (0 if resume.inside else 1)
+        bar = tqdm(
+            range(first_epoch, epochs),
+            desc=f"{self.method.name} s{t} {state.session.name}",
+            unit="ep",
+            leave=False,
+            position=1,
+            disable=not (self.progress and distributed.is_main()),
+        )
+        for epoch in bar:
+            state.epoch = epoch
+            schedule_lr(state.optimizer, cfg, epoch, epochs)
+            model.train()
+            for module in state.frozen:
+                module.eval()
+            running = torch.zeros((), device=self.device)
+            steps, due = 0, False
+            if resume is not None and resume.step is not None and epoch == resume.epoch:
+                # the epoch's set-up (plugins' before_epoch, the loader's position) comes from the checkpoint
+                assert resume.loader_start is not None and resume.running is not None
+                self.fire("resume_epoch", state)
+                set_loader_position(loader, resume.loader_start)
+                running += resume.running.to(self.device)
+                steps = resume.step
+            else:
+                self.fire("before_epoch", state)
+            epoch_start = loader_position(loader)
+            n_steps = max(len(loader), self.method.epoch_iterations(state))
+            for batch in iterate_steps(loader, n_steps, start=steps):
+                state.batch = batch
+                self.fire("before_iteration", state)
+                total = state.closure()
+                self.fire("before_backward", state)
+                state.optimizer.zero_grad(set_to_none=True)
+                total.backward()
+                self.fire("after_backward", state)
+                self.fire("before_update", state)
+                state.optimizer.step()
+                self.fire("after_update", state)
+                state.iteration += 1
+                running += total.detach().float()
+                steps += 1
+                due = step_checkpoints and state.iteration % cfg.checkpoint_steps == 0
+                stop_now = alone and REQUEST.requested and not blockers
+                if (due or stop_now) and steps < n_steps:  # (at the epoch's last step: the epoch-end checkpoint)
+                    _, stop = progress.sync(state, running, steps, lr)
+                    progress.save(
+                        state, loader, epoch, inside={"step": steps, "running": running, "loader_start": epoch_start}
+                    )
+                    if stop:
+                        raise progress.stopped(state)
+            self.fire("after_epoch", state)
+            mean_loss, stop = progress.sync(state, running, steps, lr)
+            bar.set_postfix(loss=f"{mean_loss:.3f}")
+            log.info(
+                "%s session %d epoch %d: loss %.4f (%s)",
+                self.method.name,
+                t,
+                epoch,
+                mean_loss,
+                ", ".join(f"{k} {float(v.detach()):.4f}" for k, v in state.losses.items()),
+            )
+            if on_epoch:
+                on_epoch(epoch, mean_loss)
+            last = epoch == epochs - 1
+            if last or due or stop or (cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0):
+                progress.save(state, loader, epoch)
+            if stop:
+                raise progress.stopped(state)
+        bar.close()
+
+    def _step_checkpoints(self, t: int, blockers: list[str]) -> bool:
+        """Whether session ``t`` is also checkpointed inside epochs (``checkpoint_steps``; ``blockers``: the
+        method's plugins that cannot resume there)."""
+        if not self.config.checkpoint_steps:
+            return False
+        if blockers:
+            log.warning(
+                "%s session %d: checkpoint_steps=%d ignored, checkpoints at epoch ends only: plugin(s) %s "
+                "cannot resume inside an epoch",
+                self.method.name,
+                t,
+                self.config.checkpoint_steps,
+                ", ".join(blockers),
+            )
+            return False
+        return True
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank was asked to stop (a collective with several processes)."""
+        if not distributed.active():
+            return REQUEST.requested
+        flag = torch.full((1,), float(REQUEST.requested), device=self.device)
+        return bool(distributed.all_reduce_sum(flag).item() > 0)
+
+    def loop_state(
+        self, t: int, model: Segmenter, prototypes: PrototypeStore, out_dir: Path | None = None
+    ) -> LoopState:
+        """The state plugins see in session ``t`` (the batch and loss fields are filled by the loop)."""
+        protocol = self.protocol
+        state = LoopState(
+            protocol,
+            self.config,
+            self.method.name,
+            protocol.sessions[t],
+            self.data[t],
+            model,
+            self.device,
+            prototypes,
+            protocol.seen_classes(t),
+            seed=self.seed,
+            freeze_incremental=self.method.freeze_policy(self.config.freeze_incremental),
+            new_model=self.new_model,
+            compute_prototypes=lambda classes, **kw: self.compute_prototypes(model, t, classes, **kw),
+            previous_seen=protocol.seen_classes(t - 1) if t > 0 else [],
+            forward=model.forward_features,
+            autocast=self.autocast,
+            loader_options=self.loader_options,
+            out_dir=out_dir,
+        )
+        state.fire = lambda event: self.fire(event, state)
+
+        def closure() -> torch.Tensor:
+            batch = state.batch
+            assert batch is not None, "the loop sets the batch before the closure runs"
+            x = batch["image"].to(self.device, non_blocking=True)
+            if self.memory_format is not None:
+                x = x.contiguous(memory_format=self.memory_format)
+            labels = batch["label"]
+            if "ignore" in batch:  # flagged per sample by the dataset
+                state.has_ignore = bool(batch["ignore"].any())
+            else:  # a batch a plugin made: check on the host if it is there
+                state.has_ignore = bool((labels == IGNORE_INDEX).any()) if labels.device.type == "cpu" else None
+            state.target = state.class_index(labels.to(self.device, non_blocking=True))
+            with self.autocast():
+                state.output = state.forward(x)
+                state.losses = {}
+                self.fire("after_forward", state)
+            if not state.losses:
+                raise TrainingError(
+                    f"{self.method.name} session {t}: no loss term this step; a plugin that "
+                    "replaces the supervised loss must add one"
+                )
+            return functools.reduce(operator.add, state.losses.values())  # in insertion order, as sum() without 0
+
+        state.closure = closure
+        return state
+
+    def restore_session(self, t: int, folder: Path, model: Segmenter, prototypes: PrototypeStore) -> None:
+        """Tell the method that session ``t`` was reused from ``folder`` (not trained now).
+
+        Loads the plugins' saved extra state if the folder has any (a session this
+        method trained) and fires ``session_restored``.
+        """
+        extra = folder / "plugins.safetensors"
+        if extra.exists():
+            self.method.load_extra_state(load_tensors(extra))
+        state = self.loop_state(t, model, prototypes, folder)
+        self.fire("session_restored", state)
