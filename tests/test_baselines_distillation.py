@@ -19,19 +19,18 @@ from jascl.engine.config import resolve_config
 from jascl.errors import ConfigError
 from jascl.experiments.runner import ensure_base, run_benchmark
 from jascl.methods import Plugin
-from jascl.methods.baselines.distillation import (
+from jascl.methods.baselines.distillation._shared import (
     FeatureTap,
     absorbed_rows,
     background_merged_loss,
-    feature_distillation_loss,
-    frozen_copy,
-    kd_loss,
     merge_absorbed_probabilities,
     mib_init_new_rows,
     unbiased_cross_entropy,
     unbiased_kd_loss,
 )
-from jascl.methods.baselines.plop import (
+from jascl.methods.baselines.distillation.ilt import feature_distillation_loss
+from jascl.methods.baselines.distillation.lwf import kd_loss
+from jascl.methods.baselines.distillation.plop import (
     EntropyHistogram,
     entropy_thresholds,
     local_pod,
@@ -41,7 +40,7 @@ from jascl.methods.baselines.plop import (
     pod_distance,
     weighted_pseudo_label_ce,
 )
-from jascl.methods.baselines.prototype_replay import (
+from jascl.methods.baselines.replay._shared import (
     ClassStatistics,
     FeatureStatistics,
     ReplayStore,
@@ -52,6 +51,7 @@ from jascl.methods.baselines.prototype_replay import (
     sample_replay_features,
     uncertainty_constraint_loss,
 )
+from jascl.methods.common import frozen_copy
 from jascl.methods.registry import create_method
 from jascl.networks.base import create_segmenter
 from jascl.networks.classifier import PixelClassifier
@@ -352,7 +352,7 @@ def test_frozen_copy_leaves_the_rng_alone_and_taps_hook_layers():
 
 
 def test_teacher_is_copied_before_mibs_initialisation():
-    from jascl.methods.baselines.distillation import TeacherPlugin
+    from jascl.methods.baselines.distillation._shared import TeacherPlugin
 
     torch.manual_seed(0)
     make = lambda k: create_segmenter("unet", 2, 1, k, cosine=False, features=[4, 4, 8, 8, 8, 8])  # noqa: E731
@@ -381,9 +381,11 @@ def test_options_freeze_and_errors(toy_config):
     cfg = resolve_config(overrides=["method_args.mib.freeze=config", "method_args.plop.pod_scales=[1, 2]"])
     assert create_method("mib", cfg).plugins[0].freeze_incremental is None
     assert create_method("plop", cfg).plugins[0].o.pod_scales == [1, 2]
-    with pytest.raises(ConfigError, match="method_args.lwf.freeze='some'"):
+    with pytest.raises(
+        ConfigError, match=r"^method_args\.lwf\.freeze: must be one of config, none, all_but_classifier \(got 'some'\)$"
+    ):
         create_method("lwf", resolve_config(overrides=["method_args.lwf.freeze=some"]))
-    with pytest.raises(ConfigError, match="method_args.mib.init"):
+    with pytest.raises(ConfigError, match=r"^method_args\.mib\.init: must be one of mib, imprint \(got 'random'\)$"):
         create_method("mib", resolve_config(overrides=["method_args.mib.init=random"]))
     with pytest.raises(ConfigError, match="method_args.ilt.kd"):
         create_method("ilt", resolve_config(overrides=["method_args.ilt.kd=1"]))

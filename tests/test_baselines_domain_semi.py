@@ -22,30 +22,31 @@ from jascl.engine.loop import ContinualTrainer
 from jascl.engine.prototypes import PrototypeStore
 from jascl.errors import ConfigError
 from jascl.methods import Method, Plugin
-from jascl.methods.baselines.domain import (
+from jascl.methods.baselines.domain._shared import (
     MASKED_LOGIT,
-    MDILPlugin,
     adapter_sites,
-    decoder_prefixes,
     domain_distillation,
     domain_specific_keys,
 )
-from jascl.methods.baselines.semi import (
-    adaptive_lambda,
+from jascl.methods.baselines.domain.mdil import MDILPlugin
+from jascl.methods.baselines.semi.csl import (
     block_mask,
-    class_balanced_selection,
     confidence_features,
     csl_loss,
     csl_weights_from_features,
     cutmix_box,
-    retrieve_greedy,
     spectral_two_clusters,
+)
+from jascl.methods.baselines.semi.retrieve import retrieve_greedy
+from jascl.methods.baselines.semi.uad_ce import (
+    adaptive_lambda,
+    class_balanced_selection,
     uad_distillation,
     uad_keep_mask,
     uncertainty_from_samples,
 )
 from jascl.methods.registry import create_method
-from jascl.networks.base import create_segmenter
+from jascl.networks.base import Backbone, create_segmenter
 from jascl.protocols import parse_protocol
 
 # ---------------------------------------------------------------- fixtures
@@ -119,14 +120,11 @@ def test_mdil_domain_specific_keys_and_adapter_sites_of_unet():
 
 def test_mdil_decoder_of_monai_unet_and_unknown_backbone():
     model = create_segmenter("monai-unet", 2, 1, 3, feature_channels=8, channels=(8, 16, 32), strides=(2, 2))
-    assert decoder_prefixes(model.backbone) == ("out_norm.", "net.model.2.", "net.model.1.submodule.2.")
+    assert model.backbone.decoder_prefixes() == ("out_norm.", "net.model.2.", "net.model.1.submodule.2.")
 
-    class Odd(torch.nn.Module):
+    class Odd(Backbone):  # a backbone that does not name its decoder
         feature_channels = 4
         spatial_dims = 2
-
-        def frozen_modules(self):
-            return []
 
     odd = copy.copy(model)
     odd.backbone = Odd()

@@ -15,7 +15,7 @@ from jascl.engine.loop import ContinualTrainer
 from jascl.errors import ConfigError
 from jascl.experiments.runner import run_benchmark
 from jascl.methods import Method, Plugin
-from jascl.methods.baselines.fewshot_fecam import (
+from jascl.methods.baselines.fewshot.fecam import (
     FeCAMHead,
     FeCAMOptions,
     FeCAMPlugin,
@@ -26,7 +26,7 @@ from jascl.methods.baselines.fewshot_fecam import (
     shrink_covariance,
     tukey_transform,
 )
-from jascl.methods.baselines.fewshot_gaps import (
+from jascl.methods.baselines.fewshot.gaps import (
     GAPSOptions,
     GAPSPlugin,
     PasteParams,
@@ -38,15 +38,15 @@ from jascl.methods.baselines.fewshot_gaps import (
     uniform_interval_pick,
     vrfs_probabilities,
 )
-from jascl.methods.baselines.fewshot_ncfscil import (
+from jascl.methods.baselines.fewshot.ncfscil import (
     ETFClassifier,
     ProjectionHead,
     class_balance_weights,
     dot_regression_loss,
     simplex_etf,
 )
-from jascl.methods.baselines.fewshot_pifs import pifs_distillation, pifs_prototypes
-from jascl.methods.baselines.fewshot_subspace import anchor_distance, subspace_distance
+from jascl.methods.baselines.fewshot.pifs import pifs_distillation, pifs_prototypes
+from jascl.methods.baselines.fewshot.subspace import anchor_distance, subspace_distance
 from jascl.methods.registry import create_method
 
 MINE = ("pifs", "gaps", "nc-fscil", "fecam", "subspace")
@@ -472,8 +472,8 @@ def test_gaps_trains_on_synthetic_batches_only_and_stores_its_memory(runs):
 def test_pifs_imprints_normalised_prototypes_and_distils_from_the_warm_teacher(runs, tmp_path):
     from jascl.data.synthetic import load_or_generate
     from jascl.engine.prototypes import PrototypeStore
-    from jascl.methods.baselines.fewshot import eval_features, labelled_loader
-    from jascl.methods.baselines.fewshot_pifs import PIFSPlugin
+    from jascl.methods.baselines.fewshot._shared import eval_features, labelled_loader
+    from jascl.methods.baselines.fewshot.pifs import PIFSPlugin
 
     class Snap(Plugin):
         name = "snap"

@@ -261,19 +261,6 @@ def apply_mapping(target: Any, updates: Mapping[str, Any], source: str | None, p
             setattr(target, key, _coerce(value, current, full, source))
 
 
-def method_options(config: RunConfig, method: str, options: Any) -> Any:
-    """``options`` (a dataclass instance of defaults) updated from ``config.method_args[method]``.
-
-    Unknown keys and badly typed values raise a one-line :class:`ConfigError`
-    naming ``method_args.<method>.<key>``.
-    """
-    given = config.method_args.get(method) or {}
-    if not isinstance(given, Mapping):
-        raise ConfigError(f"method_args.{method}: must be a mapping of option: value (got {given!r})")
-    apply_mapping(options, given, "config", prefix=f"method_args.{method}.")
-    return options
-
-
 def parse_overrides(items: list[str]) -> dict:
     """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML)."""
     out: dict = {}

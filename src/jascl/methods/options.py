@@ -124,8 +124,30 @@ def read_options(cls: type[T], config: RunConfig, key: str) -> T:
         raise ConfigError(f"method_args.{key}: must be a mapping of option: value (got {given!r})")
     options = cls()
     apply_mapping(options, given, None, prefix=f"method_args.{key}.")
+    _numbers(options, f"method_args.{key}")
     check_options(options, f"method_args.{key}")
     return options
+
+
+def _numbers(options: Any, prefix: str) -> None:
+    """Optional numeric options (default None) as numbers: a YAML 1.1 "1e-2" string becomes 0.01, a non-number
+    is a one-line error. (Options with a numeric default are checked by :func:`apply_mapping` already.)"""
+    hints = typing.get_type_hints(type(options))
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if dataclasses.is_dataclass(value):
+            _numbers(value, f"{prefix}.{f.name}")
+            continue
+        numeric = {t for t in typing.get_args(hints.get(f.name)) if t in (int, float)}
+        if not numeric or value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            continue
+        try:
+            number = float(value) if isinstance(value, str) else None
+        except ValueError:
+            number = None
+        if number is None or (int in numeric and float not in numeric and not number.is_integer()):
+            raise ConfigError(f"{prefix}.{f.name}: must be a number or null (got {value!r})")
+        setattr(options, f.name, int(number) if float not in numeric else number)
 
 
 def _type_name(f: dataclasses.Field, owner: type) -> str:

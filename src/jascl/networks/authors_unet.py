@@ -73,6 +73,8 @@ class AuthorsUNet(Backbone):
         norm: "batch" (the authors') or "instance".
     """
 
+    decoder_prefix = ("up.",)
+
     layer_aliases = {"encoder": "down.4.2.conv", "decoder": "up.1.1.conv"}
 
     def __init__(

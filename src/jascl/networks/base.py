@@ -30,6 +30,13 @@ class Backbone(nn.Module):
     layer_aliases: dict[str, str] = {}
     #: input sizes must be multiples of this, and at least twice it (None = any size)
     size_divisor: int | None = None
+    #: module-path prefixes (below the backbone) of its decoder: what methods with per-domain decoders
+    #: (MDIL) duplicate; empty = the backbone does not say
+    decoder_prefix: tuple[str, ...] = ()
+
+    def decoder_prefixes(self) -> tuple[str, ...] | None:
+        """The decoder's module-path prefixes below the backbone (None: unknown for this backbone)."""
+        return tuple(self.decoder_prefix) or None
 
     def frozen_modules(self) -> list[nn.Module]:
         """Modules that stay frozen in every session, the base session included.

@@ -53,6 +53,8 @@ class DeepLabV3PlusBackbone(Backbone):
         aspp_dropout: dropout after the ASPP projection.
     """
 
+    decoder_prefix = ("net.decoder.",)
+
     size_divisor = 16
 
     def __init__(

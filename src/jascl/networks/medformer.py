@@ -235,6 +235,8 @@ class MedFormer(Backbone):
         act: "relu" (authors), "gelu" or "lrelu".
     """
 
+    decoder_prefix = ("up.", "map_proj.")
+
     size_divisor = 16  # four 2x poolings; the bottom keeps >= 2 voxels for instance norm
 
     def __init__(

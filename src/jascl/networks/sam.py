@@ -67,6 +67,8 @@ class SAMBackbone(Backbone):
         use_neck: apply SAM's neck (conv 1x1 + LN + conv 3x3 + LN) before the projection.
     """
 
+    decoder_prefix = ("decoder.",)
+
     size_divisor = 16
 
     def __init__(

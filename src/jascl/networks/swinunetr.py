@@ -35,6 +35,8 @@ class SwinUNETRBackbone(Backbone):
         use_v2: SwinUNETR-v2 (residual conv blocks at each stage).
     """
 
+    decoder_prefix = ("net.decoder",)
+
     layer_aliases = {
         "encoder": "net.swinViT.layers4.0.blocks.0.mlp.linear2",
         "decoder": "net.decoder3.conv_block.conv2.conv",

@@ -27,6 +27,8 @@ class MonaiUNet(Backbone):
         dropout: dropout probability inside the blocks.
     """
 
+    decoder_prefix = ("net.upcat_",)
+
     layer_aliases = {"encoder": "net.down_4.convs.conv_1.conv", "decoder": "net.upcat_1.convs.conv_0.conv"}
     size_divisor = 16  # four 2x poolings; instance norm needs more than one voxel at the bottom
 
@@ -84,6 +86,14 @@ class MonaiResUNet(Backbone):
         act: MONAI activation spec, also used for the output activation.
         dropout: dropout probability inside the blocks.
     """
+
+    def decoder_prefixes(self) -> tuple[str, ...]:
+        """MONAI's nested UNet: the up-path block of every level, and the output norm."""
+        found, prefix = ["out_norm."], "net.model."
+        while _has_module(self, prefix + "2"):
+            found.append(prefix + "2.")
+            prefix += "1.submodule."
+        return tuple(found)
 
     def __init__(
         self,
@@ -150,3 +160,11 @@ def _middle_up_conv(convs: list[str], levels: int) -> str:
 @BACKBONES.register("monai-unet", doc="MONAI UNet with residual units (2D/3D), normalised features at input resolution")
 def monai_unet(spatial_dims: int = 2, in_channels: int = 1, **kwargs) -> Backbone:
     return MonaiResUNet(spatial_dims=spatial_dims, in_channels=in_channels, **kwargs)
+
+
+def _has_module(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False

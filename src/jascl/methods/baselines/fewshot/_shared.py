@@ -1,28 +1,5 @@
-"""Few-shot class-incremental baselines: shared helpers.
-
-The methods live in one module each (all registered on import):
-
-* ``pifs``     -- :mod:`.fewshot_pifs`     (Cermelli et al., BMVC 2021)
-* ``gaps``     -- :mod:`.fewshot_gaps`     (Qiu et al., CVPR Workshops 2023)
-* ``nc-fscil`` -- :mod:`.fewshot_ncfscil`  (Yang et al., ICLR 2023)
-* ``fecam``    -- :mod:`.fewshot_fecam`    (Goswami et al., NeurIPS 2023)
-* ``subspace`` -- :mod:`.fewshot_subspace` (Akyurek et al., ICLR 2022)
-
-Left out, because a faithful segmentation version needs machinery the paper
-gives no segmentation recipe for and a loose one would not be worth comparing:
-C-FSCIL (Hersche et al., CVPR 2022: a meta-learned backbone and a
-hyperdimensional fully-connected reduction trained episodically), FACT
-(Zhou et al., CVPR 2022: virtual-class base training with manifold mixup of
-instances), SoftNet (Kang et al., ICLR 2023: learned soft/binary masks over
-every backbone weight) and FSCIL-SS (cited by an IEEE document number only;
-probably Cui et al., "Uncertainty-Guided Semi-Supervised Few-Shot
-Class-Incremental Learning With Knowledge Distillation", IEEE TMM, but this
-could not be confirmed, and no official code was found).
-
-This module holds what several of them share: the frozen copy of the model at
-the start of a session, a loader over the session's labelled data with its
-training labels, and the ``freeze`` option.
-"""
+"""What the few-shot baselines share: the frozen copy of the model at the start of a session, the labelled set
+with its training labels (augmented as in training), and features in eval mode."""
 
 from __future__ import annotations
 
@@ -33,29 +10,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from jascl.data.datasets import LabelledDataset
-from jascl.errors import ConfigError
 from jascl.methods.gas import clean_state_dict
 
 if TYPE_CHECKING:
     from jascl.engine.state import LoopState
     from jascl.networks.base import Segmenter
-
-FREEZE_CHOICES = ("config", "none", "all_but_classifier")
-
-
-def freeze_policy(value: str, method: str) -> str | None:
-    """The plugin's ``freeze_incremental`` for a method's ``freeze`` option.
-
-    Args:
-        value: "config" (the run configuration's policy), "none" or "all_but_classifier".
-        method: method name, for the error message.
-
-    Returns:
-        None for "config", else ``value``.
-    """
-    if value not in FREEZE_CHOICES:
-        raise ConfigError(f"method_args.{method}.freeze: must be one of {', '.join(FREEZE_CHOICES)} (got {value!r})")
-    return None if value == "config" else value
 
 
 def frozen_copy(state: LoopState) -> Segmenter:

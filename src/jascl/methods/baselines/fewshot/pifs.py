@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from jascl.engine.config import method_options
 from jascl.engine.plugin import Method, Plugin
-from jascl.methods.baselines.fewshot import eval_features, freeze_policy, frozen_copy, labelled_loader, resize_features
+from jascl.methods.baselines.fewshot._shared import eval_features, frozen_copy, labelled_loader, resize_features
+from jascl.methods.options import freeze_option, freeze_policy
 from jascl.methods.registry import METHODS
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ class PIFSOptions:
     weight: float = 10.0
     alpha: float = 1.0
     clip: float = 10.0
-    freeze: str = "none"
+    freeze: str = freeze_option("none")
 
 
 class PIFSPlugin(Plugin):
@@ -138,7 +138,7 @@ class PIFSPlugin(Plugin):
 
     def __init__(self, options: PIFSOptions | None = None) -> None:
         self.options = options or PIFSOptions()
-        self.freeze_incremental = freeze_policy(self.options.freeze, "pifs")
+        self.freeze_incremental = freeze_policy(self.options.freeze)
         self.teacher = None
 
     def before_session(self, state: LoopState) -> None:
@@ -169,9 +169,13 @@ class PIFSPlugin(Plugin):
         self.teacher = None
 
 
-@METHODS.register("pifs", doc="baseline: prototype init + warm-started distillation (Cermelli et al., BMVC 2021)")
-def pifs(config: RunConfig) -> Method:
-    options = method_options(config, "pifs", PIFSOptions())
+@METHODS.register(
+    "pifs",
+    options=PIFSOptions,
+    paper="Cermelli et al., BMVC 2021",
+    doc="baseline: prototype init + warm-started distillation",
+)
+def pifs(options: PIFSOptions, config: RunConfig) -> Method:
     return Method(
         "pifs",
         [PIFSPlugin(options)],

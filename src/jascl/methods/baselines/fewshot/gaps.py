@@ -62,10 +62,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jascl.engine.config import method_options
 from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
-from jascl.methods.baselines.fewshot import eval_features, freeze_policy, frozen_copy, labelled_loader, resize_features
+from jascl.methods.baselines.fewshot._shared import eval_features, frozen_copy, labelled_loader, resize_features
+from jascl.methods.options import freeze_option, freeze_policy
 from jascl.methods.registry import METHODS
 
 if TYPE_CHECKING:
@@ -225,7 +225,7 @@ class GAPSOptions:
     feature_weight: float = 0.1
     backbone_lr_scale: float = 0.1
     freeze_bn: bool = True
-    freeze: str = "none"
+    freeze: str = freeze_option("none")
 
 
 @dataclass
@@ -268,7 +268,7 @@ class GAPSPlugin(Plugin):
                 raise ConfigError(f"method_args.gaps.{key}: must be in [0, 1] (got {getattr(o, key)})")
         if o.pastes < 0 or o.backbone_lr_scale < 0 or o.feature_weight < 0:
             raise ConfigError("method_args.gaps: pastes, backbone_lr_scale and feature_weight must be >= 0")
-        self.freeze_incremental = freeze_policy(o.freeze, "gaps")
+        self.freeze_incremental = freeze_policy(o.freeze)
         self.memory_images: list[torch.Tensor] = []
         self.memory_labels: list[torch.Tensor] = []
         self.pool: list[PoolEntry] = []
@@ -479,7 +479,11 @@ class GAPSPlugin(Plugin):
         ]
 
 
-@METHODS.register("gaps", doc="baseline: guided copy-paste synthesis with a base-image memory (Qiu et al., CVPRW 2023)")
-def gaps(config: RunConfig) -> Method:
-    options = method_options(config, "gaps", GAPSOptions())
+@METHODS.register(
+    "gaps",
+    options=GAPSOptions,
+    paper="Qiu et al., CVPR Workshops 2023",
+    doc="baseline: guided copy-paste synthesis with a base-image memory",
+)
+def gaps(options: GAPSOptions, config: RunConfig) -> Method:
     return Method("gaps", [GAPSPlugin(options)], "GAPS: guided copy-paste synthesis from a diverse base-image memory")

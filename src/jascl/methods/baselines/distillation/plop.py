@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,17 +20,9 @@ import torch.nn.functional as F
 from jascl.engine.defaults import default_supervised_loss
 from jascl.engine.plugin import Method
 from jascl.errors import ConfigError
-from jascl.methods.baselines.distillation import (
-    INIT_CHOICES,
-    FeatureTap,
-    TeacherPlugin,
-    check_choice,
-    check_non_negative,
-    freeze_policy,
-    labelled_loader,
-    soft_dice_loss,
-    taught_rows,
-)
+from jascl.methods.baselines.distillation._shared import FeatureTap, TeacherPlugin, soft_dice_loss, taught_rows
+from jascl.methods.common import labelled_loader
+from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
 from jascl.protocols.schema import IGNORE_INDEX
 
@@ -214,17 +206,17 @@ class PLOPOptions:
         freeze: incremental-session freezing ("none": PLOP fine-tunes the network).
     """
 
-    pod_weight: float = 0.01
-    pod_logits_weight: float = 0.0005
-    pod_scales: list = field(default_factory=lambda: [1, 2, 4])
-    pod_layers: list = field(default_factory=lambda: ["encoder", "decoder"])
+    pod_weight: float = option(0.01, ge=0)
+    pod_logits_weight: float = option(0.0005, ge=0)
+    pod_scales: list = option([1, 2, 4])
+    pod_layers: list = option(["encoder", "decoder"])
     pod_schedule: bool = True
-    min_threshold: float = 0.001
-    bins: int = 100
+    min_threshold: float = option(0.001, ge=0)
+    bins: int = option(100, ge=2)
     adaptive_factor: bool = True
-    init: str = "mib"
+    init: str = option("mib", choices=("mib", "imprint"))
     dice: bool = True
-    freeze: str = "none"
+    freeze: str = freeze_option("none")
 
 
 class PLOPPlugin(TeacherPlugin):
@@ -325,20 +317,15 @@ class PLOPPlugin(TeacherPlugin):
 
 
 @METHODS.register(
-    "plop", doc="baseline: entropy pseudo-labels of the background + Local POD (Douillard et al., CVPR 2021)"
+    "plop",
+    options=PLOPOptions,
+    paper="Douillard et al., CVPR 2021",
+    doc="baseline: entropy pseudo-labels of the background + Local POD",
 )
-def plop(config: RunConfig) -> Method:
-    from jascl.engine.config import method_options
-
-    o = method_options(config, "plop", PLOPOptions())
-    check_non_negative(
-        "plop", pod_weight=o.pod_weight, pod_logits_weight=o.pod_logits_weight, min_threshold=o.min_threshold
-    )
-    check_choice("plop", "init", o.init, INIT_CHOICES)
+def plop(o: PLOPOptions, config: RunConfig) -> Method:
+    """PLOP: the old model's confident background pixels as pseudo-labels, and Local POD distillation."""
     if not o.pod_scales or not all(isinstance(s, int) and s > 0 for s in o.pod_scales):
         raise ConfigError(f"method_args.plop.pod_scales={o.pod_scales!r}: must be a list of positive integers")
     if not all(isinstance(s, str) for s in o.pod_layers):
         raise ConfigError(f"method_args.plop.pod_layers={o.pod_layers!r}: must be a list of layer names")
-    if o.bins < 2:
-        raise ConfigError(f"method_args.plop.bins={o.bins}: must be >= 2")
-    return Method("plop", [PLOPPlugin(o, freeze_policy("plop", o.freeze))], "PLOP: pseudo-labels + Local POD")
+    return Method("plop", [PLOPPlugin(o, freeze_policy(o.freeze))], "PLOP: pseudo-labels + Local POD")

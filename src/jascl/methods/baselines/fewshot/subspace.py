@@ -50,10 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jascl.engine.config import method_options
 from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
-from jascl.methods.baselines.fewshot import labelled_loader
+from jascl.methods.baselines.fewshot._shared import labelled_loader
 from jascl.methods.registry import METHODS
 
 if TYPE_CHECKING:
@@ -218,8 +217,10 @@ class SubspacePlugin(Plugin):
 
 
 @METHODS.register(
-    "subspace", doc="baseline: subspace regulariser on new classifier rows + anchors (Akyurek et al., ICLR 2022)"
+    "subspace",
+    options=SubspaceOptions,
+    paper="Akyurek et al., ICLR 2022",
+    doc="baseline: subspace regulariser on new classifier rows + anchors",
 )
-def subspace(config: RunConfig) -> Method:
-    options = method_options(config, "subspace", SubspaceOptions())
+def subspace(options: SubspaceOptions, config: RunConfig) -> Method:
     return Method("subspace", [SubspacePlugin(options)], "Subspace regularisers: new rows pulled to the base-row span")

@@ -69,167 +69,35 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
 from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
+from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
 
 if TYPE_CHECKING:
     from jascl.engine.config import RunConfig
     from jascl.engine.state import LoopState
     from jascl.networks.base import Segmenter
+from jascl.methods.baselines.domain._shared import (
+    MASKED_LOGIT,
+    DomainParameters,
+    _decode,
+    _encode,
+    _site_key,
+    adapter_sites,
+    domain_distillation,
+    domain_key,
+    domain_specific_keys,
+)
 
 log = logging.getLogger("jascl")
-
-FREEZE_CHOICES = ("config", "none", "all_but_classifier")
-
-#: decoder module prefixes (below ``backbone.``) per backbone class; MONAI's nested UNet is walked instead
-DECODER_PREFIXES: dict[str, tuple[str, ...]] = {
-    "MonaiUNet": ("net.upcat_",),
-    "AuthorsUNet": ("up.",),
-    "MedFormer": ("up.", "map_proj."),
-    "DeepLabV3PlusBackbone": ("net.decoder.",),
-    "SwinUNETRBackbone": ("net.decoder",),
-    "SAMBackbone": ("decoder.",),
-}
-
-#: logit given to classifier rows a domain's head does not have (softmax -> 0)
-MASKED_LOGIT = -1e9
-
-
-def freeze_policy(value: str, method: str) -> str | None:
-    """The plugin's ``freeze_incremental`` for a ``freeze`` option ("config" -> None = the run's policy)."""
-    if value not in FREEZE_CHOICES:
-        raise ConfigError(f"method_args.{method}.freeze: must be one of {', '.join(FREEZE_CHOICES)} (got {value!r})")
-    return None if value == "config" else value
-
-
-def domain_key(domains: tuple[str, ...] | list[str]) -> str:
-    """The key of a session's domain set: sorted names joined by "+" (one domain -> its name)."""
-    return "+".join(sorted(domains))
-
-
-def decoder_prefixes(backbone: nn.Module) -> tuple[str, ...] | None:
-    """Decoder module prefixes of a registered backbone (relative to it), or None if unknown."""
-    name = type(backbone).__name__
-    if name == "MonaiResUNet":
-        found, prefix = ["out_norm."], "net.model."
-        while _has_module(backbone, prefix + "2"):
-            found.append(prefix + "2.")
-            prefix += "1.submodule."
-        return tuple(found)
-    return DECODER_PREFIXES.get(name)
-
-
-def _has_module(module: nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
-
-
-def _is_norm(module: nn.Module) -> bool:
-    if isinstance(module, (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)):
-        return True
-    # other norms (SAM's LayerNorm2d): a leaf module whose class is named like one
-    return "Norm" in type(module).__name__ and not list(module.children())
-
-
-def _frozen_prefixes(model: Segmenter) -> list[str]:
-    frozen = {id(m) for m in model.backbone.frozen_modules()}
-    return [f"backbone.{n}." for n, m in model.backbone.named_modules() if id(m) in frozen]
-
-
-def domain_specific_keys(model: Segmenter, decoder: tuple[str, ...] | None = None) -> list[str]:
-    """State-dict keys of ``model`` that MDIL keeps per domain (see the module docstring).
-
-    Args:
-        model: a Segmenter.
-        decoder: decoder prefixes below ``backbone.`` (None = :func:`decoder_prefixes`).
-
-    Raises:
-        ConfigError: the backbone's decoder is unknown and no prefixes were given.
-    """
-    if decoder is None:
-        decoder = decoder_prefixes(model.backbone)
-        if decoder is None:
-            raise ConfigError(
-                f"method mdil: no known decoder for backbone {type(model.backbone).__name__}; "
-                "name its decoder modules with --set method_args.mdil.decoder=[prefix, ...]"
-            )
-    frozen = _frozen_prefixes(model)
-    keys = set()
-    for name, module in model.backbone.named_modules():
-        if _is_norm(module):
-            keys.update(f"backbone.{name}.{k}" for k, _ in module.named_parameters(recurse=False))
-            keys.update(f"backbone.{name}.{k}" for k, _ in module.named_buffers(recurse=False))
-    for key in model.state_dict():
-        if key.startswith("backbone.") and any(key[len("backbone.") :].startswith(p) for p in decoder):
-            keys.add(key)
-        if key.startswith("classifier."):
-            keys.add(key)
-    return sorted(k for k in keys if not any(k.startswith(f) for f in frozen))
-
-
-def adapter_sites(model: Segmenter, specific: list[str]) -> dict[str, nn.Module]:
-    """Shared convolutions that get a parallel 1x1 adapter: {module path in the Segmenter: conv}.
-
-    A site is an ``nn.Conv2d``/``nn.Conv3d`` outside the decoder, the classifier
-    and the frozen modules, with a spatial kernel, one group and "same"
-    geometry (2 * padding == dilation * (kernel - 1) on every axis), so a 1x1
-    convolution with its stride produces an output of the same size.
-    """
-    specific_modules = {k.rsplit(".", 1)[0] for k in specific}
-    frozen = _frozen_prefixes(model)
-    sites = {}
-    for name, module in model.named_modules():
-        path = name + "."
-        if not isinstance(module, (nn.Conv2d, nn.Conv3d)) or any(path.startswith(f) for f in frozen):
-            continue
-        if name in specific_modules or not name.startswith("backbone."):
-            continue
-        if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
-            continue
-        kernel, pad, dil = module.kernel_size, module.padding, module.dilation
-        if all(k == 1 for k in kernel) or any(2 * p != d * (k - 1) for k, p, d in zip(kernel, pad, dil)):
-            continue
-        sites[name] = module
-    return sites
-
-
-def domain_distillation(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over pixels of KL(softmax(teacher) || softmax(student)) over classes (MDIL's L_KD).
-
-    Computed in float64 so that the tiny divergences of a barely changed model
-    do not vanish in rounding.
-
-    Args:
-        student_logits, teacher_logits: (B, K, *spatial); the teacher side is detached.
-    """
-    log_p = F.log_softmax(student_logits.double(), dim=1)
-    log_q = F.log_softmax(teacher_logits.detach().double(), dim=1)
-    return (log_q.exp() * (log_q - log_p)).sum(dim=1).mean().to(student_logits.dtype)
-
-
-@dataclass
-class DomainParameters:
-    """One domain's copy of the domain-specific parameters.
-
-    Attributes:
-        params: state-dict key -> tensor (the Segmenter's domain-specific entries).
-        rows: global class ids of the domain's head rows (row 0 = background).
-    """
-
-    params: dict[str, torch.Tensor] = field(default_factory=dict)
-    rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -241,17 +109,17 @@ class MDILOptions:
         shared_lr_ratio: learning rate of the shared parameters / the session's
             learning rate (official code: 5e-6 / 5e-4 = 0.01).
         adapters: use the parallel residual adapters (MDIL's RAPs).
-        decoder: decoder prefixes below ``backbone.`` for a backbone not in the
-            built-in table (empty = the table).
+        decoder: decoder prefixes below ``backbone.`` for a backbone that does not name its
+            decoder (empty = the backbone's own ``decoder_prefixes()``).
         freeze: "none" (default: MDIL trains shared and domain-specific
             backbone parameters), "config" or "all_but_classifier".
     """
 
-    kd_weight: float = 0.1
-    shared_lr_ratio: float = 0.01
+    kd_weight: float = option(0.1, ge=0)
+    shared_lr_ratio: float = option(0.01, ge=0)
     adapters: bool = True
-    decoder: list = field(default_factory=list)
-    freeze: str = "none"
+    decoder: list = option([])
+    freeze: str = freeze_option("none")
 
 
 class MDILPlugin(Plugin):
@@ -526,32 +394,19 @@ class MDILPlugin(Plugin):
         self.active = self.current
 
 
-def _site_key(name: str) -> str:
-    return name.replace(".", "__")  # ModuleDict keys cannot hold dots
-
-
-def _encode(text: str) -> torch.Tensor:
-    return torch.tensor(list(text.encode()), dtype=torch.uint8)
-
-
-def _decode(tensor: torch.Tensor) -> str:
-    return bytes(tensor.tolist()).decode()
-
-
 @METHODS.register(
     "mdil",
-    doc="baseline: shared encoder + per-domain adapters, norms, decoder and head; "
-    "old-branch distillation (Garg et al., WACV 2022)",
+    options=MDILOptions,
+    paper="Garg et al., WACV 2022",
+    doc="baseline: shared encoder + per-domain adapters, norms, decoder and head; old-branch distillation",
 )
-def mdil(config: RunConfig) -> Method:
-    from jascl.engine.config import method_options
-
-    o = method_options(config, "mdil", MDILOptions())
+def mdil(o: MDILOptions, config: RunConfig) -> Method:
+    """MDIL: domain-specific parameters per domain on a shared encoder (see the module docstring)."""
     plugin = MDILPlugin(
         kd_weight=o.kd_weight,
         shared_lr_ratio=o.shared_lr_ratio,
         adapters=o.adapters,
         decoder=tuple(o.decoder) or None,
-        freeze=freeze_policy(o.freeze, "mdil"),
+        freeze=freeze_policy(o.freeze),
     )
     return Method("mdil", [plugin], "MDIL: domain-specific parameters per domain, shared encoder")

@@ -55,11 +55,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jascl.engine.config import method_options
 from jascl.engine.plugin import Method, Plugin
 from jascl.engine.prototypes import align_labels
 from jascl.errors import ConfigError
-from jascl.methods.baselines.fewshot import eval_features, labelled_loader
+from jascl.methods.baselines.fewshot._shared import eval_features, labelled_loader
 from jascl.methods.registry import METHODS
 
 if TYPE_CHECKING:
@@ -330,8 +329,10 @@ class FeCAMPlugin(Plugin):
 
 
 @METHODS.register(
-    "fecam", doc="baseline: frozen backbone, per-class Mahalanobis classifier (Goswami et al., NeurIPS 2023)"
+    "fecam",
+    options=FeCAMOptions,
+    paper="Goswami et al., NeurIPS 2023",
+    doc="baseline: frozen backbone, per-class Mahalanobis classifier",
 )
-def fecam(config: RunConfig) -> Method:
-    options = method_options(config, "fecam", FeCAMOptions())
+def fecam(options: FeCAMOptions, config: RunConfig) -> Method:
     return Method("fecam", [FeCAMPlugin(options)], "FeCAM: training-free incremental sessions, Mahalanobis prediction")

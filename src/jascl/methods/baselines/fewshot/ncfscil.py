@@ -61,11 +61,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jascl.engine.config import method_options
 from jascl.engine.plugin import Method, Plugin
 from jascl.engine.prototypes import align_labels
 from jascl.errors import ConfigError
-from jascl.methods.baselines.fewshot import eval_features, labelled_loader
+from jascl.methods.baselines.fewshot._shared import eval_features, labelled_loader
 from jascl.methods.registry import METHODS
 from jascl.protocols.schema import IGNORE_INDEX
 
@@ -347,8 +346,10 @@ class NCFSCILPlugin(Plugin):
 
 
 @METHODS.register(
-    "nc-fscil", doc="baseline: fixed simplex-ETF classifier + projection head, DR loss (Yang et al., ICLR 2023)"
+    "nc-fscil",
+    options=NCFSCILOptions,
+    paper="Yang et al., ICLR 2023",
+    doc="baseline: fixed simplex-ETF classifier + projection head, DR loss",
 )
-def nc_fscil(config: RunConfig) -> Method:
-    options = method_options(config, "nc-fscil", NCFSCILOptions())
+def nc_fscil(options: NCFSCILOptions, config: RunConfig) -> Method:
     return Method("nc-fscil", [NCFSCILPlugin(options)], "NC-FSCIL: neural-collapse-inspired fixed ETF classifier")

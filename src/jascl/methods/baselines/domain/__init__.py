@@ -1,0 +1,1 @@
+"""Domain-incremental baselines: MDIL (per-domain decoders and adapters on a shared encoder)."""

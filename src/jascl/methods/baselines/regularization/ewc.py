@@ -1,0 +1,340 @@
+"""EWC (Kirkpatrick et al., PNAS 2017) and online EWC (Schwarz et al., ICML 2018): quadratic penalties weighted
+by the diagonal Fisher information of earlier sessions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from jascl.engine.plugin import Method, Plugin
+from jascl.methods.options import freeze_option, freeze_policy, option
+from jascl.methods.registry import METHODS
+from jascl.protocols.schema import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from jascl.engine.config import RunConfig
+    from jascl.engine.state import LoopState
+from jascl.methods.baselines.regularization._shared import incremental_parameters, leading_rows, pad_rows
+
+
+def ewc_penalty(
+    params: Mapping[str, torch.Tensor], anchors: Mapping[str, torch.Tensor], fisher: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """Sum_i F_i (theta_i - theta*_i)^2 over the parameters named in ``fisher`` (Kirkpatrick et al. 2017, eq. 3
+    without the lambda/2 factor).
+
+    Args:
+        params: name -> current parameter (any shape; may have more leading rows than its anchor).
+        anchors: name -> theta* (the parameter at the end of the anchored session).
+        fisher: name -> diagonal Fisher information, shaped like the anchor.
+
+    Returns:
+        0-dim tensor, differentiable w.r.t. ``params``.
+    """
+    total = None
+    for name, f in fisher.items():
+        theta = leading_rows(params[name], anchors[name])
+        term = (f * (theta - anchors[name]) ** 2).sum()
+        total = term if total is None else total + term
+    if total is None:
+        return torch.zeros(())
+    return total
+
+
+def segmentation_log_likelihood(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-image log-likelihood used for the Fisher: minus the mean cross-entropy over labelled pixels.
+
+    Args:
+        logits: (1, K, *spatial).
+        target: (1, *spatial) classifier rows, 255 = ignore.
+    """
+    return -F.cross_entropy(logits, target, ignore_index=255)
+
+
+def fisher_diagonal(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    samples: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    params: Mapping[str, torch.Tensor],
+    labels: str = "empirical",
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
+    """Diagonal Fisher information: the mean over samples of the squared per-sample gradient of the log-likelihood.
+
+    A "sample" is one image/volume; its log-likelihood is minus the mean pixel
+    cross-entropy (:func:`segmentation_log_likelihood`). Kirkpatrick et al. (2017)
+    use the Fisher at theta*; "empirical" takes the gradient at the ground-truth
+    labels, "sampled" at labels drawn per pixel from the model's own softmax (the
+    true Fisher, estimated with one draw per image).
+
+    Args:
+        model: maps (1, C_in, *spatial) to logits (1, K, *spatial'); put it in the
+            mode you want (eval mode keeps BatchNorm statistics untouched).
+        samples: (image (1, C_in, *spatial), target (1, *spatial) classifier rows, 255 = ignore).
+        params: name -> parameter to measure (``requires_grad`` must be True).
+        labels: "empirical" or "sampled".
+        generator: random stream for "sampled".
+
+    Returns:
+        name -> tensor shaped like the parameter (zeros if no sample had a labelled pixel).
+    """
+    if labels not in ("empirical", "sampled"):
+        raise ValueError(f"labels must be 'empirical' or 'sampled' (got {labels!r})")
+    names = list(params)
+    tensors = [params[n] for n in names]
+    total = [torch.zeros_like(p, dtype=torch.float32) for p in tensors]
+    count = 0
+    for image, target in samples:
+        logits = model(image)
+        if logits.shape[2:] != target.shape[1:]:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match target {tuple(target.shape)}")
+        if labels == "sampled":
+            probs = logits.detach().softmax(1).movedim(1, -1).reshape(-1, logits.shape[1])
+            drawn = torch.multinomial(probs.cpu(), 1, generator=generator).view(target.shape).to(target.device)
+            target = drawn
+        elif not (target != IGNORE_INDEX).any():
+            continue
+        grads = torch.autograd.grad(segmentation_log_likelihood(logits, target), tensors, allow_unused=True)
+        for acc, g in zip(total, grads):
+            if g is not None:
+                acc += g.detach().float() ** 2
+        count += 1
+    return {n: t / max(count, 1) for n, t in zip(names, total)}
+
+
+def online_fisher_update(
+    accumulated: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor], gamma: float
+) -> dict[str, torch.Tensor]:
+    """Online EWC's running Fisher F~ <- gamma * F~ + F_t (Schwarz et al. 2018, online EWC).
+
+    Parameters that grew since the last update (classifier rows) get zero
+    accumulated Fisher in their new rows; parameters new to ``new`` start at F_t.
+    """
+    out = {}
+    for name, f in new.items():
+        prev = (accumulated or {}).get(name)
+        out[name] = f.clone() if prev is None else gamma * pad_rows(prev.to(f), f.shape) + f
+    return out
+
+
+class _FisherSessions:
+    """Fisher computation at the end of a session, shared by EWC and online EWC."""
+
+    fisher_labels = "empirical"
+    fisher_samples = 0
+
+    def session_fisher(self, state: LoopState) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(Fisher, anchors) at the current parameters on the session's labelled training data (eval mode)."""
+        from jascl.data.datasets import LabelledDataset
+
+        model = state.model
+        targets = incremental_parameters(state)
+        flags = {n: p.requires_grad for n, p in targets.items()}
+        modes = {m: m.training for m in model.modules()}
+        dataset = LabelledDataset(state.data.train, state.session.classes, state.session.other_classes)
+        limit = len(dataset) if self.fisher_samples <= 0 else min(self.fisher_samples, len(dataset))
+
+        def samples():
+            for i in range(limit):
+                item = dataset[i]
+                yield (item["image"][None].to(state.device), state.class_index(item["label"][None].to(state.device)))
+
+        generator = torch.Generator().manual_seed(state.seed * 1000 + state.session.index)
+        try:
+            model.eval()
+            for p in targets.values():
+                p.requires_grad_(True)
+            with torch.enable_grad():
+                fisher = fisher_diagonal(model, samples(), targets, self.fisher_labels, generator)
+        finally:
+            for n, p in targets.items():
+                p.requires_grad_(flags[n])
+            for module, mode in modes.items():
+                module.train(mode)
+        anchors = {n: p.detach().clone() for n, p in targets.items()}
+        return fisher, anchors
+
+
+class EWCPlugin(_FisherSessions, Plugin):
+    """Elastic weight consolidation: one quadratic penalty per earlier session.
+
+    loss += (lambda / 2) * sum_{k < t} sum_i F_{k,i} (theta_i - theta*_{k,i})^2
+    (Kirkpatrick et al., PNAS 2017, eq. 3, with one penalty per earlier task as
+    the paper does for more than two tasks). F_k is the diagonal Fisher at the
+    end of session k on its labelled training images (:func:`fisher_diagonal`).
+
+    Args:
+        weight: lambda.
+        fisher_labels: "empirical" (ground-truth labels) or "sampled" (model's own predictions).
+        fisher_samples: images used for the Fisher (0 = the whole labelled set).
+        freeze: incremental freezing policy (see the module docstring).
+    """
+
+    name = "ewc"
+    loss_terms = ("ewc",)
+
+    def __init__(
+        self,
+        weight: float = 500.0,
+        fisher_labels: str = "empirical",
+        fisher_samples: int = 0,
+        freeze: str | None = None,
+    ) -> None:
+        self.weight = weight
+        self.fisher_labels = fisher_labels
+        self.fisher_samples = fisher_samples
+        self.freeze_incremental = freeze
+        #: per consolidated session: (fisher, anchors)
+        self.sessions: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+        self.consolidated = -1
+
+    def penalty(self, state: LoopState) -> torch.Tensor | None:
+        if not self.sessions:
+            return None
+        params = dict(state.model.named_parameters())
+        return sum(ewc_penalty(params, anchors, fisher) for fisher, anchors in self.sessions)
+
+    def after_forward(self, state: LoopState) -> None:
+        if state.session.index > 0:
+            penalty = self.penalty(state)
+            if penalty is not None:
+                state.losses[self.name] = 0.5 * self.weight * penalty
+
+    def consolidate(self, state: LoopState) -> None:
+        fisher, anchors = self.session_fisher(state)
+        self.sessions.append((fisher, anchors))
+        self.consolidated = state.session.index
+
+    def after_session(self, state: LoopState) -> None:
+        self.consolidate(state)
+
+    def session_restored(self, state: LoopState) -> None:
+        if self.consolidated != state.session.index:  # not loaded from this session's saved state
+            self.consolidate(state)
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        out = {"consolidated": torch.tensor(self.consolidated)}
+        for k, (fisher, anchors) in enumerate(self.sessions):
+            out.update({f"s{k}.fisher.{n}": v for n, v in fisher.items()})
+            out.update({f"s{k}.anchor.{n}": v for n, v in anchors.items()})
+        return out
+
+    def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.consolidated = int(tensors["consolidated"])
+        sessions: dict[int, tuple[dict, dict]] = {}
+        for key, value in tensors.items():
+            if key == "consolidated":
+                continue
+            index, kind, name = key.split(".", 2)
+            fisher, anchors = sessions.setdefault(int(index[1:]), ({}, {}))
+            (fisher if kind == "fisher" else anchors)[name] = value
+        self.sessions = [sessions[k] for k in sorted(sessions)]
+
+
+class OnlineEWCPlugin(_FisherSessions, Plugin):
+    """Online EWC: one running Fisher and one anchor (the latest session's parameters).
+
+    F~_t = gamma * F~_{t-1} + F_t;  loss += (lambda / 2) * sum_i F~_{t-1,i} (theta_i - theta*_{t-1,i})^2
+    (Schwarz et al., ICML 2018, "Progress & Compress", online EWC).
+
+    Args:
+        weight: lambda.
+        gamma: decay of earlier sessions' Fisher (gamma = 1: plain sum).
+        fisher_labels, fisher_samples, freeze: as :class:`EWCPlugin`.
+    """
+
+    name = "online-ewc"
+    loss_terms = ("online-ewc",)
+
+    def __init__(
+        self,
+        weight: float = 500.0,
+        gamma: float = 1.0,
+        fisher_labels: str = "empirical",
+        fisher_samples: int = 0,
+        freeze: str | None = None,
+    ) -> None:
+        self.weight = weight
+        self.gamma = gamma
+        self.fisher_labels = fisher_labels
+        self.fisher_samples = fisher_samples
+        self.freeze_incremental = freeze
+        self.fisher: dict[str, torch.Tensor] | None = None
+        self.anchors: dict[str, torch.Tensor] | None = None
+        self.consolidated = -1
+
+    def after_forward(self, state: LoopState) -> None:
+        if self.fisher is not None and state.session.index > 0:
+            penalty = ewc_penalty(dict(state.model.named_parameters()), self.anchors, self.fisher)
+            state.losses[self.name] = 0.5 * self.weight * penalty
+
+    def consolidate(self, state: LoopState) -> None:
+        fisher, self.anchors = self.session_fisher(state)
+        self.fisher = online_fisher_update(self.fisher, fisher, self.gamma)
+        self.consolidated = state.session.index
+
+    def after_session(self, state: LoopState) -> None:
+        self.consolidate(state)
+
+    def session_restored(self, state: LoopState) -> None:
+        if self.consolidated != state.session.index:
+            self.consolidate(state)
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        out = {"consolidated": torch.tensor(self.consolidated)}
+        if self.fisher is not None:
+            out.update({f"fisher.{n}": v for n, v in self.fisher.items()})
+            out.update({f"anchor.{n}": v for n, v in self.anchors.items()})
+        return out
+
+    def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.consolidated = int(tensors["consolidated"])
+        fisher = {k[len("fisher.") :]: v for k, v in tensors.items() if k.startswith("fisher.")}
+        anchors = {k[len("anchor.") :]: v for k, v in tensors.items() if k.startswith("anchor.")}
+        self.fisher, self.anchors = (fisher, anchors) if fisher else (None, None)
+
+
+@dataclass
+class EWCOptions:
+    """EWC / online EWC options (``method_args.ewc``, ``method_args.online-ewc``).
+
+    Attributes:
+        weight: lambda; 500, the value MiB's code (Cermelli et al., CVPR 2020) uses for EWC on segmentation.
+        gamma: online EWC's decay of the running Fisher; 1.0 as in the reference configurations of Mammoth and
+            van de Ven et al.'s code (EWC ignores it).
+        fisher_labels: "empirical" (ground truth) or "sampled" (the model's predictions).
+        fisher_samples: images per session for the Fisher (0 = all).
+    """
+
+    weight: float = option(500.0, ge=0)
+    gamma: float = option(1.0, ge=0, le=1)
+    fisher_labels: str = option("empirical", choices=("empirical", "sampled"))
+    fisher_samples: int = option(0, ge=0)
+    freeze: str = freeze_option()
+
+
+@METHODS.register(
+    "ewc",
+    options=EWCOptions,
+    paper="Kirkpatrick et al., PNAS 2017",
+    doc="baseline: elastic weight consolidation, one Fisher penalty per earlier session",
+)
+def ewc(o: EWCOptions, config: RunConfig) -> Method:
+    """EWC: a quadratic penalty per earlier session, weighted by that session's diagonal Fisher information."""
+    plugin = EWCPlugin(o.weight, o.fisher_labels, o.fisher_samples, freeze_policy(o.freeze))
+    return Method("ewc", [plugin], "EWC: quadratic penalty weighted by the diagonal Fisher of every earlier session")
+
+
+@METHODS.register(
+    "online-ewc",
+    options=EWCOptions,
+    paper="Schwarz et al., ICML 2018",
+    doc="baseline: online EWC, one running Fisher and the latest anchor",
+)
+def online_ewc(o: EWCOptions, config: RunConfig) -> Method:
+    """Online EWC: one running Fisher decayed by ``gamma``, anchored at the previous session."""
+    plugin = OnlineEWCPlugin(o.weight, o.gamma, o.fisher_labels, o.fisher_samples, freeze_policy(o.freeze))
+    return Method("online-ewc", [plugin], "online EWC: decayed running Fisher, anchored at the previous session")

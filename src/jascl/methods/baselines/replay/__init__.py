@@ -1,0 +1,29 @@
+"""Prototype-replay baselines: Saving100x (STAR) and Adapt_replay (Adapter), one module each.
+
+Sources (as cited by the JASCL paper, keys ``chen2023saving`` and ``zhu2025adaptive``;
+the seed file carries no bibliography, the keys were matched to the titles and to
+the links in the authors' ``baselines.md``):
+
+* Saving100x: J. Chen, R. Cong, Y. Luo, H. H. S. Ip, S. Kwong, "Saving 100x Storage:
+  Prototype Replay for Reconstructing Training Sample Distribution in
+  Class-Incremental Semantic Segmentation", NeurIPS 2023 (method "STAR"; official
+  code github.com/jinpeng0528/STAR). Not to be confused with the ``star`` method
+  (Eskandar et al., ICLR 2025, weight perturbation).
+* Adapt_replay: G. Zhu, D. Wu, C. Gao, R. Wang, W. Yang, N. Sang, "Adaptive Prototype
+  Replay for Class Incremental Semantic Segmentation", AAAI 2025 (method "Adapter";
+  official code github.com/zhu-gl-ux/Adapter, built on STAR's).
+
+STAR stores, per learned class, a compact prototype plus statistics instead of
+images: the pixel count, the per-channel spread of the L2-normalised features
+around the prototype, and the mean / std of the feature norms; and the number of
+"true background" pixels. In later sessions it replays synthetic features drawn
+from these statistics through the classifier, in the numbers that make the
+session's training distribution match the complete dataset's, repeats true
+background pixels for the same purpose, keeps the features of pixels the old
+model sees as old classes (OCFM) and pushes new-class feature centres away from
+the nearest old prototype (SAD). Adapter adds adaptive deviation compensation of
+the stored prototypes (ADC), an uncertainty-aware constraint (UAC) and uses the
+compensated prototypes in the SAD term (CPD).
+
+Conventions as in :mod:`jascl.methods.baselines.distillation`.
+"""
