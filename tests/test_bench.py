@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from conftest import toy_protocol_dict
-from jascl.experiments.bench import OpCounter, run_case, summarise, to_markdown
+from jascl.experiments.bench import summarise, to_markdown
+from jascl.experiments.bench_cases import OpCounter, run_case
 
 
 @pytest.fixture(scope="module")

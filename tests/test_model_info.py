@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from jascl.cli import add_model_info_parser
+from jascl.cli.listing import add_model_info_parser
 from jascl.errors import ConfigError
 from jascl.experiments.model_info import count_flops, model_info
 from jascl.networks.classifier import PixelClassifier

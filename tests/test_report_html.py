@@ -18,17 +18,10 @@ from jascl.experiments.runner import run_benchmark
 from jascl.methods.gas import GASNoise
 from jascl.protocols import parse_protocol
 from jascl.results import plots
-from jascl.results.html import (
-    SECTIONS,
-    TOTAL_DROP_ROW,
-    _class_matrix,
-    fmt_values,
-    open_run,
-    protocol_from_resolved,
-    pseudo_label_section,
-    write_report,
-)
+from jascl.results.html import SECTIONS, write_report
 from jascl.results.report import MISSING
+from jascl.results.runs import TOTAL_DROP_ROW, fmt_values, open_run, protocol_from_resolved
+from jascl.results.sections import _class_matrix, pseudo_label_section
 from jascl.results.tensorboard import gas_scale_stats
 
 METHODS = ["vanilla", "jascl"]

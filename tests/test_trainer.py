@@ -302,7 +302,7 @@ def test_mean_teacher_with_pas_on_an_unlabelled_pool(tmp_path):
 def test_ablate_flag_maps_to_component_switches():
     import argparse
 
-    from jascl.cli import _protocol_and_overrides
+    from jascl.cli.common import _protocol_and_overrides
 
     args = argparse.Namespace(
         protocol="synthetic-2d",
@@ -333,7 +333,7 @@ def test_ablate_flag_maps_to_component_switches():
 def test_other_backbone_drops_protocol_backbone_args_and_bad_args_are_config_errors():
     import argparse
 
-    from jascl.cli import _protocol_and_overrides
+    from jascl.cli.common import _protocol_and_overrides
     from jascl.errors import ConfigError
     from jascl.networks import create_segmenter
 

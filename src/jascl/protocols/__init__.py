@@ -5,15 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from jascl.errors import ConfigError
-from jascl.protocols.schema import (
-    ClassSpec,
-    DomainSpec,
-    Protocol,
-    SessionSpec,
-    SyntheticSpec,
-    load_protocol,
-    parse_protocol,
-)
+from jascl.protocols.parse import load_protocol, parse_protocol
+from jascl.protocols.schema import ClassSpec, DomainSpec, Protocol, SessionSpec, SyntheticSpec
 
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 

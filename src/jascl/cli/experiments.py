@@ -1,0 +1,130 @@
+"""``jascl compare``, ``sweep``, ``report`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from jascl.cli.common import _console, _echo, _protocol_and_overrides
+from jascl.cli.run import _run_seeds
+from jascl.errors import ConfigError
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``jascl compare``: like ``run --seeds``, default folder runs/compare-<protocol>; ``--methods all`` allowed."""
+    from jascl.engine.config import resolve_config
+    from jascl.methods import METHODS
+
+    protocol, overrides = _protocol_and_overrides(args)
+    config = resolve_config(protocol.training, protocol.path, args.config, overrides)
+    names = list(METHODS.list()) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.out is None:
+        args.out = str(Path("runs") / f"compare-{protocol.name}")
+    return _run_seeds(args, protocol, config, names)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from jascl.experiments.sweep import GRIDS
+
+    protocol, overrides = _protocol_and_overrides(args)
+    grids = [g.strip() for g in args.grid.split(",") if g.strip()] if args.grid != "all" else list(GRIDS)
+    from jascl.engine.config import resolve_config
+
+    resolve_config(protocol.training, protocol.path, args.config, overrides)  # fail fast on bad input
+    from jascl.experiments.sweep import run_sweep, sweep_table
+
+    out = Path(args.out) if args.out else Path("runs") / f"sweep-{protocol.name}-seed{protocol.seed}"
+    console = _console()
+    try:
+        rows = run_sweep(
+            protocol,
+            grids,
+            out,
+            method=args.method,
+            config_file=args.config,
+            overrides=overrides,
+            cache_dir=args.cache_dir,
+            progress=not args.no_progress,
+            echo=_echo(console),
+        )
+    except KeyboardInterrupt:
+        console.print(f"interrupted; rerun the same command to resume the sweep in {out}")
+        return 130
+    from rich.table import Table
+
+    header, body = sweep_table(rows)
+    table = Table(title=f"sweep: {args.method} on {protocol.name} (seed {protocol.seed})")
+    for h in header:
+        table.add_column(h, no_wrap=h == "point")
+    for r in body:
+        table.add_row(*r)
+    console.print(table)
+    console.print(f"sweep table written to {out}/sweep.{{md,csv,json}}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+
+    if args.samples < 0:
+        raise ConfigError(f"--samples {args.samples}: must be >= 0 (0 = no qualitative overlays)")
+    from jascl.results.html import write_report
+
+    out = Path(args.out) if args.out else Path(args.runs[0]) / "report"
+    console = _console()
+    paths = write_report(
+        args.runs,
+        out,
+        samples=args.samples,
+        device=args.device,
+        cache_dir=args.cache_dir,
+        echo=lambda msg: console.print(msg, markup=False),
+    )  # "[report] ..." is not rich markup
+    console.print(f"report written to {paths['html']} (self-contained) and {paths['markdown']} (figures next to it)")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``jascl bench``: throughput and peak memory of plain loops vs jascl's, and the overhead ratios."""
+    from jascl.experiments.bench import CASES, run_bench, tables, to_markdown
+
+    cases = CASES if args.cases == "all" else tuple(c.strip() for c in args.cases.split(",") if c.strip())
+    console = _console()
+    summary = run_bench(
+        args.protocol,
+        session=args.session,
+        epochs=args.epochs,
+        rounds=args.rounds,
+        device=args.device,
+        overrides=list(args.set or []),
+        cases=cases,
+        cache_dir=args.cache_dir,
+        threads=args.threads,
+        echo=_echo(console) if not args.no_progress else (lambda m: None),
+    )
+    from rich.table import Table
+
+    case_rows, ratio_rows = tables(summary)
+    spec = summary["spec"]
+    table = Table(
+        title=f"jascl bench: {spec['protocol']} session {spec['session']}, {summary['device']}, "
+        f"{spec['epochs'] - 1} timed epochs x {args.rounds} rounds (median)"
+    )
+    for h in ("case", "throughput", "range", "peak MiB", "between epochs (s)", "ops/step (not views)"):
+        table.add_column(h)
+    for r in case_rows:
+        table.add_row(*r)
+    console.print(table)
+    ratios = Table(title="ratios of throughput (targets from issue 7)")
+    for h in ("ratio", "value", "target", "met", "added", "what"):
+        ratios.add_column(h)
+    for r in ratio_rows:
+        ratios.add_row(*r)
+    console.print(ratios)
+    if args.out:
+        from jascl.fileio import atomic_write_text
+
+        out = Path(args.out)
+        atomic_write_text(out.with_suffix(".md"), to_markdown(summary))
+        atomic_write_text(out.with_suffix(".json"), __import__("json").dumps(summary, indent=1, default=float))
+        console.print(f"written to {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    return 0

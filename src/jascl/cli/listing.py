@@ -1,0 +1,162 @@
+"""``jascl protocols``, ``methods``, ``backbones``, ``model-info`` and ``data check``, and their parsers."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from jascl.cli.common import _console, add_root_arguments
+
+
+def cmd_protocols(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from jascl.protocols import builtin_protocols, get_protocol
+
+    console = _console()
+    if args.name:
+        p = get_protocol(args.name)
+        table = Table(title=f"{p.name}: {p.description}".strip(": "))
+        for col in ("session", "domains", "new classes", "recurring", "shots K", "labelled", "unlabelled", "test"):
+            table.add_column(col)
+        for s in p.sessions:
+            names = lambda ids: ", ".join(f"{c}:{p.class_name(c)}" for c in ids) or "-"  # noqa: E731
+            table.add_row(
+                f"{s.index} {s.name}",
+                ", ".join(s.domains),
+                names(s.new_classes),
+                names(s.recurring_classes),
+                "all" if s.shots is None else str(s.shots),
+                "all"
+                if s.shots is None and s.train is None
+                else (f"<= {s.num_labelled}" if s.sources else str(s.num_labelled)),
+                str(s.unlabelled) + (f" + {s.unlabelled_per_class}/class" if s.unlabelled_per_class else ""),
+                "all" if s.test is None else str(s.test),
+            )
+        console.print(table)
+        console.print(f"spatial_dims={p.spatial_dims} metric={p.metric} seed={p.seed} file={p.path}")
+        for d in p.datasets.values():
+            console.print(
+                f"dataset {d.name}: layout {d.layout}, domain {d.domain}, root name {d.root} (--root {d.root}=PATH)"
+            )
+        return 0
+    table = Table(title="built-in protocols")
+    for col in ("name", "dims", "sessions", "classes", "description"):
+        table.add_column(col)
+    for name, path in builtin_protocols().items():
+        p = get_protocol(path)
+        table.add_row(name, f"{p.spatial_dims}D", str(len(p.sessions)), str(len(p.classes) - 1), p.description)
+    console.print(table)
+    return 0
+
+
+def _list_registry(registry, title: str) -> int:
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("name")
+    table.add_column("description")
+    for name in registry.list():
+        table.add_row(name, registry.describe(name))
+    _console().print(table)
+    return 0
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    """``jascl methods``: the registry; ``jascl methods NAME``: one method's paper, notes and options."""
+    from rich.table import Table
+
+    from jascl.methods import METHODS
+    from jascl.methods.registry import describe_method
+
+    if not args.name:
+        return _list_registry(METHODS, "methods")
+    info = describe_method(args.name)
+    console = _console()
+    console.print(f"[bold]{info['name']}[/bold]: {info['doc']}", highlight=False)
+    if info["paper"]:
+        console.print(f"paper: {info['paper']}", highlight=False)
+    if info["notes"]:
+        console.print(f"\n{info['notes']}\n", highlight=False)
+    if not info["options"]:
+        console.print("options: none")
+        return 0
+    table = Table(title=f"options: --set method_args.{info['options_key']}.<option>=VALUE")
+    for col in ("option", "type", "default", "allowed", "description"):
+        table.add_column(col)
+    for row in info["options"]:
+        table.add_row(row["name"], row["type"], row["default"], row["allowed"], row["doc"])
+    console.print(table)
+    return 0
+
+
+def cmd_backbones(args: argparse.Namespace) -> int:
+    from jascl.networks import BACKBONES
+
+    return _list_registry(BACKBONES, "backbones")
+
+
+def cmd_model_info(args: argparse.Namespace) -> int:
+    from jascl.experiments.model_info import cmd_model_info as run
+
+    return run(args)
+
+
+def cmd_data_check(args: argparse.Namespace) -> int:
+    """``jascl data check``: one line per problem and exit 2, or a per-session summary and exit 0."""
+    from jascl.data.real import parse_root_args
+    from jascl.protocols import get_protocol
+
+    protocol = get_protocol(args.protocol)
+    if args.seed is not None:
+        protocol = dataclasses.replace(protocol, seed=args.seed)
+    roots = parse_root_args(args.root)
+    from jascl.data.check import check_protocol
+
+    print(f"jascl data check: protocol {protocol.name} (seed {protocol.seed}, file {protocol.path})")
+    report = check_protocol(protocol, roots, args.roots, args.cache_dir, echo=print)
+    for line in report.lines():
+        print(line)
+    return 0 if report.ok else 2
+
+
+def add_data_parser(subparsers) -> argparse.ArgumentParser:
+    """``jascl data check --protocol NAME --root NAME=PATH ...``."""
+    data = subparsers.add_parser("data", help="check local copies of the public datasets against a protocol")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    check = data_sub.add_parser(
+        "check",
+        help="open every file, check shapes / affines / label values, K-shot "
+        "availability and unlabelled pools; exit 2 on any problem",
+    )
+    check.add_argument("--protocol", required=True, help="built-in protocol name or YAML path")
+    add_root_arguments(check)
+    check.add_argument("--seed", type=int, default=None, help="seed of the K-shot selection (default: the protocol's)")
+    check.add_argument("--cache-dir", default=None, help="label-index cache (default $JASCL_CACHE or ~/.cache/jascl)")
+    check.set_defaults(func=cmd_data_check)
+    return data
+
+
+def add_model_info_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``model-info`` (kept here, free of torch imports, so the CLI starts fast)."""
+    p = subparsers.add_parser(
+        "model-info", help="parameters, FLOPs and training-step memory of backbones, with and without JASCL"
+    )
+    p.add_argument("backbone", help="registered backbone name, or 'all'")
+    p.add_argument("--spatial-dims", type=int, default=None, help="2 or 3 (default: the backbone's paper-like setting)")
+    p.add_argument(
+        "--spatial-size", default=None, help="input size, e.g. 128x120x120 or 512 (repeated); default per backbone"
+    )
+    p.add_argument("--in-channels", type=int, default=None)
+    p.add_argument("--num-classes", type=int, default=None, help="classifier rows incl. background")
+    p.add_argument("--batch-size", type=int, default=2, help="images per training step for the memory figure")
+    p.add_argument("--backbone-args", default=None, help='YAML/JSON mapping, e.g. "{encoder_name: resnet18}"')
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=["cuda", "meta"],
+        help="cuda: measured memory; meta: estimate (default: cuda if available)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_model_info)
+    return p

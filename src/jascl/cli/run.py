@@ -1,0 +1,216 @@
+"""``jascl run``: one protocol for several methods, one or several seeds, several processes, resume."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from jascl import __version__
+from jascl.cli.common import DEFAULT_METHODS, DEFAULT_PROTOCOL, _console, _data_args, _echo, _protocol_and_overrides
+from jascl.errors import ConfigError
+
+
+def _without_devices(argv: Sequence[str]) -> list[str]:
+    """``argv`` minus ``--devices N`` / ``--devices=N`` (what each torchrun process runs)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--devices":
+            skip = True
+        elif not a.startswith("--devices="):
+            out.append(a)
+    return out
+
+
+#: options of ``jascl run`` that --resume takes from the run folder instead
+_RESUME_CONFLICTS = (
+    "protocol",
+    "seed",
+    "config",
+    "ablate",
+    "backbone",
+    "weights",
+    "eval_mode",
+    "methods",
+    "out",
+    "seeds",
+    "root",
+    "roots",
+    "split_manifest",
+)
+
+
+def _resume_setup(args: argparse.Namespace):
+    """Protocol, configuration, methods and data options of the run folder ``args.resume``."""
+    from jascl.engine.config import resolve_config
+    from jascl.experiments.runner import read_run_file
+    from jascl.protocols import get_protocol
+
+    given = [f"--{k.replace('_', '-')}" for k in _RESUME_CONFLICTS if getattr(args, k, None) is not None]
+    if given:
+        raise ConfigError(
+            f"--resume {args.resume}: the run folder fixes the protocol, methods and settings; "
+            f"drop {', '.join(given)} (only --device, --devices, --set of device/threads/"
+            "num_workers/pin_memory/checkpoint_every/checkpoint_steps, --cache-dir and --no-progress apply)"
+        )
+    out = Path(args.resume)
+    record = read_run_file(out)
+    source = out / record["protocol_file"] if record.get("protocol_file") else record["protocol"]
+    # the folder's copy of the protocol file, under the name it ran with (a YAML without 'name:' takes its file's)
+    protocol = dataclasses.replace(get_protocol(str(source)), seed=int(record["seed"]), name=record["protocol"])
+    overrides = list(args.set or []) + ([f"device={args.device}"] if args.device else [])
+    config = resolve_config(protocol.training, protocol.path, out / "config.yaml", overrides)
+    manifest = out / "manifest.json"
+    data_args = {
+        "roots": record.get("roots") or None,
+        "roots_file": record.get("roots_file"),
+        "split_manifest": str(manifest) if manifest.is_file() else record.get("split_manifest"),
+    }
+    args.cache_dir = args.cache_dir or record.get("cache_dir")
+    return protocol, config, list(record["methods"]), out, data_args
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from jascl import distributed
+
+    if args.devices is not None:
+        if args.devices < 1:
+            from jascl.errors import ConfigError
+
+            raise ConfigError(f"--devices {args.devices}: must be >= 1")
+        if args.devices > 1 and not distributed.launched():
+            from jascl.errors import ConfigError
+
+            if args.seeds is not None:
+                raise ConfigError("--devices with --seeds: run the seeds one by one (--seed S --devices N)")
+            import torch
+
+            device = args.device or "auto"
+            if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+                if ":" in device:
+                    raise ConfigError(
+                        f"--device {device} with --devices {args.devices}: each process takes its own "
+                        "GPU; use --device cuda"
+                    )
+                if args.devices > torch.cuda.device_count():
+                    raise ConfigError(
+                        f"--devices {args.devices}: this machine has {torch.cuda.device_count()} GPU(s); "
+                        "use at most that many, or --device cpu for CPU processes"
+                    )
+            return distributed.launch(_without_devices(args.argv), args.devices)
+    if args.resume is not None:
+        protocol, config, methods, out, data_args = _resume_setup(args)
+    else:
+        from jascl.engine.config import resolve_config
+
+        args.protocol = args.protocol or DEFAULT_PROTOCOL
+        protocol, overrides = _protocol_and_overrides(args)
+        config = resolve_config(protocol.training, protocol.path, args.config, overrides)
+        methods = [m.strip() for m in (args.methods or DEFAULT_METHODS).split(",") if m.strip()]
+        data_args = _data_args(args)
+        if args.seeds is not None:
+            return _run_seeds(args, protocol, config, methods)
+        out = (
+            Path(args.out)
+            if args.out
+            else Path("runs") / f"{protocol.name}-seed{protocol.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
+    # Heavy imports (torch, MONAI) only after the protocol and configuration are valid,
+    # so that input errors are reported at once.
+    from jascl.experiments.runner import run_benchmark
+    from jascl.results.report import print_tables
+
+    config.device = distributed.init(config.device)
+    if distributed.launched():
+        out = Path(distributed.broadcast_object(str(out)))  # one folder, even if the ranks' clocks differ
+    main = distributed.is_main()
+    console = _console()
+    echo = _echo(console) if main else (lambda message: None)
+    if main:
+        ranks = f", {distributed.world_size()} processes" if distributed.active() else ""
+        console.print(
+            f"jascl {__version__}: protocol [bold]{protocol.name}[/] (seed {protocol.seed}), "
+            f"methods {', '.join(methods)}, backbone {config.backbone}{ranks}, output {out}"
+        )
+    from jascl.engine.stop import REQUEST, Stopped
+
+    started = time.time()
+    try:
+        with REQUEST.installed():  # SIGTERM / SIGUSR1: finish the step, checkpoint, exit resumable
+            results = run_benchmark(
+                protocol,
+                config,
+                methods,
+                out,
+                cache_dir=args.cache_dir,
+                progress=not args.no_progress and main,
+                echo=echo,
+                **data_args,
+            )
+    except Stopped as exc:
+        if main:
+            console.print(f"{exc}; continue with: jascl run --resume {out}")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        if main:
+            console.print(
+                f"interrupted; finished sessions and the last epoch checkpoint are saved in {out}; "
+                f"continue with: jascl run --resume {out}"
+            )
+        return 130
+    finally:
+        distributed.shutdown()
+    if main:
+        print_tables(results, console)
+        console.print(f"results written to {out}/results.{{json,csv,md}} in {time.time() - started:.0f} s")
+    return 0
+
+
+def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -> int:
+    """``jascl run --seeds N``: one run folder per seed under ``--out``, aggregated as mean ± std."""
+    from rich.table import Table
+
+    from jascl.experiments.compare import compare_table, compare_title, parse_seeds, run_compare
+    from jascl.methods import METHODS
+
+    seeds = parse_seeds(args.seeds, protocol.seed)
+    for name in methods:
+        METHODS.get(name)
+    out = Path(args.out) if args.out else Path("runs") / f"{protocol.name}-seeds{'-'.join(map(str, seeds))}"
+    console = _console()
+    console.print(
+        f"jascl {__version__}: protocol [bold]{protocol.name}[/], seeds {', '.join(map(str, seeds))}, "
+        f"methods {', '.join(methods)}, backbone {config.backbone}, output {out}"
+    )
+    started = time.time()
+    try:
+        summary = run_compare(
+            protocol,
+            config,
+            methods,
+            seeds,
+            out,
+            cache_dir=args.cache_dir,
+            progress=not args.no_progress,
+            echo=_echo(console),
+            **_data_args(args),
+        )
+    except KeyboardInterrupt:
+        console.print(f"interrupted; finished sessions are saved in {out} and are reused if you rerun the same command")
+        return 130
+    header, rows = compare_table(summary)
+    table = Table(title=compare_title(summary))
+    for h in header:
+        table.add_column(h)
+    for r in rows:
+        table.add_row(*r)
+    console.print(table)
+    console.print(
+        f"per-seed runs in {out}/seed-*/; mean ± std written to {out}/compare.{{md,csv,json}} "
+        f"in {time.time() - started:.0f} s"
+    )
+    return 0

@@ -1,0 +1,375 @@
+"""The sections of a report: summary, sessions, curves, heat maps, pseudo-label statistics, configuration,
+versions and the split manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+
+import numpy as np
+import yaml
+
+from jascl import __version__
+from jascl.errors import ConfigError
+from jascl.results import plots
+from jascl.results.blocks import ReportBlock, _figure, _safe, _table, _text
+from jascl.results.report import table_title
+from jascl.results.runs import (
+    TOTAL_DROP_ROW,
+    RunInput,
+    _config_of,
+    _load_protocol,
+    _mean_std,
+    _read_json,
+    _values,
+    fmt_values,
+)
+
+
+def _session_labels(run: RunInput) -> list[str]:
+    return [f"S{t} {name}" for t, name in run.sessions()]
+
+
+def summary_section(run: RunInput) -> list[ReportBlock]:
+    """Title line and one row per method: the all-class mean per session and the Total Drop (%)."""
+    sessions = run.sessions()
+    header = ["Method", *[f"S{t} ({n})" for t, n in sessions], TOTAL_DROP_ROW]
+    rows = []
+    for m in run.methods():
+        recs = run.records(m)
+        drops = [r["methods"][m].get("total_drop") for r in run.results]
+        rows.append(
+            [
+                m,
+                *[fmt_values(_values(recs, t, "all"), run.metric) for t in range(len(sessions))],
+                fmt_values([math.nan if d is None else d for d in drops], "pct"),
+            ]
+        )
+    blocks = [_text(_title(run)), _table("summary", header, rows)]
+    blocks.append(
+        _text(
+            "Total Drop (%) = 100 × Σ max(0, S_i − S_{i+1}) / S_0 over the all-class means "
+            "(the paper's forgetting measure; lower is better)."
+        )
+    )
+    return blocks
+
+
+def _title(run: RunInput) -> str:
+    title = table_title(run.first if not run.multi_seed else {k: v for k, v in run.first.items() if k != "seed"})
+    if run.multi_seed:
+        title += f" · mean ± std over {len(run.seeds)} seeds ({', '.join(map(str, run.seeds))})"
+    return title
+
+
+def sessions_section(run: RunInput) -> list[ReportBlock]:
+    """Per method: all / old / new / base-class / background score per session, then a Total Drop row."""
+    blocks: list[ReportBlock] = []
+    keys = ("all", "old", "new", "base", "background")
+    header = ["Session", "Name", "Domains", "All", "Old", "New", "Base classes", "Background"]
+    for m in run.methods():
+        recs = run.records(m)
+        rows = []
+        for t, name in run.sessions():
+            if t >= max(len(r) for r in recs):
+                continue
+            domains = ", ".join(recs[0][t].get("domains", []) or []) if t < len(recs[0]) else ""
+            rows.append([str(t), name, domains, *[fmt_values(_values(recs, t, k), run.metric) for k in keys]])
+        drops = [r["methods"][m].get("total_drop") for r in run.results]
+        rows.append(
+            [TOTAL_DROP_ROW, "", "", fmt_values([math.nan if d is None else d for d in drops], "pct"), "", "", "", ""]
+        )
+        blocks.append(_table(f"sessions:{m}", header, rows, heading=m))
+    blocks.append(
+        _text(
+            "All = mean over the foreground classes seen so far; Old = classes of earlier sessions; "
+            "New = classes introduced in the session; Base classes = session-0 classes; "
+            f"background {run.first.get('background', '')}. Evaluated on the test splits of every session so far."
+        )
+    )
+    return blocks
+
+
+def curves_section(run: RunInput, prefix: str) -> list[ReportBlock]:
+    """Line plot of the all-class and base-class means per session, one line per method."""
+    labels = _session_labels(run)
+    panels: dict[str, dict[str, list[list[float]]]] = {"all classes seen so far": {}, "base-session classes": {}}
+    for m in run.methods():
+        recs = run.records(m)
+        panels["all classes seen so far"][m] = [_values(recs, t, "all") for t in range(len(labels))]
+        panels["base-session classes"][m] = [_values(recs, t, "base") for t in range(len(labels))]
+    metric = "mIoU" if run.metric == "iou" else run.metric.capitalize()
+    png = plots.session_curves(labels, panels, metric)
+    caption = f"{metric} per session per method" + (" (line: mean over seeds, band: ± std)" if run.multi_seed else "")
+    return [_figure(f"{prefix}-curves", png, caption)]
+
+
+def _class_matrix(run: RunInput, method: str) -> tuple[np.ndarray, list[str]]:
+    recs = run.records(method)
+    sessions = run.sessions()
+    names = run.first.get("classes", {}) or {}
+    keys: list[str] = []
+    for per_seed in recs:
+        for rec in per_seed:
+            keys += [k for k in (rec.get("per_class") or {}) if k != "0" and k not in keys]
+    keys.sort(key=lambda k: (0, int(k)) if str(k).isdigit() else (1, str(k)))
+    matrix = np.full((len(keys), len(sessions)), np.nan)
+    for i, key in enumerate(keys):
+        for t in range(len(sessions)):
+            vals = [
+                float(per_seed[t]["per_class"][key])
+                for per_seed in recs
+                if t < len(per_seed) and per_seed[t].get("per_class", {}).get(key) is not None
+            ]
+            mean, _, n = _mean_std(vals)
+            if n:
+                matrix[i, t] = mean
+    return matrix, [f"{k} {names.get(str(k), '')}".strip() for k in keys]
+
+
+def heatmaps_section(run: RunInput, prefix: str) -> list[ReportBlock]:
+    """One per-class-by-session heat map per method (class-wise tables as pictures)."""
+    blocks = [
+        _text(
+            "Rows are foreground classes, columns sessions (the model after that session); grey = class "
+            "not yet seen, or absent from the test data" + (". Cells are means over seeds." if run.multi_seed else ".")
+        )
+    ]
+    cols = [f"S{t}\n{n}" for t, n in run.sessions()]
+    iou = run.metric == "iou"
+    for m in run.methods():
+        matrix, rows = _class_matrix(run, m)
+        if matrix.size == 0:
+            blocks.append(_text(f"{m}: no per-class scores in results.json."))
+            continue
+        png = plots.class_heatmap(
+            matrix,
+            rows,
+            cols,
+            f"{m}: per-class {'IoU ×100' if iou else run.metric} by session",
+            scale=100.0 if iou else 1.0,
+            decimals=1 if iou else 2,
+        )
+        blocks.append(_figure(f"{prefix}-heatmap-{_safe(m)}", png, f"{m}: per-class score by session"))
+    return blocks
+
+
+_PL_COLUMNS = (
+    ("coverage", "Coverage"),
+    ("precision", "Precision"),
+    ("confidence_only_coverage", "Conf.-only coverage"),
+    ("confidence_only_precision", "Conf.-only precision"),
+    ("teacher_error_final", "Teacher error (final)"),
+)
+
+
+def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
+    """Per semi-supervised method: pseudo-label statistics per session (``metrics.json`` ``pseudo_labels``), and a plot."""
+    blocks: list[ReportBlock] = []
+    sessions = run.sessions()
+    with_stats: dict[str, list[int]] = {}
+    for m in run.methods():
+        ts = sorted(
+            {t for recs in run.records(m) for t, r in enumerate(recs) if isinstance(r.get("pseudo_labels"), Mapping)}
+        )
+        if ts:
+            with_stats[m] = ts
+    if not with_stats:
+        return [
+            _text(
+                "No pseudo-label statistics in this run (no semi-supervised method, or no unlabelled "
+                "phase ran: the protocol has no unlabelled pools or pas.start_epoch ≥ the epochs)."
+            )
+        ]
+    header = ["Session", "Name", "Filter", "Phases", *[title for _, title in _PL_COLUMNS]]
+    for m, ts in with_stats.items():
+        recs = run.records(m)
+
+        def stat(t: int, key: str) -> list[float]:
+            out = []
+            for per_seed in recs:
+                pl = per_seed[t].get("pseudo_labels") if t < len(per_seed) else None
+                if isinstance(pl, Mapping) and pl.get(key) is not None:
+                    out.append(float(pl[key]))
+            return out
+
+        rows = []
+        for t in ts:
+            filters = sorted(
+                {
+                    str(p[t]["pseudo_labels"].get("filter", ""))
+                    for p in recs
+                    if t < len(p) and isinstance(p[t].get("pseudo_labels"), Mapping)
+                }
+            )
+            rows.append(
+                [
+                    str(t),
+                    sessions[t][1],
+                    "/".join(filters),
+                    fmt_values(stat(t, "phases"), "count"),
+                    *[fmt_values(stat(t, key), "frac") for key, _ in _PL_COLUMNS],
+                ]
+            )
+        blocks.append(_table(f"pseudo-labels:{m}", header, rows, heading=m))
+    shown = sorted({t for ts in with_stats.values() for t in ts})
+    series: dict[str, dict[str, list[list[float]]]] = {"coverage": {}, "precision": {}}
+    for m in with_stats:
+        recs = run.records(m)
+        for key in series:
+            series[key][m] = [
+                [
+                    float(p[t]["pseudo_labels"][key])
+                    if t < len(p)
+                    and isinstance(p[t].get("pseudo_labels"), Mapping)
+                    and p[t]["pseudo_labels"].get(key) is not None
+                    else math.nan
+                    for p in recs
+                ]
+                for t in shown
+            ]
+    png = plots.pseudo_label_plot([f"S{t} {sessions[t][1]}" for t in shown], series)
+    blocks.append(
+        _figure(
+            f"{prefix}-pseudo-labels",
+            png,
+            "Coverage = kept / all unlabelled pixels; precision = "
+            "kept pixels whose pseudo-label equals the hidden ground truth / kept pixels",
+        )
+    )
+    return blocks
+
+
+def config_section(run: RunInput) -> list[ReportBlock]:
+    """The resolved run configuration and the protocol's session table."""
+    folder = run.runs[0]
+    blocks = []
+    path = folder / "config.yaml"
+    blocks.append(_text(f"Resolved run configuration ({path}):"))
+    if path.is_file():
+        # lists in flow style ([16, 16, 32]) keep the block short; key order as written
+        text = yaml.safe_dump(yaml.safe_load(path.read_text()), sort_keys=False, default_flow_style=None)
+    else:
+        text = "(config.yaml not found)"
+    blocks.append(ReportBlock("pre", text=text))
+    try:
+        protocol = _load_protocol(folder, run.first)
+    except ConfigError as exc:
+        return blocks + [_text(f"Protocol not available: {exc}")]
+    blocks.append(
+        _text(
+            f"Protocol {protocol.name} ({protocol.spatial_dims}D, metric {protocol.metric}, "
+            f"unlabelled noise {protocol.unlabelled_noise}): {protocol.description}"
+        )
+    )
+    cls = lambda ids: ", ".join(f"{c} {protocol.class_name(c)}" for c in ids) or "—"  # noqa: E731
+    rows = [
+        [
+            str(s.index),
+            s.name,
+            ", ".join(s.domains),
+            cls(s.new_classes),
+            cls(s.recurring_classes),
+            "all" if s.shots is None else str(s.shots),
+            str(s.num_labelled),
+            str(s.unlabelled),
+            str(s.test),
+        ]
+        for s in protocol.sessions
+    ]
+    blocks.append(
+        _table(
+            "protocol",
+            ["Session", "Name", "Domains", "New classes", "Recurring", "Shots K", "Labelled", "Unlabelled", "Test"],
+            rows,
+        )
+    )
+    return blocks
+
+
+def versions_section(run: RunInput) -> list[ReportBlock]:
+    """``environment.json`` of every run folder plus seeds, batch sizes and the configured device."""
+    rows: list[list[str]] = []
+    for folder, seed in zip(run.runs, run.seeds):
+        env_path = folder / "environment.json"
+        env = _read_json(env_path) if env_path.is_file() else {}
+        if not env:
+            rows.append(["environment.json", "not found", folder.name])
+        for key, value in env.items():
+            rows.append([str(key), str(value), folder.name if run.multi_seed else ""])
+        config = _config_of(folder)
+        batch = config.get("batch_size")
+        pas = config.get("pas") or {}
+        rows.append(["protocol seed (data, K-shot selection)", str(seed), folder.name if run.multi_seed else ""])
+        rows.append(
+            [
+                "training seed",
+                str(config.get("seed") if config.get("seed") is not None else seed),
+                folder.name if run.multi_seed else "",
+            ]
+        )
+        rows.append(
+            [
+                "effective batch size (labelled; no gradient accumulation)",
+                str(batch),
+                folder.name if run.multi_seed else "",
+            ]
+        )
+        rows.append(
+            [
+                "unlabelled batch size (mean-teacher phases)",
+                str(pas.get("batch_size") or batch),
+                folder.name if run.multi_seed else "",
+            ]
+        )
+        rows.append(["device (configuration)", str(config.get("device")), folder.name if run.multi_seed else ""])
+    import matplotlib
+
+    rows.append(["report written by", f"jascl {__version__}, matplotlib {matplotlib.__version__}", ""])
+    header = ["Item", "Value", "Run folder"]
+    if not run.multi_seed:
+        header, rows = header[:2], [r[:2] for r in rows]
+    return [_table("versions", header, rows)]
+
+
+def manifest_section(run: RunInput) -> list[ReportBlock]:
+    """Split sizes and the first labelled sample ids per session, with the manifest's hash, per seed."""
+    blocks = []
+    for folder, seed in zip(run.runs, run.seeds):
+        path = folder / "manifest.json"
+        if not path.is_file():
+            blocks.append(_text(f"{path}: not found."))
+            continue
+        raw = path.read_bytes()
+        manifest = json.loads(raw)
+        rows = []
+        for s in manifest.get("sessions", []):
+            train = list(s.get("train", []))
+            shown = ", ".join(train[:4]) + (f", … ({len(train) - 4} more)" if len(train) > 4 else "")
+            rows.append(
+                [
+                    str(s.get("session")),
+                    str(s.get("name")),
+                    str(s.get("shots")),
+                    str(len(train)),
+                    str(len(s.get("test", []))),
+                    str(len(s.get("unlabelled", []))),
+                    shown,
+                ]
+            )
+        blocks.append(
+            _text(
+                f"Seed {seed}: {path} (sha256 {hashlib.sha256(raw).hexdigest()[:16]}); sample ids "
+                "of every split, regenerated from (seed, protocol)."
+            )
+        )
+        blocks.append(
+            _table(
+                f"manifest:{seed}",
+                ["Session", "Name", "Shots", "Labelled", "Test", "Unlabelled", "Labelled sample ids"],
+                rows,
+            )
+        )
+    return blocks
