@@ -307,9 +307,9 @@ def test_subspace_distance_and_anchor_hand_values():
     [
         ("method_args.pifs.freeze=partial", "method_args.pifs.freeze: must be one of config, none, all_but_classifier"),
         ("method_args.gaps.memory_size=0", "method_args.gaps.memory_size: must be >= 1"),
-        ("method_args.gaps.context_prob=2", "method_args.gaps.context_prob: must be in"),
+        ("method_args.gaps.context_prob=2", r"method_args.gaps.context_prob: must be >= 0 and <= 1 \(got 2.0\)"),
         ("method_args.nc-fscil.proj_dim=-1", "method_args.nc-fscil.proj_dim: must be >= 0"),
-        ("method_args.subspace.lambda_pull=-1", "method_args.subspace"),
+        ("method_args.subspace.lambda_pull=-1", r"method_args.subspace.lambda_pull: must be >= 0 \(got -1.0\)"),
         ("method_args.fecam.beta=x", "method_args.fecam.beta: must be a number"),
     ],
 )

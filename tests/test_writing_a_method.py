@@ -117,6 +117,16 @@ def test_the_example_from_the_command_line(tmp_path):
     assert run.returncode == 0, run.stderr
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert [s["session"] for s in results["methods"]["l2-sp"]["sessions"]] == [0, 1]
+    # the run folder records the module, so that a resumed run (from another folder, no --import) finds l2-sp
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["imports"] == [str(EXAMPLE.resolve())]
+    resumed = subprocess.run(
+        [sys.executable, "-m", "jascl", "run", "--resume", str(tmp_path / "run"), "--no-progress"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((tmp_path / "run" / "results.json").read_text()) == results
     shown = subprocess.run(
         [sys.executable, "-m", "jascl", "methods", "l2-sp", "--import", str(EXAMPLE)],
         capture_output=True,

@@ -77,6 +77,12 @@ def _data_args(args: argparse.Namespace) -> dict:
     }
 
 
+def recorded_imports(names: Sequence[str]) -> list[str]:
+    """``--import`` values as ``run.json`` records them: a ``.py`` file by its absolute path (a resumed run may
+    start in another folder), a dotted module name as given."""
+    return [str(Path(n).resolve()) if n.endswith(".py") else n for n in names]
+
+
 def import_modules(names: Sequence[str]) -> None:
     """Import the user's modules (dotted names, or paths of ``.py`` files) so that what they register
     (methods, backbones, layouts) can be named on the command line.

@@ -9,7 +9,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jascl import __version__
-from jascl.cli.common import DEFAULT_METHODS, DEFAULT_PROTOCOL, _console, _data_args, _echo, _protocol_and_overrides
+from jascl.cli.common import (
+    DEFAULT_METHODS,
+    DEFAULT_PROTOCOL,
+    _console,
+    _data_args,
+    _echo,
+    _protocol_and_overrides,
+    import_modules,
+    recorded_imports,
+)
 from jascl.errors import ConfigError
 
 
@@ -71,6 +80,11 @@ def _resume_setup(args: argparse.Namespace):
         "split_manifest": str(manifest) if manifest.is_file() else record.get("split_manifest"),
     }
     args.cache_dir = args.cache_dir or record.get("cache_dir")
+    # the modules that registered the run's own methods or backbones, imported again (those given anew already are)
+    given_imports = recorded_imports(args.imports)
+    imports = [*given_imports, *(m for m in record.get("imports") or [] if m not in given_imports)]
+    import_modules([m for m in imports if m not in given_imports])
+    data_args["imports"] = imports
     return protocol, config, list(record["methods"]), out, data_args
 
 
@@ -111,7 +125,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         protocol, overrides = _protocol_and_overrides(args)
         config = resolve_config(protocol.training, protocol.path, args.config, overrides)
         methods = [m.strip() for m in (args.methods or DEFAULT_METHODS).split(",") if m.strip()]
-        data_args = _data_args(args)
+        data_args = {**_data_args(args), "imports": recorded_imports(args.imports)}
         if args.seeds is not None:
             return _run_seeds(args, protocol, config, methods)
         out = (
@@ -198,6 +212,7 @@ def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -
             progress=not args.no_progress,
             echo=_echo(console),
             **_data_args(args),
+            imports=recorded_imports(args.imports),
         )
     except KeyboardInterrupt:
         console.print(f"interrupted; finished sessions are saved in {out} and are reused if you rerun the same command")

@@ -148,7 +148,7 @@ def cached(
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            (np.savez_compressed if compress else np.savez)(f, **arrays)
+            (np.savez_compressed if compress else np.savez)(f, **arrays)  # type: ignore[arg-type]  # numpy's stub
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -115,4 +115,5 @@ def loader_options(device: torch.device, num_workers: int, pin_memory: bool | No
 
 def seeded_loader(dataset: Dataset, batch_size: int, seed: int, shuffle: bool = True, **options) -> DataLoader:
     """A DataLoader over ``dataset`` driven by a :class:`SeededBatchSampler` (the dataset receives (pass, index) keys)."""
-    return DataLoader(dataset, batch_sampler=SeededBatchSampler(len(dataset), batch_size, seed, shuffle), **options)
+    size = len(dataset)  # type: ignore[arg-type]  # a map-style dataset (torch's Dataset declares no __len__)
+    return DataLoader(dataset, batch_sampler=SeededBatchSampler(size, batch_size, seed, shuffle), **options)

@@ -13,6 +13,7 @@ They are looked up by class id, never by position, and stored as safetensors.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,11 +24,12 @@ from safetensors.torch import load_file, save_file
 from jascl.errors import CheckpointError
 
 
-def align_labels(labels: torch.Tensor, spatial: torch.Size) -> torch.Tensor:
-    """Nearest-neighbour resize of (B, *spatial) labels to a feature map's spatial size."""
-    if labels.shape[1:] == spatial:
+def align_labels(labels: torch.Tensor, spatial: Sequence[int]) -> torch.Tensor:
+    """Nearest-neighbour resize of (B, *spatial) integer labels to ``spatial`` (e.g. a feature map's size);
+    ``labels`` itself when it has that size already."""
+    if tuple(labels.shape[1:]) == tuple(spatial):
         return labels
-    return F.interpolate(labels[:, None].float(), size=spatial, mode="nearest")[:, 0].long()
+    return F.interpolate(labels[:, None].float(), size=tuple(spatial), mode="nearest")[:, 0].long()
 
 
 def per_sample_prototypes(

@@ -28,6 +28,7 @@ from jascl.engine.config import RunConfig
 from jascl.errors import ConfigError
 from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import Protocol
+from jascl.results.records import RunResults
 from jascl.results.report import MISSING, format_score, md_table, table_title
 
 
@@ -59,39 +60,40 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
 
-def aggregate(per_seed: Mapping[int, Mapping[str, Any]], methods: Sequence[str]) -> dict:
+def aggregate(per_seed: Mapping[int, RunResults | Mapping[str, Any]], methods: Sequence[str]) -> dict:
     """Combine the results dicts of several seeds into mean ± std per method, session and Total Drop.
 
     Args:
-        per_seed: seed -> results dict written by ``run_benchmark``.
+        per_seed: seed -> the results ``run_benchmark`` returned (a dict) or read back (:class:`RunResults`).
         methods: method names, in table order.
 
     Returns:
         ``{"seeds": [...], "metric", "methods": {name: {"sessions": [{"session", "name", "all": [mean, std],
         "old": ..., "new": ..., "values": [per-seed all]}], "total_drop": [mean, std], "total_drop_values": [...]}}}``
     """
-    seeds = list(per_seed)
-    first = per_seed[seeds[0]]
+    typed = {seed: RunResults.from_json(r, f"results of seed {seed}") for seed, r in per_seed.items()}
+    seeds = list(typed)
+    first = typed[seeds[0]]
     out: dict = {
-        "protocol": first.get("protocol"),
-        "metric": first.get("metric", "dice"),
-        "eval_mode": first.get("eval_mode"),
-        "background": first.get("background"),
+        "protocol": first.protocol,
+        "metric": first.metric,
+        "eval_mode": first.eval_mode,
+        "background": first.background,
         "seeds": seeds,
         "methods": {},
     }
     for name in methods:
-        runs = [per_seed[s]["methods"][name] for s in seeds]
-        n_sessions = max(len(r["sessions"]) for r in runs)
+        runs = [typed[s].methods[name] for s in seeds]
+        n_sessions = max(len(r.sessions) for r in runs)
         sessions = []
         for t in range(n_sessions):
-            records = [r["sessions"][t] for r in runs if t < len(r["sessions"])]
-            entry = {"session": t, "name": records[0].get("name")}
+            records = [r.sessions[t] for r in runs if t < len(r.sessions)]
+            entry: dict[str, Any] = {"session": t, "name": records[0].name}
             for key in ("all", "old", "new", "base"):
-                entry[key] = list(mean_std([rec.get(key, math.nan) for rec in records]))
-            entry["values"] = [rec.get("all", math.nan) for rec in records]
+                entry[key] = list(mean_std([rec.score(key) for rec in records]))
+            entry["values"] = [rec.all for rec in records]
             sessions.append(entry)
-        drops = [r.get("total_drop", math.nan) for r in runs]
+        drops = [r.total_drop for r in runs]
         out["methods"][name] = {"sessions": sessions, "total_drop": list(mean_std(drops)), "total_drop_values": drops}
     return out
 
@@ -112,7 +114,7 @@ def compare_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]
     metric = str(summary.get("metric", "dice"))
     n = len(summary.get("seeds", []))
     methods = summary["methods"]
-    longest = max((m["sessions"] for m in methods.values()), key=len, default=[])
+    longest: list[dict[str, Any]] = max((m["sessions"] for m in methods.values()), key=len, default=[])
     header = ["Method", *[f"S{s['session']} ({s['name']})" for s in longest], "Total Drop (%)"]
     rows = []
     for name, m in methods.items():
@@ -126,7 +128,13 @@ def compare_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]
 
 def compare_title(summary: Mapping[str, Any]) -> str:
     seeds = summary.get("seeds", [])
-    base = table_title({k: v for k, v in summary.items() if k != "seed"})
+    header = RunResults(
+        protocol=str(summary.get("protocol") or "run"),
+        metric=str(summary.get("metric") or "dice"),
+        eval_mode=str(summary.get("eval_mode") or ""),
+        background=str(summary.get("background", "excluded from means")),
+    )
+    base = table_title(header)
     return f"{base} · mean ± std over {len(seeds)} seed{'s' if len(seeds) != 1 else ''} ({', '.join(map(str, seeds))})"
 
 

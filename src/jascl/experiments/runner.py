@@ -195,6 +195,7 @@ def write_run_files(
     roots,
     roots_file,
     split_manifest,
+    imports: Sequence[str] = (),
 ) -> None:
     """The run folder's description of itself (atomic writes): configuration, protocol, manifest, environment,
     and ``run.json``, from which ``jascl run --resume`` restarts the run with nothing else given."""
@@ -221,6 +222,7 @@ def write_run_files(
         "roots": {k: str(Path(v).resolve()) for k, v in (roots or {}).items()},
         "roots_file": str(Path(roots_file).resolve()) if roots_file is not None else None,
         "split_manifest": str(Path(split_manifest).resolve()) if split_manifest is not None else None,
+        "imports": list(imports),
     }
     atomic_write_text(out / "run.json", json.dumps(record, indent=1))
 
@@ -256,6 +258,7 @@ def run_benchmark(
     split_manifest: str | Path | None = None,
     roots_file: str | Path | None = None,
     extra_plugins: Sequence[Plugin | Callable[[], Plugin]] = (),
+    imports: Sequence[str] = (),
 ) -> dict:
     """Run ``methods`` on ``protocol`` and write the run folder; returns the results dict.
 
@@ -273,6 +276,8 @@ def run_benchmark(
         roots, roots_file: dataset root folders by name (protocols on datasets; see
             :func:`jascl.data.real.resolve_roots`).
         split_manifest: a ``manifest.json`` whose samples are reused instead of a new selection.
+        imports: the modules that registered your own methods or backbones (``jascl run --import``), recorded
+            in ``run.json`` so that ``jascl run --resume`` imports them again.
     """
     if not methods:
         raise ConfigError("--methods: give at least one method (see 'jascl methods')")
@@ -308,7 +313,7 @@ def run_benchmark(
         check_same_samples(protocol, data)
         check_reusable(out, config, protocol)
         if main:
-            write_run_files(out, protocol, config, methods, data, cache_dir, roots, roots_file, split_manifest)
+            write_run_files(out, protocol, config, methods, data, cache_dir, roots, roots_file, split_manifest, imports)
         log.info("run %s: protocol %s seed %d methods %s", out, protocol.name, protocol.seed, ",".join(methods))
 
         shared_base = None

@@ -36,6 +36,7 @@ from jascl.errors import ConfigError
 from jascl.experiments.runner import ensure_base, run_benchmark
 from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import Protocol
+from jascl.results.records import RunResults
 from jascl.results.report import md_table, write_json
 
 GRIDS: dict[str, list[dict[str, object]]] = {
@@ -88,7 +89,7 @@ def run_sweep(
             point_overrides = list(overrides)
             for key, value in point.items():
                 if key == "shots":
-                    point_protocol = with_shots(protocol, int(value))
+                    point_protocol = with_shots(protocol, int(str(value)))
                 else:
                     point_overrides.append(f"{key}={value}")
             config = resolve_config(protocol.training, protocol.path, config_file, point_overrides)
@@ -104,19 +105,18 @@ def run_sweep(
             results = run_benchmark(
                 point_protocol, config, [method], folder, cache_dir=cache_dir, progress=progress, echo=echo
             )
-            m = results["methods"][method]
-            sessions = m["sessions"]
-            pls = [s["pseudo_labels"] for s in sessions if "pseudo_labels" in s]
+            m = RunResults.from_json(results).methods[method]
+            pls = [s for s in m.sessions if s.pseudo_labels is not None]
             rows.append(
                 {
                     "grid": grid,
                     "point": _point_name(point),
                     **{k: v for k, v in point.items()},
-                    "last_all": sessions[-1]["all"],
-                    "last_base": sessions[-1]["base"],
-                    "total_drop": m["total_drop"],
-                    "retention_pct": 100 * _mean([p["coverage"] for p in pls]) if pls else math.nan,
-                    "precision": _mean([p["precision"] for p in pls]) if pls else math.nan,
+                    "last_all": m.sessions[-1].all,
+                    "last_base": m.sessions[-1].base,
+                    "total_drop": m.total_drop,
+                    "retention_pct": 100 * _mean([s.pseudo_label_value("coverage") for s in pls]) if pls else math.nan,
+                    "precision": _mean([s.pseudo_label_value("precision") for s in pls]) if pls else math.nan,
                 }
             )
     write_sweep(rows, out, protocol, method)

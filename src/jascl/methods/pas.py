@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from jascl.engine.prototypes import PrototypeStore
+from jascl.networks.base import resize
 
 
 @dataclass
@@ -160,15 +161,16 @@ def best_anchor_similarity(
     flat = features.flatten(2)  # (B, D, N)
     batch, n = flat.shape[0], flat.shape[2]
     norms = torch.linalg.vector_norm(flat, dim=1).clamp_min(1e-12)  # (B, N); F.normalize's epsilon
-    per_group = []  # best dot product with each class's anchors, (B, rows of the group, N)
+    per_group: list[torch.Tensor] = []  # best dot product with each class's anchors, (B, rows of the group, N)
     for group, size in anchors.groups:
-        best = None
+        best: torch.Tensor | None = None
         step = max(1, ANCHOR_BLOCK_ELEMENTS // max(group.shape[0] * batch * n, 1))
         for a0 in range(0, size, step):
             block = group[:, a0 : a0 + step].to(flat.dtype)
             dots = torch.matmul(block.reshape(-1, anchors.dim), flat)  # (B, k_g * c, N), contiguous
             dots = dots.view(batch, group.shape[0], block.shape[1], n).amax(2)
             best = dots if best is None else torch.maximum(best, dots)
+        assert best is not None  # every group has at least one anchor (size >= 1)
         per_group.append(best)
     if anchors.missing:
         per_group.append(flat.new_full((batch, 1, n), float("nan")))
@@ -207,9 +209,7 @@ def pas_filter(
     if prototypes is None:
         sim = torch.ones_like(conf)
     else:
-        if features.shape[2:] != logits.shape[2:]:
-            mode = "bilinear" if features.dim() == 4 else "trilinear"
-            features = F.interpolate(features, size=logits.shape[2:], mode=mode, align_corners=False)
+        features = resize(features, logits.shape[2:])
         sim = best_anchor_similarity(features.float(), prototypes, pred)
     valid = (conf > tau_conf) & (sim > tau_sim)  # NaN similarity compares False
     return PseudoLabels(pred, conf, sim, valid)

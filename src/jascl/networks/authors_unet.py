@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from jascl.errors import ConfigError
-from jascl.networks.base import BACKBONES, Backbone
+from jascl.networks.base import BACKBONES, Backbone, resize
 
 #: (D, H, W) kernel per level and down-scale between levels (first axis = slice direction).
 AUTHORS_KERNELS_3D = ((1, 3, 3), (2, 3, 3), (3, 3, 3), (3, 3, 3), (3, 3, 3))
@@ -123,7 +122,6 @@ class AuthorsUNet(Backbone):
                     ConvNormAct(spatial_dims, ch[lvl], ch[lvl], kernels[lvl], norm),
                 )
             )
-        self._mode = "trilinear" if spatial_dims == 3 else "bilinear"
 
     def check_input_size(self, size: tuple[int, ...], what: str) -> None:
         # interpolation to the skip sizes accepts any size; the bottom level needs >= 2 voxels per axis
@@ -142,7 +140,7 @@ class AuthorsUNet(Backbone):
         out = skips.pop()
         for block in self.up:
             skip = skips.pop()
-            out = F.interpolate(out, size=skip.shape[2:], mode=self._mode, align_corners=True)
+            out = resize(out, skip.shape[2:], align_corners=True)
             out = block(torch.cat([skip, out], dim=1))
         return out
 

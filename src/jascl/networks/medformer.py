@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jascl.errors import ConfigError
-from jascl.networks.base import BACKBONES, Backbone
+from jascl.networks.base import BACKBONES, Backbone, resize
 
 
 def _conv(dims: int):
@@ -302,7 +302,6 @@ class MedFormer(Backbone):
         for j in range(4):
             if trans_num[4 + j] and has_map[j] and channels[2 - j] != channels[4 + j]:
                 self.map_proj[str(j)] = nn.Linear(channels[2 - j], channels[4 + j])
-        self._mode = "trilinear" if d == 3 else "bilinear"
         self.layer_aliases = {"encoder": _last_weighted(self, "down.3"), "decoder": _last_weighted(self, "up.1")}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -318,7 +317,7 @@ class MedFormer(Backbone):
         out = skips.pop()
         for j, stage in enumerate(self.up):
             skip = skips.pop()
-            out = F.interpolate(out, size=skip.shape[2:], mode=self._mode, align_corners=False)
+            out = resize(out, skip.shape[2:])
             s = maps.get(2 - j)
             if s is not None and str(j) in self.map_proj:
                 s = self.map_proj[str(j)](s)

@@ -116,6 +116,7 @@ class SAMBackbone(Backbone):
             self.encoder.neck = nn.Identity()  # unused; keeps the parameter count honest
         self.encoder.requires_grad_(False)
         channels = out_chans if use_neck else embed_dim
+        self.decoder: nn.Module
         if proj_channels:
             self.decoder = nn.Sequential(nn.Conv2d(channels, proj_channels, 1), LayerNorm2d(proj_channels), nn.GELU())
             channels = proj_channels

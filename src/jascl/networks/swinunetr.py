@@ -73,7 +73,7 @@ class SwinUNETRBackbone(Backbone):
             dropout_path_rate=dropout_path_rate,
             use_v2=use_v2,
         )
-        self.net.out = nn.Identity()
+        self.net.out = nn.Identity()  # type: ignore[assignment]  # MONAI declares it a UnetOutBlock
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +37,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise CheckpointError(f"{path}: weights file not found; pass a local .safetensors/.pth/.pt/.bin file")
     suffix = path.suffix.lower()
+    data: Any  # a state dict, possibly nested in wrappers
     if suffix == ".safetensors":
         from safetensors.torch import load_file
 

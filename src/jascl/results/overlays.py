@@ -3,7 +3,7 @@ models read from the run folder's checkpoints (never trained again)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import numpy as np
 from jascl.errors import ConfigError
 from jascl.results import plots
 from jascl.results.blocks import ReportBlock, _figure, _text
+from jascl.results.records import RunResults
 from jascl.results.runs import RunInput, _load_protocol, _read_json, _session_folder
 
 
@@ -52,7 +53,7 @@ def _predict(model, image: np.ndarray, roi: Sequence[int] | None, device) -> np.
 
 def _qualitative(
     run: Path,
-    results: Mapping[str, Any],
+    results: RunResults,
     methods: Sequence[str],
     samples: int,
     device: str,
@@ -89,7 +90,7 @@ def _qualitative(
             cache[(method, t)] = read_session_model(folder, protocol, config, t).to(target)
         return cache[(method, t)]
 
-    last = {m: len(results["methods"][m]["sessions"]) - 1 for m in methods}
+    last = {m: len(results.methods[m].sessions) - 1 for m in methods}
     blocks: list[ReportBlock] = []
     for t, session in enumerate(protocol.sessions):
         if all(t > last[m] for m in methods):

@@ -27,6 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from jascl.fileio import atomic_write_text
+from jascl.results.records import SPLITS, RunResults
+
+#: what the table functions take: the typed results, or the dict a run is about to write
+ResultsLike = RunResults | Mapping[str, Any]
 
 __all__ = [
     "format_score",
@@ -42,7 +46,6 @@ __all__ = [
 ]
 
 MISSING = "—"
-_SPLITS = ("all", "old", "new", "base", "background")
 
 
 def _as_float(value: Any) -> float:
@@ -53,10 +56,6 @@ def _as_float(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         return math.nan
-
-
-def _is_iou(results: Mapping[str, Any]) -> bool:
-    return str(results.get("metric", "dice")).lower() in {"iou", "miou", "jaccard"}
 
 
 def format_score(value: Any, metric: str) -> str:
@@ -74,41 +73,34 @@ def _fmt_pct(value: Any) -> str:
     return MISSING if math.isnan(v) else f"{v:.1f}"
 
 
-def table_title(results: Mapping[str, Any]) -> str:
+def table_title(results: ResultsLike) -> str:
     """One-line title stating protocol, metric, eval mode, background rule and seed.
 
     Example: ``"synthetic-2d · Dice (mean over foreground classes; background
     excluded) · eval: sliding-window · seed 1024"``.
     """
-    bg = str(results.get("background", "excluded from means"))
+    results = RunResults.from_json(results)
+    bg = results.background
     if "exclud" in bg.lower():
         averaging = "mean over foreground classes; background excluded"
     elif "includ" in bg.lower():
         averaging = "mean over all classes; background included"
     else:
         averaging = f"background: {bg}"
-    name = "mIoU ×100" if _is_iou(results) else str(results.get("metric", "dice")).capitalize()
-    parts = [str(results.get("protocol", "run")), f"{name} ({averaging})"]
-    if results.get("eval_mode"):
-        parts.append(f"eval: {results['eval_mode']}")
-    if results.get("seed") is not None:
-        parts.append(f"seed {results['seed']}")
+    name = "mIoU ×100" if results.is_iou else results.metric.capitalize()
+    parts = [results.protocol, f"{name} ({averaging})"]
+    if results.eval_mode:
+        parts.append(f"eval: {results.eval_mode}")
+    if results.seed is not None:
+        parts.append(f"seed {results.seed}")
     return " · ".join(parts)
 
 
-def _methods(results: Mapping[str, Any]) -> Mapping[str, Any]:
-    return results.get("methods", {}) or {}
-
-
-def _sessions(method_result: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    return list(method_result.get("sessions", []) or [])
-
-
-def comparison_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+def comparison_table(results: ResultsLike) -> tuple[list[str], list[list[str]]]:
     """Builds the method-comparison table.
 
     Args:
-        results: Run results dict (see module docstring).
+        results: the run's results (see module docstring).
 
     Returns:
         ``(header, rows)``: header is ``["Method", "S0 (<name>)", ...,
@@ -117,27 +109,25 @@ def comparison_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[s
         session and the total drop with one decimal. Sessions a method lacks
         are ``—``.
     """
-    metric = str(results.get("metric", "dice"))
-    methods = _methods(results)
-    longest = max((_sessions(m) for m in methods.values()), key=len, default=[])
+    results = RunResults.from_json(results)
+    metric = results.metric
     header = ["Method"]
-    for i, s in enumerate(longest):
-        idx = s.get("session", i)
-        header.append(f"S{idx} ({s['name']})" if s.get("name") else f"S{idx}")
+    for idx, name in results.session_names():
+        header.append(f"S{idx} ({name})" if name else f"S{idx}")
+    n_sessions = len(header) - 1
     header += ["Base@last", "Total Drop (%)"]
     rows: list[list[str]] = []
-    for name, m in methods.items():
-        sessions = _sessions(m)
-        row = [str(name)]
-        for i in range(len(longest)):
-            row.append(format_score(sessions[i].get("all"), metric) if i < len(sessions) else MISSING)
-        row.append(format_score(sessions[-1].get("base"), metric) if sessions else MISSING)
-        row.append(_fmt_pct(m.get("total_drop")))
+    for name, m in results.methods.items():
+        row = [name]
+        for i in range(n_sessions):
+            row.append(format_score(m.sessions[i].all, metric) if i < len(m.sessions) else MISSING)
+        row.append(format_score(m.last.base, metric) if m.last else MISSING)
+        row.append(_fmt_pct(m.total_drop))
         rows.append(row)
     return header, rows
 
 
-def session_detail_table(results: Mapping[str, Any], method: str) -> tuple[list[str], list[list[str]]]:
+def session_detail_table(results: ResultsLike, method: str) -> tuple[list[str], list[list[str]]]:
     """Per-session detail table for one method.
 
     Returns:
@@ -145,16 +135,14 @@ def session_detail_table(results: Mapping[str, Any], method: str) -> tuple[list[
         Background; one row per session.
 
     Raises:
-        KeyError: If ``method`` is not in ``results["methods"]``.
+        KeyError: If ``method`` is not one of the run's methods.
     """
-    metric = str(results.get("metric", "dice"))
-    m = _methods(results)[method]
+    results = RunResults.from_json(results)
+    m = results.methods[method]
     header = ["Session", "Name", "All", "Old", "New", "Base", "Background"]
     rows = []
-    for i, s in enumerate(_sessions(m)):
-        rows.append(
-            [str(s.get("session", i)), str(s.get("name", ""))] + [format_score(s.get(k), metric) for k in _SPLITS]
-        )
+    for s in m.sessions:
+        rows.append([str(s.session), s.name] + [format_score(s.score(k), results.metric) for k in SPLITS])
     return header, rows
 
 
@@ -167,45 +155,36 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def per_class_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+def per_class_table(results: ResultsLike) -> tuple[list[str], list[list[str]]]:
     """Per-class score at the last session and forgetting (best earlier score - last), per method.
 
     Rows are the classes of the last session (background first); class names
-    come from ``results["classes"]`` (id -> name) when present.
+    come from the results' ``classes`` (id -> name) when present.
     """
-    methods = _methods(results)
-    metric = str(results.get("metric", "dice"))
-    names = results.get("classes", {}) or {}
+    results = RunResults.from_json(results)
+    methods, metric = results.methods, results.metric
     header = ["Class"]
     for name in methods:
         header += [f"{name} last", f"{name} forgetting"]
     keys: list[str] = []
     for m in methods.values():
-        sessions = _sessions(m)
-        if sessions:
-            keys += [k for k in (sessions[-1].get("per_class") or {}) if k not in keys]
+        if m.last:
+            keys += [k for k in m.last.per_class if k not in keys]
     rows = []
     for key in sorted(keys, key=_class_sort_key):
-        label = f"{key} {names.get(str(key), '')}".strip()
-        row = [label]
+        row = [f"{key} {results.classes.get(key, '')}".strip()]
         for m in methods.values():
-            sessions = _sessions(m)
-            last = (sessions[-1].get("per_class") or {}).get(key) if sessions else None
-            forgetting = (m.get("forgetting") or {}).get(key)
-            row += [
-                format_score(last, metric),
-                MISSING
-                if forgetting is None or math.isnan(_as_float(forgetting))
-                else format_score(forgetting, metric),
-            ]
+            last = m.last.per_class.get(key) if m.last else None
+            row += [format_score(last, metric), format_score(m.forgetting.get(key), metric)]
         rows.append(row)
     return header, rows
 
 
-def to_markdown(results: Mapping[str, Any]) -> str:
+def to_markdown(results: ResultsLike) -> str:
     """Renders the title, the comparison table, one detail table per method and the per-class table."""
+    results = RunResults.from_json(results)
     parts = [f"## {table_title(results)}", "", md_table(*comparison_table(results))]
-    for name in _methods(results):
+    for name in results.methods:
         parts += ["", f"### {name}: per-session detail", ""]
         parts.append(md_table(*session_detail_table(results, name)))
     parts += ["", "### per class: score at the last session and forgetting", ""]
@@ -220,16 +199,15 @@ def _class_sort_key(key: Any) -> tuple[int, Any]:
         return (1, str(key))
 
 
-def _csv_rows(results: Mapping[str, Any]) -> list[list[Any]]:
+def _csv_rows(results: RunResults) -> list[list[Any]]:
     rows: list[list[Any]] = [["method", "session", "session_name", "split", "value"]]
-    for name, m in _methods(results).items():
-        for i, s in enumerate(_sessions(m)):
-            head = [name, s.get("session", i), s.get("name", "")]
-            for k in _SPLITS:
-                rows.append(head + [k, _csv_value(s.get(k))])
-            per_class = s.get("per_class", {}) or {}
-            for cls in sorted(per_class, key=_class_sort_key):
-                rows.append(head + [f"class:{cls}", _csv_value(per_class[cls])])
+    for name, m in results.methods.items():
+        for s in m.sessions:
+            head = [name, s.session, s.name]
+            for k in SPLITS:
+                rows.append(head + [k, _csv_value(s.score(k))])
+            for cls in sorted(s.per_class, key=_class_sort_key):
+                rows.append(head + [f"class:{cls}", _csv_value(s.per_class[cls])])
     return rows
 
 
@@ -238,7 +216,7 @@ def _csv_value(value: Any) -> str:
     return "" if math.isnan(v) else repr(v)
 
 
-def to_csv(results: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+def to_csv(results: ResultsLike, path: str | os.PathLike[str]) -> Path:
     """Writes results in long format (atomically).
 
     Columns: ``method, session, session_name, split, value`` where split is
@@ -249,7 +227,7 @@ def to_csv(results: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
         The written path.
     """
     buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows(_csv_rows(results))
+    csv.writer(buf, lineterminator="\n").writerows(_csv_rows(RunResults.from_json(results)))
     out = Path(path)
     atomic_write_text(out, buf.getvalue())
     return out
@@ -284,17 +262,18 @@ def write_json(results: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
     return out
 
 
-def print_tables(results: Mapping[str, Any], console: Any = None) -> None:
+def print_tables(results: ResultsLike, console: Any = None) -> None:
     """Prints the comparison and per-method detail tables with ``rich``.
 
     Args:
-        results: Run results dict.
+        results: the run's results.
         console: A ``rich.console.Console``; a new one if ``None``.
     """
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
+    results = RunResults.from_json(results)
 
     def render(title: str, header: list[str], rows: list[list[str]]) -> Table:
         table = Table(title=title)
@@ -305,23 +284,27 @@ def print_tables(results: Mapping[str, Any], console: Any = None) -> None:
         return table
 
     console.print(render(table_title(results), *comparison_table(results)))
-    for name in _methods(results):
+    for name in results.methods:
         console.print(render(f"{name}: per-session detail", *session_detail_table(results, name)))
     console.print(render("per class: score at the last session and forgetting", *per_class_table(results)))
 
 
 def write_all(results: Mapping[str, Any], out_dir: str | os.PathLike[str]) -> dict[str, Path]:
-    """Writes ``results.json``, ``results.csv`` and ``results.md`` atomically.
+    """Writes ``results.json`` (``results`` as given), ``results.csv`` and ``results.md`` atomically.
+
+    The dict is checked first (:meth:`RunResults.from_json`), so a malformed
+    entry stops here rather than in a later report.
 
     Returns:
         ``{"json": path, "csv": path, "markdown": path}``.
     """
+    typed = RunResults.from_json(results)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md = out / "results.md"
-    atomic_write_text(md, to_markdown(results))
+    atomic_write_text(md, to_markdown(typed))
     return {
         "json": write_json(results, out / "results.json"),
-        "csv": to_csv(results, out / "results.csv"),
+        "csv": to_csv(typed, out / "results.csv"),
         "markdown": md,
     }

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from jascl.errors import ConfigError
+from jascl.results.records import RunResults, SessionRecord
 from jascl.results.report import MISSING, format_score
 
 TOTAL_DROP_ROW = "Total Drop (%)"
@@ -28,41 +29,44 @@ class RunInput:
         path: the folder given on the command line.
         runs: the run folders (one for a plain run, one per seed otherwise).
         seeds: the protocol seed of each run folder.
-        results: the ``results.json`` of each run folder.
+        results: the ``results.json`` of each run folder, as typed records.
         multi_seed: True for a multi-seed folder.
     """
 
     path: Path
     runs: list[Path]
     seeds: list[int]
-    results: list[dict]
+    results: list[RunResults]
     multi_seed: bool = False
 
     @property
-    def first(self) -> dict:
+    def first(self) -> RunResults:
         return self.results[0]
 
     @property
     def metric(self) -> str:
-        return str(self.first.get("metric", "dice"))
+        return self.first.metric
 
     def methods(self) -> list[str]:
         """Methods present in every run folder, in the order of the first."""
-        names = list(self.first.get("methods", {}))
-        return [n for n in names if all(n in r.get("methods", {}) for r in self.results)]
+        return [n for n in self.first.methods if all(n in r.methods for r in self.results)]
 
-    def records(self, method: str) -> list[list[dict]]:
+    def records(self, method: str) -> list[tuple[SessionRecord, ...]]:
         """Per seed, the method's session records."""
-        return [list(r["methods"][method].get("sessions", [])) for r in self.results]
+        return [r.methods[method].sessions for r in self.results]
+
+    def total_drops(self, method: str) -> list[float]:
+        """Per seed, the method's Total Drop (%) (NaN where undefined)."""
+        return [r.methods[method].total_drop for r in self.results]
 
     def sessions(self) -> list[tuple[int, str]]:
         """(index, name) of the sessions of the longest method."""
-        longest: list[dict] = []
+        longest: tuple[SessionRecord, ...] = ()
         for m in self.methods():
             for recs in self.records(m):
                 if len(recs) > len(longest):
                     longest = recs
-        return [(int(r.get("session", i)), str(r.get("name", ""))) for i, r in enumerate(longest)]
+        return [(r.session, r.name) for r in longest]
 
 
 def _read_json(path: Path) -> dict:
@@ -80,8 +84,8 @@ def open_run(path: str | Path) -> RunInput:
     """
     folder = Path(path)
     if (folder / "results.json").is_file():
-        results = _read_json(folder / "results.json")
-        return RunInput(folder, [folder], [int(results.get("seed", 0) or 0)], [results])
+        results = RunResults.read(folder / "results.json")
+        return RunInput(folder, [folder], [results.seed or 0], [results])
     seed_dirs = {}
     for sub in folder.glob("seed-*"):
         match = re.fullmatch(r"seed-(\d+)", sub.name)
@@ -97,7 +101,7 @@ def open_run(path: str | Path) -> RunInput:
         listed = [int(s) for s in _read_json(folder / "compare.json").get("seeds", []) if int(s) in seed_dirs]
         order = listed + [s for s in order if s not in listed]
     runs = [seed_dirs[s] for s in order]
-    return RunInput(folder, runs, order, [_read_json(r / "results.json") for r in runs], multi_seed=True)
+    return RunInput(folder, runs, order, [RunResults.read(r / "results.json") for r in runs], multi_seed=True)
 
 
 def protocol_from_resolved(data: Mapping[str, Any]):
@@ -137,7 +141,7 @@ def protocol_from_resolved(data: Mapping[str, Any]):
     return build(schema.Protocol, data, nested)
 
 
-def _load_protocol(run: Path, results: Mapping[str, Any]):
+def _load_protocol(run: Path, results: RunResults):
     resolved = run / "protocol-resolved.json"
     if resolved.is_file():
         return protocol_from_resolved(_read_json(resolved))
@@ -146,17 +150,13 @@ def _load_protocol(run: Path, results: Mapping[str, Any]):
         from jascl.protocols.parse import load_protocol
 
         protocol = load_protocol(copied)
-        return dataclasses.replace(protocol, seed=int(results.get("seed", protocol.seed)))
+        return dataclasses.replace(protocol, seed=protocol.seed if results.seed is None else results.seed)
     raise ConfigError(f"{run}: neither protocol-resolved.json nor protocol.yaml")
 
 
-def _values(records_per_seed: Sequence[Sequence[Mapping[str, Any]]], t: int, key: str) -> list[float]:
-    out = []
-    for recs in records_per_seed:
-        if t < len(recs):
-            v = recs[t].get(key)
-            out.append(math.nan if v is None else float(v))
-    return out
+def _values(records_per_seed: Sequence[Sequence[SessionRecord]], t: int, split: str) -> list[float]:
+    """Per seed that has session ``t``, its ``split`` score."""
+    return [recs[t].score(split) for recs in records_per_seed if t < len(recs)]
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float, int]:

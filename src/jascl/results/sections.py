@@ -3,10 +3,10 @@ versions and the split manifest."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Mapping
 
 import numpy as np
 import yaml
@@ -15,6 +15,7 @@ from jascl import __version__
 from jascl.errors import ConfigError
 from jascl.results import plots
 from jascl.results.blocks import ReportBlock, _figure, _safe, _table, _text
+from jascl.results.records import SPLITS
 from jascl.results.report import table_title
 from jascl.results.runs import (
     TOTAL_DROP_ROW,
@@ -39,12 +40,11 @@ def summary_section(run: RunInput) -> list[ReportBlock]:
     rows = []
     for m in run.methods():
         recs = run.records(m)
-        drops = [r["methods"][m].get("total_drop") for r in run.results]
         rows.append(
             [
                 m,
                 *[fmt_values(_values(recs, t, "all"), run.metric) for t in range(len(sessions))],
-                fmt_values([math.nan if d is None else d for d in drops], "pct"),
+                fmt_values(run.total_drops(m), "pct"),
             ]
         )
     blocks = [_text(_title(run)), _table("summary", header, rows)]
@@ -58,7 +58,7 @@ def summary_section(run: RunInput) -> list[ReportBlock]:
 
 
 def _title(run: RunInput) -> str:
-    title = table_title(run.first if not run.multi_seed else {k: v for k, v in run.first.items() if k != "seed"})
+    title = table_title(dataclasses.replace(run.first, seed=None) if run.multi_seed else run.first)
     if run.multi_seed:
         title += f" · mean ± std over {len(run.seeds)} seeds ({', '.join(map(str, run.seeds))})"
     return title
@@ -67,7 +67,6 @@ def _title(run: RunInput) -> str:
 def sessions_section(run: RunInput) -> list[ReportBlock]:
     """Per method: all / old / new / base-class / background score per session, then a Total Drop row."""
     blocks: list[ReportBlock] = []
-    keys = ("all", "old", "new", "base", "background")
     header = ["Session", "Name", "Domains", "All", "Old", "New", "Base classes", "Background"]
     for m in run.methods():
         recs = run.records(m)
@@ -75,18 +74,15 @@ def sessions_section(run: RunInput) -> list[ReportBlock]:
         for t, name in run.sessions():
             if t >= max(len(r) for r in recs):
                 continue
-            domains = ", ".join(recs[0][t].get("domains", []) or []) if t < len(recs[0]) else ""
-            rows.append([str(t), name, domains, *[fmt_values(_values(recs, t, k), run.metric) for k in keys]])
-        drops = [r["methods"][m].get("total_drop") for r in run.results]
-        rows.append(
-            [TOTAL_DROP_ROW, "", "", fmt_values([math.nan if d is None else d for d in drops], "pct"), "", "", "", ""]
-        )
+            domains = ", ".join(recs[0][t].domains) if t < len(recs[0]) else ""
+            rows.append([str(t), name, domains, *[fmt_values(_values(recs, t, k), run.metric) for k in SPLITS]])
+        rows.append([TOTAL_DROP_ROW, "", "", fmt_values(run.total_drops(m), "pct"), "", "", "", ""])
         blocks.append(_table(f"sessions:{m}", header, rows, heading=m))
     blocks.append(
         _text(
             "All = mean over the foreground classes seen so far; Old = classes of earlier sessions; "
             "New = classes introduced in the session; Base classes = session-0 classes; "
-            f"background {run.first.get('background', '')}. Evaluated on the test splits of every session so far."
+            f"background {run.first.background}. Evaluated on the test splits of every session so far."
         )
     )
     return blocks
@@ -109,24 +105,22 @@ def curves_section(run: RunInput, prefix: str) -> list[ReportBlock]:
 def _class_matrix(run: RunInput, method: str) -> tuple[np.ndarray, list[str]]:
     recs = run.records(method)
     sessions = run.sessions()
-    names = run.first.get("classes", {}) or {}
+    names = run.first.classes
     keys: list[str] = []
     for per_seed in recs:
         for rec in per_seed:
-            keys += [k for k in (rec.get("per_class") or {}) if k != "0" and k not in keys]
+            keys += [k for k in rec.per_class if k != "0" and k not in keys]
     keys.sort(key=lambda k: (0, int(k)) if str(k).isdigit() else (1, str(k)))
     matrix = np.full((len(keys), len(sessions)), np.nan)
     for i, key in enumerate(keys):
         for t in range(len(sessions)):
             vals = [
-                float(per_seed[t]["per_class"][key])
-                for per_seed in recs
-                if t < len(per_seed) and per_seed[t].get("per_class", {}).get(key) is not None
+                per_seed[t].per_class[key] for per_seed in recs if t < len(per_seed) and key in per_seed[t].per_class
             ]
             mean, _, n = _mean_std(vals)
             if n:
                 matrix[i, t] = mean
-    return matrix, [f"{k} {names.get(str(k), '')}".strip() for k in keys]
+    return matrix, [f"{k} {names.get(k, '')}".strip() for k in keys]
 
 
 def heatmaps_section(run: RunInput, prefix: str) -> list[ReportBlock]:
@@ -171,9 +165,7 @@ def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
     sessions = run.sessions()
     with_stats: dict[str, list[int]] = {}
     for m in run.methods():
-        ts = sorted(
-            {t for recs in run.records(m) for t, r in enumerate(recs) if isinstance(r.get("pseudo_labels"), Mapping)}
-        )
+        ts = sorted({t for recs in run.records(m) for t, r in enumerate(recs) if r.pseudo_labels is not None})
         if ts:
             with_stats[m] = ts
     if not with_stats:
@@ -188,20 +180,15 @@ def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
         recs = run.records(m)
 
         def stat(t: int, key: str) -> list[float]:
-            out = []
-            for per_seed in recs:
-                pl = per_seed[t].get("pseudo_labels") if t < len(per_seed) else None
-                if isinstance(pl, Mapping) and pl.get(key) is not None:
-                    out.append(float(pl[key]))
-            return out
+            return [per_seed[t].pseudo_label_value(key) for per_seed in recs if t < len(per_seed)]
 
         rows = []
         for t in ts:
             filters = sorted(
                 {
-                    str(p[t]["pseudo_labels"].get("filter", ""))
+                    str((p[t].pseudo_labels or {}).get("filter", ""))
                     for p in recs
-                    if t < len(p) and isinstance(p[t].get("pseudo_labels"), Mapping)
+                    if t < len(p) and p[t].pseudo_labels is not None
                 }
             )
             rows.append(
@@ -219,17 +206,7 @@ def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
     for m in with_stats:
         recs = run.records(m)
         for key in series:
-            series[key][m] = [
-                [
-                    float(p[t]["pseudo_labels"][key])
-                    if t < len(p)
-                    and isinstance(p[t].get("pseudo_labels"), Mapping)
-                    and p[t]["pseudo_labels"].get(key) is not None
-                    else math.nan
-                    for p in recs
-                ]
-                for t in shown
-            ]
+            series[key][m] = [[p[t].pseudo_label_value(key) if t < len(p) else math.nan for p in recs] for t in shown]
     png = plots.pseudo_label_plot([f"S{t} {sessions[t][1]}" for t in shown], series)
     blocks.append(
         _figure(

@@ -38,6 +38,7 @@ import torch
 
 from jascl.engine.plugin import Plugin
 from jascl.methods.gas import GASNoise
+from jascl.results.records import SPLITS, SessionRecord
 
 if TYPE_CHECKING:
     from jascl.engine.state import LoopState
@@ -75,25 +76,24 @@ def gas_scale_stats(noise: GASNoise) -> dict[str, float]:
     }
 
 
-def session_scalars(record: Mapping[str, Any], class_names: Mapping[int, str]) -> dict[str, float]:
+def session_scalars(record: SessionRecord | Mapping[str, Any], class_names: Mapping[int, str]) -> dict[str, float]:
     """TensorBoard tags and values of one session's metrics record (as saved in ``metrics.json``).
 
     Missing (None / NaN) values are left out: TensorBoard cannot draw them.
     """
+    if not isinstance(record, SessionRecord):
+        record = SessionRecord.from_json(record)
     out: dict[str, float] = {}
-    for key in ("all", "old", "new", "base", "background"):
-        v = record.get(key)
-        if v is not None and not math.isnan(float(v)):
-            out[f"eval/{key}"] = float(v)
-    for key, v in (record.get("per_class") or {}).items():
-        if v is not None and not math.isnan(float(v)):
-            out[f"eval_class/{key}-{class_names.get(int(key), key)}"] = float(v)
-    pseudo = record.get("pseudo_labels")
-    if isinstance(pseudo, Mapping):
+    for key in SPLITS:
+        if not math.isnan(v := record.score(key)):
+            out[f"eval/{key}"] = v
+    for key, v in record.per_class.items():
+        if not math.isnan(v):
+            out[f"eval_class/{key}-{class_names.get(int(key), key)}"] = v
+    if record.pseudo_labels is not None:
         for key in PSEUDO_LABEL_KEYS:
-            v = pseudo.get(key)
-            if isinstance(v, (int, float)) and not math.isnan(float(v)):
-                out[f"pseudo_labels/{key}"] = float(v)
+            if not math.isnan(v := record.pseudo_label_value(key)):
+                out[f"pseudo_labels/{key}"] = v
     return out
 
 
@@ -111,7 +111,7 @@ class TensorBoardPlugin(Plugin):
     def __init__(self, run_dir: str | Path, gas_every: int = 1) -> None:
         self.run_dir = Path(run_dir)
         self.gas_every = max(int(gas_every), 1)
-        self._writer = None
+        self._writer: Any = None  # a torch.utils.tensorboard.SummaryWriter once the first method starts
         self._method: str | None = None
         self._epoch_total = 0.0
         self._epoch_steps = 0
@@ -167,8 +167,8 @@ class TensorBoardPlugin(Plugin):
                 if isinstance(module, GASNoise):
                     # "classifier.conv.parametrizations.weight.0" -> "classifier.conv"
                     layer = module_name.split(".parametrizations.")[0]
-                    for stat, value in gas_scale_stats(module).items():
-                        writer.add_scalar(f"{prefix}/gas/{layer}/scale_{stat}", value, state.iteration)
+                    for stat, stat_value in gas_scale_stats(module).items():
+                        writer.add_scalar(f"{prefix}/gas/{layer}/scale_{stat}", stat_value, state.iteration)
 
     def after_epoch(self, state: LoopState) -> None:
         if self._epoch_steps:

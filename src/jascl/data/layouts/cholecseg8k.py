@@ -167,9 +167,9 @@ class CholecSeg8kLayout(DatasetLayout):
             table.update({value: natural.IGNORE_INDEX for value in UNANNOTATED_WATERSHED})
             return natural.lookup_values(natural.index_mask(path), table)
         pixels = natural.read_colour_mask(path)
-        table = {c.colour: c.id for c in CHOLECSEG8K_CLASSES}
-        table.update({colour: natural.IGNORE_INDEX for colour in UNANNOTATED_COLOUR})
-        return natural.lookup_colours(pixels, table, self.tolerance)
+        colours = {c.colour: c.id for c in CHOLECSEG8K_CLASSES}
+        colours.update({colour: natural.IGNORE_INDEX for colour in UNANNOTATED_COLOUR})
+        return natural.lookup_colours(pixels, colours, self.tolerance)
 
     def check(self, record: Record) -> list[Problem]:
         fix = (

@@ -119,7 +119,7 @@ def plan_sessions(
         def contains_class(ref: str, c: int) -> bool:
             d, rid = split_ref(ref)
             natives = class_natives[c].get(d)
-            return bool(natives) and sources[d].contains(rid, natives)
+            return natives is not None and bool(natives) and sources[d].contains(rid, natives)
 
         # --- labelled training samples
         pool = [_ref(src.name, r) for _, src in srcs for r in src.train_pool if r not in src.excluded]

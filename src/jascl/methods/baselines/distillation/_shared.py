@@ -212,13 +212,6 @@ def taught_rows(state: LoopState) -> list[int]:
     return [state.seen.index(c) for c in state.session.classes]
 
 
-def resize_labels(labels: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
-    """(B, *spatial) integer labels resampled (nearest) to ``size``; unchanged if already that size."""
-    if tuple(labels.shape[1:]) == tuple(size):
-        return labels
-    return F.interpolate(labels[:, None].float(), size=tuple(size), mode="nearest")[:, 0].long()
-
-
 class TeacherPlugin(Plugin):
     """Base of the old-model baselines: builds the frozen teacher in incremental sessions.
 

@@ -80,6 +80,7 @@ from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
+from jascl.networks.base import eval_mode
 
 if TYPE_CHECKING:
     from jascl.engine.config import RunConfig
@@ -145,10 +146,6 @@ class MDILPlugin(Plugin):
         decoder: tuple[str, ...] | None = None,
         freeze: str | None = "none",
     ) -> None:
-        if kd_weight < 0 or shared_lr_ratio < 0:
-            raise ConfigError(
-                f"method_args.mdil: kd_weight and shared_lr_ratio must be >= 0 (got {kd_weight}, {shared_lr_ratio})"
-            )
         self.kd_weight = kd_weight
         self.shared_lr_ratio = shared_lr_ratio
         self.use_adapters = adapters
@@ -308,14 +305,9 @@ class MDILPlugin(Plugin):
             self.active = self.current
 
     def _teacher_logits(self, model: Segmenter, x: torch.Tensor, key: str) -> torch.Tensor:
-        modes = {m: m.training for m in model.modules()}
-        model.eval()  # the previous model is used in eval mode, as in the official code
-        try:
+        with eval_mode(model):  # the previous model is used in eval mode, as in the official code
             with torch.no_grad():
                 return self._branch_logits(model, x, key, teacher=True)
-        finally:
-            for m, mode in modes.items():
-                m.train(mode)
 
     def after_forward(self, state: LoopState) -> None:
         if state.session.index == 0 or not (self._old or self._returning) or self.kd_weight == 0:

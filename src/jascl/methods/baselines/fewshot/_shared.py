@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from jascl.data.datasets import LabelledDataset
 from jascl.methods.gas import clean_state_dict
+from jascl.networks.base import eval_mode
 
 if TYPE_CHECKING:
     from jascl.engine.state import LoopState
@@ -43,21 +44,7 @@ def eval_features(
 
     The train/eval mode of every module is restored when the iteration ends.
     """
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        with torch.no_grad():
-            for batch in loader:
-                features = model.forward_features(batch["image"].to(device)).features
-                yield features.float(), batch["label"].to(device)
-    finally:
-        for module, mode in modes.items():
-            module.train(mode)
-
-
-def resize_features(features: torch.Tensor, size: torch.Size) -> torch.Tensor:
-    """Bilinear/trilinear resize of (B, C, *spatial) features to ``size`` (no-op if equal)."""
-    if features.shape[2:] == size:
-        return features
-    mode = "bilinear" if features.dim() == 4 else "trilinear"
-    return torch.nn.functional.interpolate(features, size=size, mode=mode, align_corners=False)
+    with eval_mode(model), torch.no_grad():
+        for batch in loader:
+            features = model.forward_features(batch["image"].to(device)).features
+            yield features.float(), batch["label"].to(device)

@@ -57,8 +57,8 @@ from torch import nn
 
 from jascl.engine.plugin import Method, Plugin
 from jascl.engine.prototypes import align_labels
-from jascl.errors import ConfigError
 from jascl.methods.baselines.fewshot._shared import eval_features, labelled_loader
+from jascl.methods.options import check_options, option
 from jascl.methods.registry import METHODS
 
 if TYPE_CHECKING:
@@ -229,12 +229,14 @@ class FeCAMOptions:
         background: "every_session" (a background Gaussian per session) or "base" (only the base session's).
     """
 
-    beta: float = 0.5
+    beta: float = option(
+        0.5, gt=0, doc="Tukey exponent (official 0.5); the log transform (beta 0) needs positive features"
+    )
     alpha1: float = 1.0
     alpha2: float = 1.0
-    shrink_passes: int = 2
+    shrink_passes: int = option(2, ge=0)
     normalise: bool = True
-    background: str = "every_session"
+    background: str = option("every_session", choices=("every_session", "base"))
 
 
 class FeCAMPlugin(Plugin):
@@ -245,15 +247,7 @@ class FeCAMPlugin(Plugin):
 
     def __init__(self, options: FeCAMOptions | None = None) -> None:
         o = self.options = options or FeCAMOptions()
-        if o.beta <= 0:
-            raise ConfigError(
-                f"method_args.fecam.beta: must be > 0 (got {o.beta}); the log transform (beta 0) "
-                "needs positive features"
-            )
-        if o.shrink_passes < 0:
-            raise ConfigError(f"method_args.fecam.shrink_passes: must be >= 0 (got {o.shrink_passes})")
-        if o.background not in ("every_session", "base"):
-            raise ConfigError(f"method_args.fecam.background: must be 'every_session' or 'base' (got {o.background!r})")
+        check_options(o, "method_args.fecam")
         #: (session, class) -> (raw mean (C,), Tukey covariance (C, C), pixel count)
         self.stats: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._original: nn.Module | None = None

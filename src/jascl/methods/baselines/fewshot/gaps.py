@@ -63,10 +63,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from jascl.engine.plugin import Method, Plugin
-from jascl.errors import ConfigError
-from jascl.methods.baselines.fewshot._shared import eval_features, frozen_copy, labelled_loader, resize_features
-from jascl.methods.options import freeze_option, freeze_policy
+from jascl.methods.baselines.fewshot._shared import eval_features, frozen_copy, labelled_loader
+from jascl.methods.options import check_options, freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
+from jascl.networks.base import resize
 
 if TYPE_CHECKING:
     from jascl.engine.config import RunConfig
@@ -152,9 +152,8 @@ def paste_object(
     if params.flip:
         obj, mask = obj.flip(-1), mask.flip(-1)
     if tuple(mask.shape) != params.size:
-        mode = "bilinear" if obj.dim() == 3 else "trilinear"
-        obj = F.interpolate(obj[None], size=params.size, mode=mode, align_corners=False)[0]
-        mask = F.interpolate(mask[None, None].float(), size=params.size, mode="nearest")[0, 0] > 0.5
+        obj = resize(obj[None], params.size)[0]
+        mask = resize(mask[None, None].float(), params.size, mode="nearest")[0, 0] > 0.5
     region = tuple(slice(o, o + s) for o, s in zip(params.offset, params.size))
     image_region = image[(slice(None),) + tuple(region)]
     image_region[:, mask] = obj[:, mask].to(image.dtype)
@@ -218,12 +217,12 @@ class GAPSOptions:
         freeze: "none" (official: the backbone is fine-tuned), "all_but_classifier" or "config".
     """
 
-    memory_size: int = 500
-    context_prob: float = 0.9
-    context_fraction: float = 0.05
-    pastes: int = 2
-    feature_weight: float = 0.1
-    backbone_lr_scale: float = 0.1
+    memory_size: int = option(500, ge=1)
+    context_prob: float = option(0.9, ge=0, le=1)
+    context_fraction: float = option(0.05, ge=0, le=1)
+    pastes: int = option(2, ge=0)
+    feature_weight: float = option(0.1, ge=0)
+    backbone_lr_scale: float = option(0.1, ge=0)
     freeze_bn: bool = True
     freeze: str = freeze_option("none")
 
@@ -261,13 +260,7 @@ class GAPSPlugin(Plugin):
 
     def __init__(self, options: GAPSOptions | None = None) -> None:
         o = self.options = options or GAPSOptions()
-        if o.memory_size < 1:
-            raise ConfigError(f"method_args.gaps.memory_size: must be >= 1 (got {o.memory_size})")
-        for key in ("context_prob", "context_fraction"):
-            if not 0.0 <= getattr(o, key) <= 1.0:
-                raise ConfigError(f"method_args.gaps.{key}: must be in [0, 1] (got {getattr(o, key)})")
-        if o.pastes < 0 or o.backbone_lr_scale < 0 or o.feature_weight < 0:
-            raise ConfigError("method_args.gaps: pastes, backbone_lr_scale and feature_weight must be >= 0")
+        check_options(o, "method_args.gaps")
         self.freeze_incremental = freeze_policy(o.freeze)
         self.memory_images: list[torch.Tensor] = []
         self.memory_labels: list[torch.Tensor] = []
@@ -293,7 +286,7 @@ class GAPSPlugin(Plugin):
         images, labels = [], []
         index = 0
         for features, lab in eval_features(state.model, labelled_loader(state), state.device):
-            features = F.normalize(resize_features(features, lab.shape[1:]), dim=1)
+            features = F.normalize(resize(features, lab.shape[1:]), dim=1)
             for b in range(lab.shape[0]):
                 for c in classes:
                     mask = lab[b] == c

@@ -65,6 +65,7 @@ from jascl.engine.plugin import Method, Plugin
 from jascl.engine.prototypes import align_labels
 from jascl.errors import ConfigError
 from jascl.methods.baselines.fewshot._shared import eval_features, labelled_loader
+from jascl.methods.options import check_options, option
 from jascl.methods.registry import METHODS
 from jascl.protocols.schema import IGNORE_INDEX
 
@@ -196,7 +197,7 @@ class NCFSCILOptions:
     """
 
     weight: float = 10.0
-    proj_dim: int = 0
+    proj_dim: int = option(0, ge=0)
     class_balance: bool = True
     memory: bool = True
     replace_seg: bool = True
@@ -214,8 +215,7 @@ class NCFSCILPlugin(Plugin):
         self.options = options or NCFSCILOptions()
         if self.options.replace_seg:  # trained with the DR loss alone (paper)
             self.replaces = ("supervised-loss",)
-        if self.options.proj_dim < 0:
-            raise ConfigError(f"method_args.nc-fscil.proj_dim: must be >= 0 (got {self.options.proj_dim})")
+        check_options(self.options, "method_args.nc-fscil")
         self.head: ProjectionHead | None = None
         self.etf: torch.Tensor | None = None
         self.memory: dict[tuple[int, int], torch.Tensor] = {}

@@ -47,9 +47,10 @@ import torch
 import torch.nn.functional as F
 
 from jascl.engine.plugin import Method, Plugin
-from jascl.methods.baselines.fewshot._shared import eval_features, frozen_copy, labelled_loader, resize_features
+from jascl.methods.baselines.fewshot._shared import eval_features, frozen_copy, labelled_loader
 from jascl.methods.options import freeze_option, freeze_policy
 from jascl.methods.registry import METHODS
+from jascl.networks.base import resize
 
 if TYPE_CHECKING:
     from jascl.engine.config import RunConfig
@@ -69,7 +70,7 @@ def pifs_prototype_sums(features: torch.Tensor, labels: torch.Tensor, classes: l
         class -> (C,) sum over the images containing it of n(sum_{pixels of c} n(f_p)).
         Classes absent from the batch are left out.
     """
-    features = F.normalize(resize_features(features.float(), labels.shape[1:]), dim=1)
+    features = F.normalize(resize(features.float(), labels.shape[1:]), dim=1)
     flat, lab = features.flatten(2), labels.flatten(1)
     out: dict[int, torch.Tensor] = {}
     for b in range(features.shape[0]):

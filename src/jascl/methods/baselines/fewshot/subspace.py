@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from jascl.engine.plugin import Method, Plugin
-from jascl.errors import ConfigError
 from jascl.methods.baselines.fewshot._shared import labelled_loader
+from jascl.methods.options import check_options, option
 from jascl.methods.registry import METHODS
 
 if TYPE_CHECKING:
@@ -92,10 +92,10 @@ class SubspaceOptions:
         random_init: start new rows at random (official) instead of the loop's prototype imprinting.
     """
 
-    lambda_base: float = 0.2
-    lambda_novel: float = 0.1
-    lambda_pull: float = 1.0
-    exemplars: int = 1
+    lambda_base: float = option(0.2, ge=0)
+    lambda_novel: float = option(0.1, ge=0)
+    lambda_pull: float = option(1.0, ge=0)
+    exemplars: int = option(1, ge=0)
     random_init: bool = True
 
 
@@ -107,8 +107,7 @@ class SubspacePlugin(Plugin):
 
     def __init__(self, options: SubspaceOptions | None = None) -> None:
         o = self.options = options or SubspaceOptions()
-        if min(o.lambda_base, o.lambda_novel, o.lambda_pull) < 0 or o.exemplars < 0:
-            raise ConfigError("method_args.subspace: lambda_base, lambda_novel, lambda_pull and exemplars must be >= 0")
+        check_options(o, "method_args.subspace")
         terms = [("subspace_base", o.lambda_base), ("subspace_pull", o.lambda_pull), ("subspace_replay", o.exemplars)]
         # the earlier-novel anchor only exists from the second incremental session on (not in a two-session run)
         self.loss_terms = tuple(name for name, weight in terms if weight)

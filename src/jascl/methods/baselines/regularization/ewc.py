@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from jascl.engine.plugin import Method, Plugin
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
+from jascl.networks.base import eval_mode
 from jascl.protocols.schema import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -133,7 +134,6 @@ class _FisherSessions:
         model = state.model
         targets = incremental_parameters(state)
         flags = {n: p.requires_grad for n, p in targets.items()}
-        modes = {m: m.training for m in model.modules()}
         dataset = LabelledDataset(state.data.train, state.session.classes, state.session.other_classes)
         limit = len(dataset) if self.fisher_samples <= 0 else min(self.fisher_samples, len(dataset))
 
@@ -144,16 +144,13 @@ class _FisherSessions:
 
         generator = torch.Generator().manual_seed(state.seed * 1000 + state.session.index)
         try:
-            model.eval()
             for p in targets.values():
                 p.requires_grad_(True)
-            with torch.enable_grad():
+            with eval_mode(model), torch.enable_grad():
                 fisher = fisher_diagonal(model, samples(), targets, self.fisher_labels, generator)
         finally:
             for n, p in targets.items():
                 p.requires_grad_(flags[n])
-            for module, mode in modes.items():
-                module.train(mode)
         anchors = {n: p.detach().clone() for n, p in targets.items()}
         return fisher, anchors
 

@@ -298,17 +298,6 @@ def compensate_prototypes(
     return moved, noise + (moved - prototypes).abs()
 
 
-def _eval_mode(model: Segmenter) -> dict:
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    return modes
-
-
-def _restore_modes(modes: dict) -> None:
-    for module, mode in modes.items():
-        module.train(mode)
-
-
 def _small_logits(model: Segmenter, out) -> torch.Tensor:
     """Logits at the resolution of the features (re-applying the classifier if the logits were upsampled)."""
     if out.logits.shape[2:] == out.features.shape[2:]:

@@ -12,17 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from jascl.engine.plugin import Method
-from jascl.methods.baselines.distillation._shared import resize_labels
+from jascl.engine.prototypes import align_labels
 from jascl.methods.common import labelled_loader
 from jascl.methods.options import freeze_policy, option
 from jascl.methods.registry import METHODS
+from jascl.networks.base import eval_mode
 
 if TYPE_CHECKING:
     from jascl.engine.config import RunConfig
     from jascl.engine.state import LoopState
 from jascl.methods.baselines.replay._shared import (
-    _eval_mode,
-    _restore_modes,
     _small_logits,
     compensate_prototypes,
     log,
@@ -91,28 +90,27 @@ class AdaptReplayPlugin(Saving100xPlugin):
         before = torch.zeros(len(ids), d, dtype=torch.float64)
         after = torch.zeros_like(before)
         confident = torch.zeros(len(ids), dtype=torch.float64)
-        modes = _eval_mode(state.model)
-        for batch in labelled_loader(state):
-            x = batch["image"].to(state.device)
-            out_s, out_t = state.model.forward_features(x), self.teacher.forward_features(x)
-            p_t = F.softmax(_small_logits(self.teacher, out_t)[:, : self.num_old], dim=1)
-            p_s = F.softmax(_small_logits(state.model, out_s), dim=1)
-            labels = resize_labels(state.class_index(batch["label"].to(state.device)), out_s.features.shape[2:])
-            sure = (
-                (labels == 0)
-                & (prediction_certainty(p_t) > self.o.certainty)
-                & (prediction_certainty(p_s) > self.o.certainty)
-            )
-            pred_t, pred_s = p_t.argmax(dim=1), p_s.argmax(dim=1)
-            unit_t, unit_s = F.normalize(out_t.features, dim=1), F.normalize(out_s.features, dim=1)
-            for i, row in enumerate(rows):
-                m = (sure & (pred_t == row) & (pred_s == row)).unsqueeze(1)
-                if m.any():
-                    dims = [0, *range(2, unit_t.dim())]
-                    before[i] += (unit_t * m).sum(dim=dims).double().cpu()
-                    after[i] += (unit_s * m).sum(dim=dims).double().cpu()
-                    confident[i] += float(m.sum())
-        _restore_modes(modes)
+        with eval_mode(state.model):
+            for batch in labelled_loader(state):
+                x = batch["image"].to(state.device)
+                out_s, out_t = state.model.forward_features(x), self.teacher.forward_features(x)
+                p_t = F.softmax(_small_logits(self.teacher, out_t)[:, : self.num_old], dim=1)
+                p_s = F.softmax(_small_logits(state.model, out_s), dim=1)
+                labels = align_labels(state.class_index(batch["label"].to(state.device)), out_s.features.shape[2:])
+                sure = (
+                    (labels == 0)
+                    & (prediction_certainty(p_t) > self.o.certainty)
+                    & (prediction_certainty(p_s) > self.o.certainty)
+                )
+                pred_t, pred_s = p_t.argmax(dim=1), p_s.argmax(dim=1)
+                unit_t, unit_s = F.normalize(out_t.features, dim=1), F.normalize(out_s.features, dim=1)
+                for i, row in enumerate(rows):
+                    m = (sure & (pred_t == row) & (pred_s == row)).unsqueeze(1)
+                    if m.any():
+                        dims = [0, *range(2, unit_t.dim())]
+                        before[i] += (unit_t * m).sum(dim=dims).double().cpu()
+                        after[i] += (unit_s * m).sum(dim=dims).double().cpu()
+                        confident[i] += float(m.sum())
         stats = [self.store.classes[c] for c in ids]
         stored = torch.stack([s.prototype for s in stats]).double()
         protos, noise = compensate_prototypes(

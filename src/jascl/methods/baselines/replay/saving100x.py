@@ -13,17 +13,18 @@ import torch.nn.functional as F
 
 from jascl.engine.defaults import default_supervised_loss
 from jascl.engine.plugin import Method
+from jascl.engine.prototypes import align_labels
 from jascl.methods.baselines.distillation._shared import (
     TeacherPlugin,
     absorbed_rows,
     merge_absorbed_probabilities,
-    resize_labels,
     soft_dice_loss,
     unbiased_cross_entropy,
 )
 from jascl.methods.common import labelled_loader
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
+from jascl.networks.base import eval_mode
 
 if TYPE_CHECKING:
     from jascl.engine.config import RunConfig
@@ -32,8 +33,6 @@ from jascl.methods.baselines.replay._shared import (
     ClassStatistics,
     FeatureStatistics,
     ReplayStore,
-    _eval_mode,
-    _restore_modes,
     _small_logits,
     log,
     ocfm_loss,
@@ -131,15 +130,14 @@ class Saving100xPlugin(TeacherPlugin):
     def gather_statistics(self, state: LoopState) -> dict[int, ClassStatistics]:
         """Statistics of the session's taught classes from the current model (eval mode)."""
         model = state.model
-        modes = _eval_mode(model)
-        acc = FeatureStatistics(state.session.classes, model.backbone.feature_channels)
-        background = 0.0
-        for batch in labelled_loader(state):
-            features = model.forward_features(batch["image"].to(state.device)).features
-            labels = resize_labels(batch["label"].to(state.device), features.shape[2:])
-            acc.update(features, labels)
-            background += float((labels == 0).sum())
-        _restore_modes(modes)
+        with eval_mode(model):
+            acc = FeatureStatistics(state.session.classes, model.backbone.feature_channels)
+            background = 0.0
+            for batch in labelled_loader(state):
+                features = model.forward_features(batch["image"].to(state.device)).features
+                labels = align_labels(batch["label"].to(state.device), features.shape[2:])
+                acc.update(features, labels)
+                background += float((labels == 0).sum())
         self._labelled_background = background
         return acc.compute()
 
@@ -175,7 +173,7 @@ class Saving100xPlugin(TeacherPlugin):
         for batch in labelled_loader(state):
             out = self.teacher.forward_features(batch["image"].to(state.device))
             pred = _small_logits(self.teacher, out)[:, : self.num_old].argmax(dim=1)
-            labels = resize_labels(state.class_index(batch["label"].to(state.device)), out.features.shape[2:])
+            labels = align_labels(state.class_index(batch["label"].to(state.device)), out.features.shape[2:])
             background = labels == 0
             true_bg += float((background & (pred == 0)).sum())
             for cid in present:
@@ -248,7 +246,7 @@ class Saving100xPlugin(TeacherPlugin):
             dice = cfg.lambda_dice * soft_dice_loss(merged, mapped)
 
         small = _small_logits(state.model, out)
-        labels = resize_labels(target, out.features.shape[2:])
+        labels = align_labels(target, out.features.shape[2:])
         pred_old = _small_logits(self.teacher, out_t)[:, : self.num_old].argmax(dim=1)
         background = labels == 0
         replay_sum, n_replay = self.replay_loss_sums(state)

@@ -13,6 +13,7 @@ from jascl.data.datasets import BatchStream
 from jascl.engine.plugin import Plugin
 from jascl.errors import ConfigError
 from jascl.methods.mean_teacher import UnlabelledDataset
+from jascl.networks.base import eval_mode
 
 if TYPE_CHECKING:
     from jascl.engine.config import RunConfig
@@ -25,13 +26,8 @@ log = logging.getLogger("jascl")
 
 def _eval_logits(model: Segmenter, images: torch.Tensor) -> torch.Tensor:
     """Logits of ``model`` in eval mode (train/eval modes restored afterwards)."""
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
+    with eval_mode(model):
         return model(images)
-    finally:
-        for m, mode in modes.items():
-            m.train(mode)
 
 
 class PoolPhasesPlugin(Plugin):

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from jascl.engine.plugin import Method
-from jascl.errors import ConfigError
 from jascl.methods.mean_teacher import view_transform
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.pas import FilterCounters
 from jascl.methods.registry import METHODS
+from jascl.networks.base import resize
 
 if TYPE_CHECKING:
     from jascl.engine.config import RunConfig
@@ -245,10 +245,6 @@ class CSLPlugin(PoolPhasesPlugin):
         freeze: str | None = None,
     ) -> None:
         super().__init__(start_epoch, every, batch_size)
-        if alpha <= 0 or not 0 <= cover_ratio <= 1 or not 0 < block_fraction <= 1 or not 0 <= fp_dropout < 1:
-            raise ConfigError(
-                "method_args.csl: need alpha > 0, cover_ratio in [0, 1], block_fraction in (0, 1], fp_dropout in [0, 1)"
-            )
         self.weight, self.alpha = weight, alpha
         self.cover_ratio, self.block_fraction = cover_ratio, block_fraction
         self.fp_dropout, self.cutmix_prob = fp_dropout, cutmix_prob
@@ -296,10 +292,7 @@ class CSLPlugin(PoolPhasesPlugin):
             view_weights.append(w)
         logits_s, logits_m = model(torch.cat(views)).chunk(2)
         fp = model.classifier(channel_dropout(weak.features, self.fp_dropout))
-        if fp.shape[2:] != weak.logits.shape[2:]:
-            fp = F.interpolate(
-                fp, size=weak.logits.shape[2:], mode="bilinear" if fp.dim() == 4 else "trilinear", align_corners=False
-            )
+        fp = resize(fp, weak.logits.shape[2:])
         loss = (
             0.25 * csl_loss(logits_s, targets[0], view_weights[0])
             + 0.25 * csl_loss(logits_m, targets[1], view_weights[1])

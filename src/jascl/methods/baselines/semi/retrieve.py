@@ -16,11 +16,11 @@ from torch.utils.data import DataLoader, Subset
 
 from jascl.data.datasets import BatchStream, LabelledDataset
 from jascl.engine.plugin import Method
-from jascl.errors import ConfigError
 from jascl.methods.mean_teacher import MeanTeacherPlugin, UnlabelledDataset, view_transform
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.pas import consistency_loss, pas_filter
 from jascl.methods.registry import METHODS
+from jascl.networks.base import eval_mode, resize
 from jascl.protocols.schema import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -140,11 +140,6 @@ class RetrievePlugin(MeanTeacherPlugin):
             every=every,
             batch_size=batch_size,
         )
-        if not 0 < fraction <= 1 or greedy not in ("stochastic", "naive") or not 0 < epsilon < 1:
-            raise ConfigError(
-                f"method_args.retrieve: need 0 < fraction <= 1, greedy 'stochastic' or 'naive', "
-                f"0 < epsilon < 1 (got {fraction}, {greedy!r}, {epsilon})"
-            )
         self.fraction, self.greedy, self.epsilon = fraction, greedy, epsilon
         self.freeze_incremental = freeze
         self.coresets: list[list[int]] = []
@@ -196,20 +191,14 @@ class RetrievePlugin(MeanTeacherPlugin):
         self, model: Segmenter, params: dict[str, torch.Tensor], features: torch.Tensor, size: torch.Size
     ) -> torch.Tensor:
         logits = functional_call(model.classifier, params, (features,))
-        if logits.shape[2:] != size:
-            logits = F.interpolate(
-                logits, size=size, mode="bilinear" if logits.dim() == 4 else "trilinear", align_corners=False
-            )
-        return logits
+        return resize(logits, size)
 
     def select(self, state: LoopState) -> list[int]:
         """Choose this phase's coreset of pool indices (see the class docstring)."""
         model = state.model
         base = self._classifier_params(model)
         names = list(base)
-        modes = {m: m.training for m in model.modules()}
-        model.eval()
-        try:
+        with eval_mode(model):
             grads = []
             pool = UnlabelledDataset(state.data.unlabelled)
             for batch in DataLoader(pool, batch_size=1):
@@ -241,9 +230,6 @@ class RetrievePlugin(MeanTeacherPlugin):
                             state.class_index(batch["label"].to(state.device)),
                         )
                     )
-        finally:
-            for m, mode in modes.items():
-                m.train(mode)
         shapes = [base[n].shape for n in names]
         flat0 = torch.cat([base[n].flatten() for n in names])
 

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from jascl.engine.plugin import Method
-from jascl.errors import ConfigError
 from jascl.methods.gas import clean_state_dict
 from jascl.methods.mean_teacher import UnlabelledDataset
 from jascl.methods.options import freeze_option, freeze_policy, option
@@ -218,13 +217,6 @@ class UaDCEPlugin(PoolPhasesPlugin):
         freeze: str | None = None,
     ) -> None:
         super().__init__(start_epoch, every, batch_size)
-        if not 0 < u_t <= 1 or noise_passes < 2 or temperature <= 0:
-            raise ConfigError(
-                f"method_args.uad-ce: need 0 < u_t <= 1, noise_passes >= 2 and temperature > 0 "
-                f"(got {u_t}, {noise_passes}, {temperature})"
-            )
-        if not 0 <= round_fraction <= 1 or not 0 <= max_fraction <= 1:
-            raise ConfigError("method_args.uad-ce: round_fraction and max_fraction must be in [0, 1]")
         self.base_lambda, self.u_t, self.adapt = base_lambda, u_t, adapt_lambda
         self.temperature, self.beta = temperature, beta
         self.noise_passes, self.noise_std, self.noise_clip = noise_passes, noise_std, noise_clip
