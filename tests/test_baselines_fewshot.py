@@ -472,8 +472,9 @@ def test_gaps_trains_on_synthetic_batches_only_and_stores_its_memory(runs):
 def test_pifs_imprints_normalised_prototypes_and_distils_from_the_warm_teacher(runs, tmp_path):
     from jascl.data.synthetic import load_or_generate
     from jascl.engine.prototypes import PrototypeStore
-    from jascl.methods.baselines.fewshot._shared import eval_features, labelled_loader
+    from jascl.methods.baselines.fewshot._shared import eval_features
     from jascl.methods.baselines.fewshot.pifs import PIFSPlugin
+    from jascl.methods.common import labelled_loader
 
     class Snap(Plugin):
         name = "snap"

@@ -25,14 +25,22 @@ class SessionGate:
         return self.in_base or state.session.index > 0
 
 
-def frozen_copy(state: LoopState) -> Segmenter:
+def frozen_copy(state: LoopState, keep_random_stream: bool = True) -> Segmenter:
     """The current model as a frozen teacher, in eval mode (at the start of a session: the previous session's model).
 
     Built with ``state.new_model`` (the model as grown this session) and the current weights; GAS
-    parametrisations, if any, are dropped. The global random stream is left untouched (``new_model`` reseeds it).
+    parametrisations, if any, are dropped.
+
+    Args:
+        keep_random_stream: leave the global random stream untouched (``new_model`` reseeds it). The
+            few-shot family (PIFS, GAPS) passes False: their published runs in this project were made
+            with the reseeding, and keeping it keeps their results.
     """
-    devices = [state.device.index or 0] if state.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    if keep_random_stream:
+        devices = [state.device.index or 0] if state.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            teacher = state.new_model(state.model.num_classes)
+    else:
         teacher = state.new_model(state.model.num_classes)
     teacher.load_state_dict(clean_state_dict(state.model))
     return teacher.eval().requires_grad_(False)

@@ -57,7 +57,8 @@ from torch import nn
 
 from jascl.engine.plugin import Method, Plugin
 from jascl.engine.prototypes import align_labels
-from jascl.methods.baselines.fewshot._shared import eval_features, labelled_loader
+from jascl.methods.baselines.fewshot._shared import eval_features
+from jascl.methods.common import labelled_loader
 from jascl.methods.options import check_options, option
 from jascl.methods.registry import METHODS
 

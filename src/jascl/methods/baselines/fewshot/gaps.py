@@ -63,7 +63,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from jascl.engine.plugin import Method, Plugin
-from jascl.methods.baselines.fewshot._shared import eval_features, frozen_copy, labelled_loader
+from jascl.methods.baselines.fewshot._shared import eval_features
+from jascl.methods.common import frozen_copy, labelled_loader
 from jascl.methods.options import check_options, freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
 from jascl.networks.base import resize
@@ -351,7 +352,7 @@ class GAPSPlugin(Plugin):
                 if isinstance(m, nn.modules.batchnorm._BatchNorm):
                     for p in m.parameters():
                         p.requires_grad_(False)  # before the loop collects the trainable parameters
-        self.teacher = frozen_copy(state)
+        self.teacher = frozen_copy(state, keep_random_stream=False)
         self._active = True
 
     def make_optimizer(self, state: LoopState, params: list, lr: float) -> torch.optim.Optimizer | None:

@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from jascl.engine.plugin import Method, Plugin
-from jascl.methods.baselines.fewshot._shared import eval_features, frozen_copy, labelled_loader
+from jascl.methods.baselines.fewshot._shared import eval_features
+from jascl.methods.common import frozen_copy, labelled_loader
 from jascl.methods.options import freeze_option, freeze_policy
 from jascl.methods.registry import METHODS
 from jascl.networks.base import resize
@@ -154,7 +155,9 @@ class PIFSPlugin(Plugin):
                 for row, c in enumerate(state.seen):
                     if c in protos:  # a class without labelled pixels keeps the loop's initialisation
                         state.model.classifier.weight[row] = protos[c].to(state.model.classifier.weight)
-        self.teacher = frozen_copy(state)  # warm start: the teacher already knows the new prototypes
+        self.teacher = frozen_copy(
+            state, keep_random_stream=False
+        )  # warm start: the teacher already knows the new prototypes
 
     def after_forward(self, state: LoopState) -> None:
         if self.teacher is None or self.options.weight == 0:

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jascl.engine.plugin import Method, Plugin
-from jascl.methods.baselines.fewshot._shared import labelled_loader
+from jascl.methods.common import labelled_loader
 from jascl.methods.options import check_options, option
 from jascl.methods.registry import METHODS
 
