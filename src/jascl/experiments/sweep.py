@@ -29,6 +29,7 @@ import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 from jascl.data.sessions import load_sessions
 from jascl.engine.config import resolve_config
@@ -89,7 +90,7 @@ def run_sweep(
             point_overrides = list(overrides)
             for key, value in point.items():
                 if key == "shots":
-                    point_protocol = with_shots(protocol, int(str(value)))
+                    point_protocol = with_shots(protocol, cast(int, value))  # the "shots" grid holds ints
                 else:
                     point_overrides.append(f"{key}={value}")
             config = resolve_config(protocol.training, protocol.path, config_file, point_overrides)
