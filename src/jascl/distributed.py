@@ -19,7 +19,7 @@ import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -112,6 +112,17 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     buf = tensor.detach().to(_comm_device(), copy=True)
     dist.all_reduce(buf, op=dist.ReduceOp.SUM)
     return buf.to(tensor.device)
+
+
+def average_gradients(params: Iterable[torch.nn.Parameter]) -> None:
+    """Replace every gradient by its mean over ranks, in place (what DistributedDataParallel does for the
+    model's parameters), for trainable modules a plugin keeps outside the model; nothing when alone."""
+    if not active():
+        return
+    n = world_size()
+    for p in params:
+        if p.grad is not None:
+            p.grad.copy_(all_reduce_sum(p.grad) / n)
 
 
 def broadcast_object(obj: Any) -> Any:
