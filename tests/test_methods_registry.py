@@ -1,5 +1,6 @@
 """Every registered method, on the toy two-session protocol with an unlabelled pool:
-it trains, evaluates, and each loss term its plugins declare is non-zero in session 1."""
+it trains, evaluates, and each loss term its plugins declare is non-zero in session 1
+(``loss_terms``), or in session 0 for terms of methods that train their own base (``base_loss_terms``)."""
 
 import math
 import shutil
@@ -63,10 +64,16 @@ def test_every_method_trains_evaluates_and_its_loss_terms_act(name, toy_ss, tmp_
     assert len(sessions) == 2
     for record in sessions:
         assert 0.0 <= record["all"] <= 1.0
-    declared = [t for p in create_method(name, config).plugins for t in p.loss_terms]
+    plugins = create_method(name, config).plugins
+    declared = [t for p in plugins for t in p.loss_terms]
     assert 1 in probe.seen, "session 1 ran no training iteration"
     for term in declared:
         assert probe.seen[1].get(term, 0.0) > 0.0, f"{name}: loss term {term!r} never non-zero in session 1"
+    base_terms = [t for p in plugins for t in p.base_loss_terms]
+    if base_terms:
+        assert any(p.changes_base_session for p in plugins), f"{name}: base_loss_terms without its own base"
+        for term in base_terms:
+            assert probe.seen[0].get(term, 0.0) > 0.0, f"{name}: base loss term {term!r} never non-zero in session 0"
     assert (out / name / "s1-inc" / "metrics.json").exists()
 
 

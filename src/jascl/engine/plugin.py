@@ -98,6 +98,8 @@ class Plugin:
             needs ("all_but_classifier" or "none"); None = the run configuration's.
         loss_terms: the ``state.losses`` keys the plugin adds (checked non-zero by
             the registry test in the incremental session).
+        base_loss_terms: the keys a plugin that changes session 0 adds there (checked
+            non-zero in session 0 by the registry test; e.g. FACT's virtual-class terms).
         replaces: names of the loop's default plugins (:mod:`jascl.engine.defaults`) this
             plugin does the work of, e.g. ``("supervised-loss",)`` for a method with its own
             segmentation loss; those defaults are then not fired.
@@ -109,6 +111,8 @@ class Plugin:
     freeze_incremental: str | None = None
     #: keys this plugin adds to ``state.losses`` (non-zero in incremental sessions)
     loss_terms: tuple[str, ...] = ()
+    #: keys this plugin adds to ``state.losses`` in session 0 (non-zero there; methods that change the base)
+    base_loss_terms: tuple[str, ...] = ()
     #: attributes the default :meth:`state_dict` leaves out (e.g. views of tensors restored elsewhere)
     snapshot_exclude: tuple[str, ...] = ()
     #: whether a session can be checkpointed inside an epoch and resumed there: everything

@@ -1,4 +1,4 @@
-"""Prototype-replay baselines: Saving100x (STAR) and Adapt_replay (Adapter), one module each.
+"""Prototype-replay baselines: Saving100x (STAR), Adapt_replay (Adapter) and YoooP / YoooP+, one module each.
 
 Sources (as cited by the JASCL paper, keys ``chen2023saving`` and ``zhu2025adaptive``;
 the seed file carries no bibliography, the keys were matched to the titles and to
@@ -24,6 +24,10 @@ model sees as old classes (OCFM) and pushes new-class feature centres away from
 the nearest old prototype (SAD). Adapter adds adaptive deviation compensation of
 the stored prototypes (ADC), an uncertainty-aware constraint (UAC) and uses the
 compensated prototypes in the SAD term (CPD).
+
+YoooP (``yooop``, ``yooop-plus``; key ``kong2025yooop``): Kong et al., "YoooP: You Only Optimize One
+Prototype per Class for Non-Exemplar Incremental Learning", arXiv 2308.13207 -- one optimised prototype
+per class replayed instead of exemplars (:mod:`.yooop`; its pure functions in ``_yooop_prototypes``).
 
 Conventions as in :mod:`jascl.methods.baselines.distillation`.
 """
