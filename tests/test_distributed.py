@@ -303,3 +303,35 @@ def test_sync_batchnorm_converts_in_place_only_with_several_gpu_processes(monkey
     x = torch.randn(2, 1, 8, 8)
     reference = model().eval()
     assert torch.equal(m.eval()(x), reference(x))  # evaluation (no synchronisation) is unchanged
+
+
+def test_a_method_that_leaves_parameters_without_gradient_trains_with_two_processes(tmp_path):
+    """C-FSCIL's meta-learning epochs leave the pixel classifier without a gradient; the trainer must ask
+    DistributedDataParallel to find such parameters (``Plugin.unused_parameters``), else the second
+    process stops at the first meta-learning step ("Expected to have finished reduction ...")."""
+    from jascl.methods.registry import create_method
+
+    assert create_method("c-fscil", resolve_config()).unused_parameters
+    assert not create_method("vanilla", resolve_config()).unused_parameters
+    spec = toy_protocol_dict(2)
+    # two base epochs: one of pretraining (every parameter used), then one of meta-learning (classifier unused)
+    spec["training"].update(epochs_base=2, epochs_incremental=1, batch_size=4, threads=1)
+    protocol = tmp_path / "toy.yaml"
+    protocol.write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [
+            *(sys.executable, "-m", "jascl", "run", "--protocol", str(protocol), "--methods", "c-fscil"),
+            *("--device", "cpu", "--devices", "2", "--no-progress"),
+            *("--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    log = (tmp_path / "run" / "log.txt").read_text()
+    assert "cfscil_meta" in log  # the meta-learning epoch ran
+    sessions = json.loads((tmp_path / "run" / "results.json").read_text())["methods"]["c-fscil"]["sessions"]
+    assert len(sessions) == 2

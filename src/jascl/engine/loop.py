@@ -295,7 +295,8 @@ class ContinualTrainer:
         for group in state.optimizer.param_groups:  # the schedule scales each group's rate at creation
             group.setdefault("initial_lr", group["lr"])
         if params and distributed.active():
-            ddp = distributed.wrap(_TrainForward(model), self.device, cfg.find_unused_parameters)
+            find_unused = cfg.find_unused_parameters or self.method.unused_parameters
+            ddp = distributed.wrap(_TrainForward(model), self.device, find_unused)
             state.forward = lambda x: SegmenterOutput(*ddp(x))
         loader = seeded_loader(
             self._labelled_dataset(t, augment=cfg.augment, crop=True),

@@ -100,6 +100,9 @@ class Plugin:
             the registry test in the incremental session).
         base_loss_terms: the keys a plugin that changes session 0 adds there (checked
             non-zero in session 0 by the registry test; e.g. FACT's virtual-class terms).
+        unused_parameters: some trainable model parameters get no gradient in some steps (e.g. the
+            pixel classifier while C-FSCIL meta-learns); with several processes the trainer then
+            asks DistributedDataParallel to look for them (``find_unused_parameters``).
         replaces: names of the loop's default plugins (:mod:`jascl.engine.defaults`) this
             plugin does the work of, e.g. ``("supervised-loss",)`` for a method with its own
             segmentation loss; those defaults are then not fired.
@@ -113,6 +116,8 @@ class Plugin:
     loss_terms: tuple[str, ...] = ()
     #: keys this plugin adds to ``state.losses`` in session 0 (non-zero there; methods that change the base)
     base_loss_terms: tuple[str, ...] = ()
+    #: some trainable model parameters get no gradient in some steps (DDP must look for them)
+    unused_parameters = False
     #: attributes the default :meth:`state_dict` leaves out (e.g. views of tensors restored elsewhere)
     snapshot_exclude: tuple[str, ...] = ()
     #: whether a session can be checkpointed inside an epoch and resumed there: everything
@@ -188,6 +193,11 @@ class Method:
     @property
     def changes_base_session(self) -> bool:
         return any(p.changes_base_session for p in self.plugins)
+
+    @property
+    def unused_parameters(self) -> bool:
+        """Whether a plugin leaves some trainable parameters without a gradient in some steps."""
+        return any(p.unused_parameters for p in self.plugins)
 
     def epoch_iterations(self, state: LoopState) -> int:
         """The largest number of iterations any plugin asks for in the coming epoch (0 = none)."""

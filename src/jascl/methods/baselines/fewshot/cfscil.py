@@ -305,6 +305,7 @@ class CFSCILPlugin(Plugin):
     replaces = ("supervised-loss",)  # session 0 switches from DiceCE (pretraining) to the episodic loss
     loss_terms: tuple[str, ...] = ()  # incremental sessions train nothing
     base_loss_terms = ("cfscil_meta",)  # the episodic meta-learning term of session 0
+    unused_parameters = True  # the pixel classifier gets no gradient while the base session meta-learns
 
     def __init__(self, options: CFSCILOptions | None = None) -> None:
         self.options = options or CFSCILOptions()
