@@ -13,6 +13,10 @@ from jascl.experiments.compare import aggregate, compare_table, mean_std, parse_
 def test_parse_seeds():
     assert parse_seeds("3", 1024) == [1024, 1025, 1026]
     assert parse_seeds("1024,7", 5) == [1024, 7]
+    assert parse_seeds("1024,", 5) == [1024]
+    assert len(parse_seeds("100", 0)) == 100
+    with pytest.raises(ConfigError, match=r"--seeds 1024, \(with the comma\) or --seed 1024"):
+        parse_seeds("1024", 5)
     for bad in ("0", "x", "1,1", "-1,2"):
         with pytest.raises(ConfigError, match="--seeds"):
             parse_seeds(bad, 1)

@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--seeds",
         default=None,
-        help="run several seeds in sequence (a count, or a list such as 1024,7) and aggregate mean ± std; resumable",
+        help="run several seeds in sequence (a count up to 100, or a list such as 1024,7; one seed: 1024,) and "
+        "aggregate mean ± std; resumable",
     )
     add_root_arguments(run)
     run.add_argument(
@@ -115,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_root_arguments(compare)
     compare.add_argument(
-        "--seeds", default="1", help="a count (seeds from the protocol's) or a list, e.g. 1024,7 (default 1)"
+        "--seeds",
+        default="1",
+        help="a count up to 100 (seeds from the protocol's) or a list, e.g. 1024,7; one seed: 1024, (default 1)",
     )
     compare.add_argument(
         "--out", default=None, help="compare folder (default runs/compare-<protocol>); reused to resume"

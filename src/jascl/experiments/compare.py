@@ -31,9 +31,14 @@ from jascl.protocols.schema import Protocol
 from jascl.results.records import RunResults
 from jascl.results.report import MISSING, format_score, md_table, table_title
 
+#: the largest seed count ``--seeds`` accepts; a larger number is almost always one seed meant as a list
+MAX_SEED_COUNT = 100
+
 
 def parse_seeds(spec: str | int, base_seed: int) -> list[int]:
-    """``"3"`` -> three seeds starting at the protocol's (``base, base+1, base+2``); ``"1024,7"`` -> those seeds."""
+    """``"3"`` -> three seeds starting at the protocol's (``base, base+1, base+2``); ``"1024,7"`` -> those seeds;
+    ``"1024,"`` -> the single seed 1024. A count above :data:`MAX_SEED_COUNT` is refused: ``--seeds 1024`` is
+    far more often the seed 1024 than a request for 1024 runs of every method."""
     text = str(spec).strip()
     try:
         if "," in text:
@@ -42,6 +47,11 @@ def parse_seeds(spec: str | int, base_seed: int) -> list[int]:
             count = int(text)
             if count < 1:
                 raise ValueError
+            if count > MAX_SEED_COUNT:
+                raise ConfigError(
+                    f"--seeds {spec} asks for {count} seeds (a count); for the single seed {count} write "
+                    f"--seeds {count}, (with the comma) or --seed {count}; at most {MAX_SEED_COUNT} counted seeds"
+                )
             seeds = [base_seed + i for i in range(count)]
     except ValueError:
         raise ConfigError(
