@@ -1,6 +1,7 @@
 """The loop's extension points for methods: freezing override, optimiser, closure, per-split
 evaluation hook, plugin state saved with checkpoints, ``session_restored``, method options."""
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -128,6 +129,27 @@ def test_changed_configuration_refuses_to_reuse_run_folder(toy_protocol, toy_con
         run_benchmark(
             toy_protocol, toy_config, ["vanilla"], tmp_path / "run", cache_dir=tmp_path / "cache", progress=False
         )
+
+
+def test_changed_method_options_refuse_to_reuse_that_methods_sessions(toy_protocol, toy_config, tmp_path):
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    toy_config.method_args = {"ewc": {"weight": 7.0}}
+    run_benchmark(toy_protocol, toy_config, ["ewc"], run, cache_dir=cache, progress=False)
+    saved = json.loads((run / "ewc" / "options.json").read_text())
+    assert saved["weight"] == 7.0 and saved["fisher_labels"] == "empirical"
+    toy_config.method_args = {"ewc": {"weight": 8.0}}
+    with pytest.raises(ConfigError) as info:
+        run_benchmark(toy_protocol, toy_config, ["ewc"], run, cache_dir=cache, progress=False)
+    assert f"{run / 'ewc'}: its sessions were trained with method_args.ewc.weight=7.0 (now 8.0)" in str(info.value)
+    # an option the file lacks (added to the method later) matches its default; the file then gains it
+    del saved["gamma"]
+    (run / "ewc" / "options.json").write_text(json.dumps(saved))
+    toy_config.method_args = {"ewc": {"weight": 7.0}}
+    run_benchmark(toy_protocol, toy_config, ["ewc"], run, cache_dir=cache, progress=False)
+    assert json.loads((run / "ewc" / "options.json").read_text())["gamma"] == 1.0
+    toy_config.method_args = {"ewc": {"weight": 7.0, "gamma": 0.5}}
+    with pytest.raises(ConfigError, match=r"method_args.ewc.gamma=1.0 \(now 0.5\)"):
+        run_benchmark(toy_protocol, toy_config, ["ewc"], run, cache_dir=cache, progress=False)
 
 
 @dataclass

@@ -10,6 +10,7 @@ Run folder layout::
     <out>/tensorboard/<method>/  TensorBoard scalars (with ``tensorboard: true``)
     <out>/log.txt              log
     <out>/base/                session 0 shared by every method that does not change it
+    <out>/<method>/options.json  the method's resolved options: a later run into the folder must match them
     <out>/<method>/s<t>-<name>/  model.safetensors, prototypes.safetensors, metrics.json
                                (progress.safetensors while the session trains)
     <out>/results.{json,csv,md}
@@ -46,7 +47,7 @@ from jascl.errors import ConfigError, JasclError
 from jascl.evaluation.metrics import per_class_forgetting, total_drop
 from jascl.fileio import atomic_write_text
 from jascl.methods.presets import jascl_options
-from jascl.methods.registry import check_method_args, create_method
+from jascl.methods.registry import check_method_args, create_method, resolved_options
 from jascl.protocols.schema import Protocol
 from jascl.results.report import write_all
 
@@ -172,6 +173,51 @@ def check_reusable(out: Path, config: RunConfig, protocol: Protocol) -> None:
             raise ConfigError(
                 f"{out}: this run folder was made with a different protocol ({', '.join(changed)}); use a new --out"
             )
+
+
+#: a method's resolved options, written in its folder when it first trains there
+OPTIONS_FILE = "options.json"
+
+
+def check_method_options(folder: Path, name: str, config: RunConfig) -> None:
+    """Refuse to reuse ``folder`` (one method's sessions in a run folder) if they were trained with other options.
+
+    The method's resolved options (defaults updated from ``method_args``) are kept in
+    ``folder/options.json``; on a later run into the same folder they must be equal, so that a compare
+    folder never silently mixes sessions trained with ``--set method_args.<m>.x=1`` and without it. An
+    option the file lacks (added to the method later) matches its default value. A folder that has no
+    file yet (written before jascl kept one, or not yet trained) gets the current options. Methods the
+    registry does not know (an ablation built from a preset) are not checked here; their settings are in
+    ``method_args.jascl``, which :func:`check_reusable` compares.
+
+    Raises:
+        ConfigError: ``<folder>: its sessions were trained with method_args.<key>.<option>=<old> (now <new>) ...``.
+    """
+    from jascl.methods.registry import METHODS
+
+    now = resolved_options(name, config)
+    if now is None:
+        return
+    path = folder / OPTIONS_FILE
+    if path.exists():
+        before = json.loads(path.read_text())
+        defaults = resolved_options(name, RunConfig()) or {}
+        key = METHODS.info(name).options_key
+        changed = [
+            f"method_args.{key}.{k}={before.get(k, defaults.get(k))!r} (now {now[k]!r})"
+            for k in sorted(now)
+            if before.get(k, defaults.get(k)) != now[k]
+        ]
+        if changed:
+            raise ConfigError(
+                f"{folder}: its sessions were trained with {', '.join(changed)}; use a new --out, set the "
+                f"options back to resume, or delete {folder} to retrain {name}"
+            )
+        if set(now) - set(before) and distributed.is_main():
+            atomic_write_text(path, json.dumps(now, indent=2, sort_keys=True) + "\n")
+    elif distributed.is_main():
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(now, indent=2, sort_keys=True) + "\n")
 
 
 def _flat(tree: Mapping, prefix: str = "") -> dict:
@@ -328,6 +374,8 @@ def run_benchmark(
             "classes": {str(c.id): c.name for c in protocol.classes},
             "methods": {},
         }
+        for method in built:  # every method's folder is checked before anything trains
+            check_method_options(out / method.name, method.name, config)
         bar = tqdm(
             total=len(built) * len(protocol.sessions), desc="sessions", unit="session", disable=not (progress and main)
         )

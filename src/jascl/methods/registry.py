@@ -16,7 +16,9 @@ NAME`` prints one method's options, paper and notes (:func:`describe_method`).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +126,19 @@ def check_method_args(config: RunConfig) -> None:
             raise ConfigError(
                 f"method_args.{key}: no registered method reads these options; the options blocks are: {known}"
             )
+
+
+def resolved_options(name: str, config: RunConfig) -> dict[str, Any] | None:
+    """The options ``name`` runs with under ``config`` (defaults updated from ``method_args``), as JSON values
+    (``{}`` for a registered method without options; None for a name the registry does not know, e.g. an
+    ablation built from a preset)."""
+    info = METHODS._info.get(name)
+    if info is None:
+        return None
+    if info.options is None:
+        return {}
+    options: Any = read_options(info.options, config, info.options_key)
+    return json.loads(json.dumps(dataclasses.asdict(options), default=str))
 
 
 def describe_method(name: str) -> dict[str, Any]:
