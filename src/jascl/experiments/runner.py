@@ -139,9 +139,9 @@ def check_reusable(out: Path, config: RunConfig, protocol: Protocol) -> None:
     """Refuse to add to a run folder whose finished sessions came from another configuration or protocol.
 
     Reusing a session trained under other settings would silently mix results.
-    ``device`` and ``threads`` may differ; the baselines' ``method_args`` may too (they only
-    concern the methods they name, and a changed method should get a new folder), but not
-    JASCL's (``method_args.jascl``, the settings of the method under study, compared as
+    ``device`` and ``threads`` may differ; the baselines' ``method_args`` may too here (they only
+    concern the methods they name; :func:`check_method_options` refuses to reuse a method's own
+    sessions trained with other options), but not JASCL's (``method_args.jascl``, the settings of the method under study, compared as
     resolved options). A key the folder's configuration lacks (added to jascl later) matches
     its default value; a folder written before JASCL's options moved to ``method_args.jascl``
     is read with them there.
