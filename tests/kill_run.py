@@ -52,7 +52,8 @@ def main() -> int:
 
         def save_half_and_die(tensors, filename, metadata=None):
             save_file(tensors, filename, metadata=metadata)
-            if Path(filename).name == f"{name}.tmp":
+            tmp = Path(filename).name  # jascl.fileio.atomic_write's temporary name: .<name>.<random>.tmp
+            if tmp.startswith(f".{name}.") and tmp.endswith(".tmp"):
                 count["n"] += 1
                 if count["n"] == int(n):
                     size = os.path.getsize(filename)

@@ -10,7 +10,7 @@ digest of:
 * every other key part (options, layout name, ...) as canonical JSON;
 * :data:`CACHE_VERSION`.
 
-Writes are atomic (a temporary file in the same folder, then :func:`os.replace`),
+Writes are atomic and durable (:func:`jascl.fileio.atomic_write`: a temporary file in the same folder, fsynced, then renamed),
 so an interrupted run or two runs sharing a cache never leave a half-written
 entry; an unreadable entry is recomputed and rewritten.
 """
@@ -21,13 +21,14 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+
+from jascl.fileio import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -144,13 +145,10 @@ def cached(
             log.warning("cache entry %s unreadable (%s); recomputing", path, exc)
     value = compute_fn()
     arrays = _pack(value)  # type: ignore[arg-type]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
             (np.savez_compressed if compress else np.savez)(f, **arrays)  # type: ignore[arg-type]  # numpy's stub
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    atomic_write(path, write)
     return value

@@ -40,6 +40,7 @@ from monai.transforms import GaussianSmooth
 
 from jascl.data.types import SessionData, Split
 from jascl.errors import DataError
+from jascl.fileio import atomic_write
 from jascl.protocols.schema import DomainSpec, Protocol, SessionSpec
 
 GENERATOR_VERSION = 2
@@ -297,9 +298,7 @@ def _save_npz(path: Path, data: SessionData) -> None:
         arrays[f"{name}_images"] = split.images
         arrays[f"{name}_labels"] = split.labels
         arrays[f"{name}_ids"] = np.array(split.ids)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, **arrays)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: np.savez_compressed(tmp, **arrays), suffix=".tmp.npz")
 
 
 def _load_npz(path: Path, session: SessionSpec) -> SessionData:

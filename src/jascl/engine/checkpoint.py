@@ -7,7 +7,6 @@ few scalars that describe the model (backbone, classes) to its string metadata.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from safetensors import safe_open
@@ -15,6 +14,7 @@ from safetensors.torch import save_file
 
 from jascl.engine.config import RunConfig
 from jascl.errors import CheckpointError
+from jascl.fileio import atomic_write
 from jascl.networks.base import Segmenter, create_segmenter
 from jascl.protocols.schema import Protocol
 
@@ -24,9 +24,7 @@ def save_model(model: Segmenter, path: str | Path, meta: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(state, str(tmp), metadata={"jascl": json.dumps(meta)})
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata={"jascl": json.dumps(meta)}))
 
 
 def read_meta(path: str | Path) -> dict:
@@ -110,10 +108,8 @@ def save_tensors(tensors: dict, path: str | Path) -> None:
     """Write named tensors (e.g. plugin state) to ``path`` atomically; nothing is written for none."""
     if not tensors:
         return
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
+    state = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(state, str(tmp)))
 
 
 def load_tensors(path: str | Path) -> dict:
@@ -143,13 +139,8 @@ def save_progress(path: str | Path, meta: dict, payload: dict) -> None:
     path = Path(path)
     tensors: dict = {}
     skeleton = pack(payload, "p", tensors)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(
-        tensors,
-        str(tmp),
-        metadata={"format": PROGRESS_FORMAT, "jascl": json.dumps(meta), "payload": json.dumps(skeleton)},
-    )
-    os.replace(tmp, path)
+    metadata = {"format": PROGRESS_FORMAT, "jascl": json.dumps(meta), "payload": json.dumps(skeleton)}
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def load_progress(path: str | Path, expect: dict | None = None) -> tuple[dict, dict]:

@@ -12,7 +12,6 @@ They are looked up by class id, never by position, and stored as safetensors.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from jascl.errors import CheckpointError
+from jascl.fileio import atomic_write
 
 
 def align_labels(labels: torch.Tensor, spatial: Sequence[int]) -> torch.Tensor:
@@ -158,13 +158,8 @@ class PrototypeStore:
     def save(self, path: str | Path) -> None:
         """Atomic safetensors write; keys are ``s<session>.c<class>``."""
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(
-            {f"s{s}.c{c}": v.contiguous() for (s, c), v in self.entries.items()},
-            str(tmp),
-            metadata={"format": "jascl-prototypes-v1"},
-        )
-        os.replace(tmp, path)
+        tensors = {f"s{s}.c{c}": v.contiguous() for (s, c), v in self.entries.items()}
+        atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "jascl-prototypes-v1"}))
 
     @classmethod
     def load(cls, path: str | Path) -> PrototypeStore:

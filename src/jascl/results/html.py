@@ -41,7 +41,7 @@ from pathlib import Path
 
 from jascl import __version__
 from jascl.errors import ConfigError
-from jascl.fileio import atomic_write_text
+from jascl.fileio import atomic_write_bytes, atomic_write_text
 from jascl.results.blocks import ReportBlock
 from jascl.results.overlays import qualitative_section
 from jascl.results.report import md_table
@@ -231,7 +231,7 @@ def write_report(
             for b in blocks:
                 if b.kind == "figure":
                     figures[b.name] = f"{b.name}.png"
-                    (out / figures[b.name]).write_bytes(b.png)
+                    atomic_write_bytes(out / figures[b.name], b.png)
     page, md = render(parts, figures)
     atomic_write_text(out / "report.html", page)
     atomic_write_text(out / "report.md", md)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from jascl.errors import ConfigError, DataError
+from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import IGNORE_INDEX, DatasetSpec, Protocol
 
 #: bump when the cached preprocessed samples change meaning
@@ -164,10 +164,7 @@ def _present_values(label: np.ndarray) -> list[int]:
 
 
 def _atomic_json(path: Path, payload: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(payload))
 
 
 def _layouts():
