@@ -7,7 +7,8 @@ Usage: ``python tests/kill_run.py POINT jascl-args...`` where POINT is
                       (half of the temporary file is on disk, the rename has not happened),
 * ``session:N``       right after the N-th session of the run was completed and saved (between sessions),
 * ``signal:N:NAME``   sends itself signal NAME (e.g. SIGTERM) right after the N-th optimiser step, and lets
-                      jascl handle it (a clean stop, not a kill).
+                      jascl handle it (a clean stop, not a kill); ``SIGINT,SIGINT`` sends two in a row (the
+                      second Ctrl-C that aborts at once).
 
 Nothing in jascl knows about this: the points are reached by wrapping its functions from outside.
 """
@@ -33,7 +34,12 @@ def main() -> int:
         from jascl.engine.loop import ContinualTrainer
 
         n, _, name = rest.partition(":")
-        act = die if kind == "step" else (lambda: os.kill(os.getpid(), getattr(signal, name)))
+
+        def send() -> None:  # NAME may list several signals, sent one after the other: SIGINT,SIGINT
+            for one in name.split(","):
+                os.kill(os.getpid(), getattr(signal, one))
+
+        act = die if kind == "step" else send
         fire = ContinualTrainer.fire
 
         def fire_and_maybe_act(self, event, state):

@@ -102,10 +102,11 @@ def test_killed_run_resumes_to_identical_results(point, extra, where, setup, tmp
     _resume_and_compare(out, expected)
 
 
-# SIGTERM in step 3 (the first of base epoch 1): stops right after it, inside epoch 1; SIGUSR1 in step 4 (the
-# epoch's last): the epoch's own checkpoint
+# SIGTERM (and Ctrl-C) in step 3 (the first of base epoch 1): stops right after it, inside epoch 1; SIGUSR1 in
+# step 4 (the epoch's last): the epoch's own checkpoint
 @pytest.mark.parametrize(
-    "point, code, where", [("signal:3:SIGTERM", 143, (1, 1)), ("signal:4:SIGUSR1", 138, (1, None))]
+    "point, code, where",
+    [("signal:3:SIGTERM", 143, (1, 1)), ("signal:3:SIGINT", 130, (1, 1)), ("signal:4:SIGUSR1", 138, (1, None))],
 )
 def test_a_stop_signal_checkpoints_after_the_step_and_exits_resumable(point, code, where, setup, tmp_path):
     root, args, expected = setup
@@ -122,6 +123,25 @@ def test_a_stop_signal_checkpoints_after_the_step_and_exits_resumable(point, cod
     assert f"stopped on {name} in base session 0 (base): its training state " in text
     assert f"continue with: jascl run --resume {out}" in text
     assert _checkpoint_position(out) == where
+    _resume_and_compare(out, expected)
+
+
+def test_a_second_ctrl_c_aborts_at_once_keeping_the_last_checkpoint(setup, tmp_path):
+    root, args, expected = setup
+    out = tmp_path / "run"
+    aborted = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "kill_run.py"), "signal:3:SIGINT,SIGINT", *args, "--out", str(out)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
+    assert aborted.returncode == 130, aborted.stderr
+    assert "press Ctrl-C again to abort now" in aborted.stderr
+    text = " ".join(aborted.stdout.split())
+    assert f"aborted; finished sessions and the last checkpoint are saved in {out}" in text
+    assert "stopped on SIGINT" not in text  # it did not wait to checkpoint step 3
+    assert _checkpoint_position(out) == (0, None)  # the end of epoch 0, written before the first Ctrl-C
+    assert not list(out.rglob("*.tmp"))
     _resume_and_compare(out, expected)
 
 

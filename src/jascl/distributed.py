@@ -189,15 +189,18 @@ def sync_batchnorm(model: torch.nn.Module, device: torch.device) -> int:
 
 
 #: stop signals passed on to torchrun, which passes them on to its workers (``jascl.engine.stop``)
-FORWARDED_SIGNALS = ("SIGTERM", "SIGUSR1")
+FORWARDED_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP")
 
 
 def launch(argv: Sequence[str], nproc: int) -> int:
     """Re-run ``jascl <argv>`` as ``nproc`` processes on this machine under torchrun; returns its exit code.
 
-    SIGTERM and SIGUSR1 sent to this process go to torchrun, which sends them to
-    every worker (torchrun handles SIGTERM itself; SIGUSR1 is added to the signals
-    it handles), so ``kill`` or a scheduler's warning signal stops the run cleanly.
+    torchrun runs in its own session, so a signal reaches it once, from this process: SIGTERM,
+    SIGUSR1, SIGINT (Ctrl-C) and SIGHUP sent here are passed on, and torchrun sends them to every
+    worker (it handles SIGTERM, SIGINT and SIGHUP itself; SIGUSR1 is added to its list), so ``kill``,
+    a scheduler's warning signal or Ctrl-C stops the run cleanly at the same step on every process.
+    torchrun gives the workers 30 s to do so before it kills them. A second Ctrl-C kills torchrun at once.
+    A run stopped by a signal exits with 128 + its number, as with one process (torchrun itself says 1).
     """
     import signal
 
@@ -214,15 +217,28 @@ def launch(argv: Sequence[str], nproc: int) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // nproc, 1)))
     env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
-    with subprocess.Popen(cmd, env=env) as proc:
+    interrupts = {"n": 0}
+    received: dict[str, int] = {}
+    with subprocess.Popen(cmd, env=env, start_new_session=os.name == "posix") as proc:
+
+        def forward(signum: int, frame: object) -> None:
+            received.setdefault("first", signum)
+            if signum == getattr(signal, "SIGINT", None):
+                interrupts["n"] += 1
+                if interrupts["n"] > 1:
+                    raise KeyboardInterrupt
+            proc.send_signal(signum)
+
         previous = {}
         for name in FORWARDED_SIGNALS:
             number = getattr(signal, name, None)
             if number is not None:
-                previous[number] = signal.signal(number, lambda signum, frame: proc.send_signal(signum))
+                previous[number] = signal.signal(number, forward)
         try:
-            return proc.wait()
-        except BaseException:  # e.g. Ctrl-C: the terminal sent it to torchrun too; do not leave it behind
+            code = proc.wait()
+            # torchrun reports a stopped worker as a failure (1); the run stopped as asked, so say which signal
+            return 128 + received["first"] if code != 0 and "first" in received else code
+        except BaseException:  # a second Ctrl-C: do not leave torchrun behind
             proc.kill()
             raise
         finally:

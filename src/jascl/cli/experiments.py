@@ -35,20 +35,26 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else Path("runs") / f"sweep-{protocol.name}-seed{protocol.seed}"
     console = _console()
+    from jascl.engine.stop import REQUEST, Stopped
+
     try:
-        rows = run_sweep(
-            protocol,
-            grids,
-            out,
-            method=args.method,
-            config_file=args.config,
-            overrides=overrides,
-            cache_dir=args.cache_dir,
-            progress=not args.no_progress,
-            echo=_echo(console),
-        )
+        with REQUEST.installed():  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, stop resumable
+            rows = run_sweep(
+                protocol,
+                grids,
+                out,
+                method=args.method,
+                config_file=args.config,
+                overrides=overrides,
+                cache_dir=args.cache_dir,
+                progress=not args.no_progress,
+                echo=_echo(console),
+            )
+    except Stopped as exc:
+        console.print(f"{exc}; rerun the same command to resume the sweep in {out}")
+        return exc.exit_code
     except KeyboardInterrupt:
-        console.print(f"interrupted; rerun the same command to resume the sweep in {out}")
+        console.print(f"aborted; rerun the same command to resume the sweep in {out} from its last checkpoint")
         return 130
     from rich.table import Table
 

@@ -154,7 +154,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     started = time.time()
     try:
-        with REQUEST.installed():  # SIGTERM / SIGUSR1: finish the step, checkpoint, exit resumable
+        with REQUEST.installed():  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, exit resumable
             results = run_benchmark(
                 protocol,
                 config,
@@ -172,7 +172,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if main:
             console.print(
-                f"interrupted; finished sessions and the last epoch checkpoint are saved in {out}; "
+                f"aborted; finished sessions and the last checkpoint are saved in {out}; "
                 f"continue with: jascl run --resume {out}"
             )
         return 130
@@ -201,21 +201,29 @@ def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -
         f"methods {', '.join(methods)}, backbone {config.backbone}, output {out}"
     )
     started = time.time()
+    from jascl.engine.stop import REQUEST, Stopped
+
     try:
-        summary = run_compare(
-            protocol,
-            config,
-            methods,
-            seeds,
-            out,
-            cache_dir=args.cache_dir,
-            progress=not args.no_progress,
-            echo=_echo(console),
-            **_data_args(args),
-            imports=recorded_imports(args.imports),
-        )
+        with REQUEST.installed():  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, stop resumable
+            summary = run_compare(
+                protocol,
+                config,
+                methods,
+                seeds,
+                out,
+                cache_dir=args.cache_dir,
+                progress=not args.no_progress,
+                echo=_echo(console),
+                **_data_args(args),
+                imports=recorded_imports(args.imports),
+            )
+    except Stopped as exc:
+        console.print(f"{exc}; rerun the same command to continue in {out}")
+        return exc.exit_code
     except KeyboardInterrupt:
-        console.print(f"interrupted; finished sessions are saved in {out} and are reused if you rerun the same command")
+        console.print(
+            f"aborted; finished sessions and the last checkpoint are saved in {out}; rerun the same command to continue"
+        )
         return 130
     header, rows = compare_table(summary)
     table = Table(title=compare_title(summary))

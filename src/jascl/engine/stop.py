@@ -3,8 +3,9 @@
 Clusters announce the end of a job before killing it: SLURM sends SIGTERM at
 pre-emption and at the time limit (or, with ``#SBATCH --signal=USR1@120``,
 SIGUSR1 two minutes before), and torchrun forwards SIGTERM to its workers.
-``jascl run`` installs :data:`REQUEST`'s handlers for SIGTERM and SIGUSR1; the
-handler only records the signal, and the trainer acts on it at a safe point:
+Ctrl-C (SIGINT) is the same request from a terminal. ``jascl run``, ``compare``
+and ``sweep`` install :data:`REQUEST`'s handlers for SIGTERM, SIGUSR1 and SIGINT;
+the handler only records the signal, and the trainer acts on it at a safe point:
 
 * one process: right after the current optimiser step, with an in-session
   checkpoint taken there (at the epoch's end for a method that cannot resume
@@ -16,19 +17,30 @@ handler only records the signal, and the trainer acts on it at a safe point:
 
 It then raises :class:`Stopped`; ``jascl run`` prints where the run stands and
 exits with 128 + the signal number. ``jascl run --resume`` continues it exactly.
+
+A second Ctrl-C while a stop is pending does not wait for the step: it raises
+:class:`KeyboardInterrupt` at once. What is on disk then is the last checkpoint
+(every write is atomic, :mod:`jascl.fileio`), from which the run resumes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
+from jascl import distributed
 from jascl.errors import JasclError
 
 #: the signals ``jascl run`` turns into a clean stop
-SIGNALS = ("SIGTERM", "SIGUSR1")
+SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+
+#: what the first Ctrl-C prints (rank 0 only)
+FIRST_INTERRUPT = (
+    "\nCtrl-C: stopping after the current step and writing a checkpoint; press Ctrl-C again to abort now\n"
+)
 
 
 class Stopped(JasclError):
@@ -61,6 +73,19 @@ class StopRequest:
     def clear(self) -> None:
         self.signum = None
 
+    def handle(self, signum: int, frame: object = None) -> None:
+        """The signal handler: record the first stop signal; a Ctrl-C while a stop is pending aborts at once.
+
+        Raises:
+            KeyboardInterrupt: SIGINT after an earlier stop signal.
+        """
+        if signum == signal.SIGINT and self.signum is not None:
+            raise KeyboardInterrupt
+        self.request(signum)
+        if signum == signal.SIGINT and distributed.is_main():
+            sys.stderr.write(FIRST_INTERRUPT)
+            sys.stderr.flush()
+
     @contextlib.contextmanager
     def installed(self, signals: tuple[str, ...] = SIGNALS) -> Iterator[StopRequest]:
         """Handle ``signals`` by recording them while the block runs (main thread only; else a no-op)."""
@@ -72,7 +97,7 @@ class StopRequest:
         for name in signals:
             number = getattr(signal, name, None)
             if number is not None:  # (SIGUSR1 does not exist on Windows)
-                previous[number] = signal.signal(number, lambda signum, frame: self.request(signum))
+                previous[number] = signal.signal(number, self.handle)
         try:
             yield self
         finally:
