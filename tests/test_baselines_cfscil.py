@@ -86,6 +86,19 @@ def test_attention_loss_hand_values():
     assert attention_loss(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long)).item() == 0.0
 
 
+def test_balanced_attention_loss_weighs_classes_not_queries():
+    # two class-0 queries with sims [0.6, 0.8] (each -log(3/7) under abs) and one perfect class-1 query (0)
+    sim = torch.tensor([[0.6, 0.8], [0.6, 0.8], [0.0, 1.0]])
+    target = torch.tensor([0, 0, 1])
+    # per query: 2 (-log 3/7) + 0 over 3 queries = 0.564865; per class: (-log 3/7 + 0) / 2 = 0.423649
+    assert attention_loss(sim, target, "abs").item() == pytest.approx(-2 * math.log(3 / 7) / 3, rel=1e-5)
+    assert attention_loss(sim, target, "abs", balanced=True).item() == pytest.approx(-math.log(3 / 7) / 2, rel=1e-5)
+    # with one query per class the two agree
+    assert attention_loss(sim[1:], target[1:], "abs", balanced=True).item() == pytest.approx(
+        attention_loss(sim[1:], target[1:], "abs").item()
+    )
+
+
 def _episode_batch(spatial_dims: int):
     # support (sample 0): class 0 at [1, 0], class 1 at [0, 1], an ignored pixel at [9, 9]
     # query (sample 1): class 0 at [0.6, 0.8], class 1 at [0, 1], class 2 (absent from the support) at [5, 5]

@@ -72,17 +72,24 @@ def bundle(activations: torch.Tensor, labels: torch.Tensor, classes: torch.Tenso
 
 
 def attention_loss(
-    similarity: torch.Tensor, target: torch.Tensor, sharpening: str = "softabs", steepness: float = 10.0
+    similarity: torch.Tensor,
+    target: torch.Tensor,
+    sharpening: str = "softabs",
+    steepness: float = 10.0,
+    balanced: bool = False,
 ) -> torch.Tensor:
     """Meta-learning loss: BCE between the sharpened, sum-normalised similarities and the one-hot label.
 
-    ``w = sharpen(s) / sum_k sharpen(s)_k``, loss = mean over the N x K entries of
-    ``-(y log w + (1 - y) log(1 - w))`` with the logarithms clamped at -100 as
-    ``torch.nn.BCELoss`` does (official ``metatrain_baseFSCIL`` criterion).
+    ``w = sharpen(s) / sum_k sharpen(s)_k``; a query's loss is the mean over its K entries of
+    ``-(y log w + (1 - y) log(1 - w))``, the logarithms clamped at -100 as ``torch.nn.BCELoss``
+    does (official ``metatrain_baseFSCIL`` criterion). Unbalanced, the loss is the mean over the N
+    queries (the official mean over N x K entries); balanced, every target class present weighs the
+    same: the mean over classes of the mean over that class's queries.
 
     Args:
         similarity: (N, K) cosine similarities of N queries to K prototypes.
         target: (N,) index of each query's prototype.
+        balanced: weigh classes, not queries, equally.
 
     Returns:
         Scalar loss (0 for N = 0).
@@ -94,7 +101,12 @@ def attention_loss(
     onehot = F.one_hot(target, similarity.shape[1]).to(weights.dtype)
     log_w = torch.log(weights).clamp_min(-100.0)
     log_1mw = torch.log(1.0 - weights).clamp_min(-100.0)
-    return -(onehot * log_w + (1.0 - onehot) * log_1mw).mean()
+    per_query = -(onehot * log_w + (1.0 - onehot) * log_1mw).mean(dim=1)
+    if not balanced:
+        return per_query.mean()
+    counts = torch.bincount(target, minlength=similarity.shape[1]).to(per_query.dtype)
+    present = int((counts > 0).sum())
+    return (per_query / (counts[target] * present)).sum()
 
 
 def episode_loss(
@@ -103,6 +115,7 @@ def episode_loss(
     representation: str = "tanh",
     sharpening: str = "softabs",
     steepness: float = 10.0,
+    balanced: bool = True,
 ) -> torch.Tensor:
     """The episodic meta-learning loss on one batch of projected activations.
 
@@ -110,7 +123,10 @@ def episode_loss(
     activations, detached, are bundled per class; the rest is the query set (a
     batch of one sample is its own query set). Every query pixel of a class
     present in the support is scored by :func:`cosine_similarity` to the support
-    prototypes and trained with :func:`attention_loss`.
+    prototypes and trained with :func:`attention_loss`, by default with every
+    class weighing the same (``balanced``; the official episodes hold the same
+    number of queries per class, while pixels of the background outnumber a
+    small organ's by orders of magnitude).
 
     Args:
         activations: (B, d, *spatial) projected activations (2 or 3 spatial dims).
@@ -139,7 +155,7 @@ def episode_loss(
     if not bool(usable.any()):
         return zero
     similarity = cosine_similarity(query[usable].float(), prototypes.float(), representation)
-    return attention_loss(similarity, index[usable], sharpening, steepness)
+    return attention_loss(similarity, index[usable], sharpening, steepness, balanced)
 
 
 def nudging_loss(
