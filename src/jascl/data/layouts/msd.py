@@ -10,13 +10,26 @@ AMOS, BCV (BTCV), MOTS, BraTS and VerSe are commonly distributed in::
     <root>/imagesTs/...                        # unlabelled test cases (optional)
 
 ``dataset.json`` gives the channel names (``modality`` in v1, ``channel_names`` in v2),
-the labels (``{"1": "liver"}`` in v1, ``{"liver": 1}`` in v2) and, in v1, the
-``training`` / ``test`` file lists; without lists the cases are found by listing the folders.
+the labels (``{"1": "liver"}`` in v1, ``{"liver": 1}`` in v2) and, in v1 and the Decathlon
+originals, the ``training`` / ``test`` file lists; without lists the cases are found by listing
+the folders. The variants found in the wild are read alike:
+
+* list entries with or without ``./``, relative to the root or absolute (an absolute path from
+  another machine is tried under the root's ``imagesTr`` / ``labelsTr`` by its file name);
+* image entries that name the case (``./imagesTr/case.nii.gz``, as nnU-Net v1 writes) or one of
+  its channel files (``./imagesTr/case_0000.nii.gz``, as several conversion scripts write): the
+  channel suffix is recognised and not appended a second time;
+* nnU-Net v2's explicit ``dataset`` mapping (``{case: {"images": [...], "label": ...}}``, paths
+  relative to the root or absolute, ``$VARIABLES`` expanded as nnU-Net does);
+* the macOS ``._<name>`` resource files the Decathlon archives carry are not cases.
+
+A listed file that is missing is reported with the path as listed and the path tried.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -130,12 +143,38 @@ class MSDLayout(DatasetLayout):
             return False
         return "file_ending" in self.meta  # nnU-Net v2 always splits channels
 
-    def _listed_cases(self, key: str) -> dict[str, Path | None] | None:
-        """Case -> its label file as listed (v1 ``training`` / ``test`` lists); None without a list."""
+    def _resolve_listed(self, listed: str, folder: str) -> Path:
+        """A file named in dataset.json: as listed (relative to the root, or absolute) if it exists, else the
+        file of that name in ``<root>/<folder>`` if that exists, else as listed (reported missing)."""
+        path = Path(os.path.expandvars(listed))
+        path = path if path.is_absolute() else self.root / path
+        if path.is_file():
+            return path
+        fallback = self.root / folder / path.name
+        return fallback if fallback.is_file() else path
+
+    def _entry_case(self, image: str, folder: Path, channel_files: bool) -> str:
+        """The case an image entry names: its file name without the ending and, in a folder of channel files,
+        without a channel suffix the entry carries (``case_0000`` -> ``case``; ``amos_0001`` stays when
+        ``amos_0001_0000`` exists or 0001 is not a channel of this dataset)."""
+        stem = _strip(Path(image).name, self.ending)
+        base, sep, digits = stem.rpartition("_")
+        if not (channel_files and sep and len(digits) == CHANNEL_SUFFIX_DIGITS and digits.isdigit()):
+            return stem
+        if (folder / f"{stem}_{0:0{CHANNEL_SUFFIX_DIGITS}d}{self.ending}").is_file():
+            return stem
+        return base if int(digits) < max(len(self.modalities), 1) else stem
+
+    def _listed_cases(self, key: str, folder: Path) -> dict[str, tuple[Path | None, str, str]] | None:
+        """Case -> (its label file, the image and the label as listed) from the v1 / Decathlon ``training`` /
+        ``test`` list; None without a list."""
         entries = self.meta.get(key)
         if entries is None:
             return None
-        cases: dict[str, Path | None] = {}
+        if not isinstance(entries, list):
+            raise DataError(f"{self.root / 'dataset.json'}: '{key}' must be a list of entries; fix the file")
+        channel_files = any(folder.glob(f"*_0000{self.ending}")) if folder.is_dir() else "file_ending" in self.meta
+        cases: dict[str, tuple[Path | None, str, str]] = {}
         for entry in entries:
             image = entry.get("image") if isinstance(entry, dict) else entry
             label = entry.get("label") if isinstance(entry, dict) else None
@@ -144,12 +183,56 @@ class MSDLayout(DatasetLayout):
                     f"{self.root / 'dataset.json'}: '{key}' entries must name an image file "
                     "(and a label file); fix the list"
                 )
-            cases[_strip(Path(image).name, self.ending)] = self.root / label if label else None
+            case = self._entry_case(image, folder, channel_files)
+            if case not in cases:  # an entry per channel file names the case once
+                cases[case] = (self._resolve_listed(label, "labelsTr") if label else None, image, label or "")
         return cases
+
+    def _explicit_records(self) -> list[Record] | None:
+        """nnU-Net v2's ``dataset`` mapping: case -> {"images": [...], "label": ...}; None without one."""
+        mapping = self.meta.get("dataset")
+        if mapping is None:
+            return None
+        bad = DataError(
+            f'{self.root / "dataset.json"}: \'dataset\' must map each case to {{"images": [files], "label": file}}; '
+            "fix the file"
+        )
+        if not isinstance(mapping, dict):
+            raise bad
+        names = self.modalities
+        records = []
+        for case, entry in sorted(mapping.items()):
+            images = entry.get("images") if isinstance(entry, dict) else None
+            label = entry.get("label") if isinstance(entry, dict) else None
+            if not isinstance(images, list) or not images or not all(isinstance(i, str) for i in images):
+                raise bad
+            if not isinstance(label, (str, type(None))):
+                raise bad
+            records.append(
+                Record(
+                    str(case),
+                    tuple(self._resolve_listed(i, "imagesTr") for i in images),
+                    self._resolve_listed(label, "labelsTr") if label else None,
+                    "train",
+                    {
+                        "case": str(case),
+                        "modalities": names,
+                        "modality": self._modality(names),
+                        "listed": {"images": list(images), "label": label or ""},
+                    },
+                )
+            )
+        return records
+
+    @staticmethod
+    def _modality(names: list[str]) -> str:
+        return "CT" if len(names) == 1 and names[0].upper() == "CT" else "MRI"
 
     def _found_cases(self, folder: Path) -> list[str]:
         cases = set()
         for path in folder.glob(f"*{self.ending}"):
+            if path.name.startswith("."):  # macOS "._<name>" resource files (in the Decathlon archives), hidden files
+                continue
             case = _strip(path.name, self.ending)
             suffix = case.rsplit("_", 1)
             if len(suffix) == 2 and len(suffix[1]) == CHANNEL_SUFFIX_DIGITS and suffix[1].isdigit():
@@ -159,32 +242,15 @@ class MSDLayout(DatasetLayout):
 
     def scan(self) -> list[Record]:
         names = self.modalities
-        modality = "CT" if len(names) == 1 and names[0].upper() == "CT" else "MRI"
+        modality = self._modality(names)
         images_tr, labels_tr, images_ts = (self.root / n for n in ("imagesTr", "labelsTr", "imagesTs"))
-        listed = self._listed_cases("training")
-        if listed is None and not images_tr.is_dir():
-            raise DataError(f"{images_tr}: not found; an MSD / nnU-Net raw dataset keeps its training images there")
-        # cases found only in labelsTr are listed too, so a missing image is reported, not silently skipped
-        if listed is None:
-            listed = dict.fromkeys(
-                sorted(
-                    set(self._found_cases(images_tr)) | set(self._found_cases(labels_tr) if labels_tr.is_dir() else ())
-                )
-            )
-        train = list(listed)
-        split_tr = self._uses_channel_files(images_tr, train)
-        records = [
-            Record(
-                case,
-                self._image_files(images_tr, case, split_tr),
-                listed[case] or labels_tr / f"{case}{self.ending}",
-                "train",
-                {"case": case, "modalities": names, "modality": modality},
-            )
-            for case in train
-        ]
+        explicit = self._explicit_records()
+        if explicit is not None:
+            records, train = explicit, [r.id for r in explicit]
+        else:
+            records, train = self._training_records(images_tr, labels_tr, names, modality)
         if self.include_test:
-            listed_test = self._listed_cases("test")
+            listed_test = self._listed_cases("test", images_ts)
             test = (
                 list(listed_test)
                 if listed_test is not None
@@ -194,18 +260,43 @@ class MSDLayout(DatasetLayout):
             train_ids = set(train)
             for case in test:
                 rid = f"imagesTs/{case}" if case in train_ids else case
-                records.append(
-                    Record(
-                        rid,
-                        self._image_files(images_ts, case, split_ts),
-                        None,
-                        "test",
-                        {"case": case, "modalities": names, "modality": modality},
-                    )
-                )
+                meta = {"case": case, "modalities": names, "modality": modality}
+                if listed_test is not None:
+                    meta["listed"] = {"images": [listed_test[case][1]], "label": ""}
+                records.append(Record(rid, self._image_files(images_ts, case, split_ts), None, "test", meta))
         if not records:
             raise DataError(f"{self.root}: no cases found in imagesTr/ or dataset.json; check the root")
         return sorted(records, key=lambda r: r.id)
+
+    def _training_records(
+        self, images_tr: Path, labels_tr: Path, names: list[str], modality: str
+    ) -> tuple[list[Record], list[str]]:
+        """The training cases from the ``training`` list, else from the folders."""
+        listed = self._listed_cases("training", images_tr)
+        if listed is None and not images_tr.is_dir():
+            raise DataError(f"{images_tr}: not found; an MSD / nnU-Net raw dataset keeps its training images there")
+        # cases found only in labelsTr are listed too, so a missing image is reported, not silently skipped
+        if listed is None:
+            found = set(self._found_cases(images_tr)) | set(self._found_cases(labels_tr) if labels_tr.is_dir() else ())
+            listed = {case: (None, "", "") for case in sorted(found)}
+        train = list(listed)
+        split_tr = self._uses_channel_files(images_tr, train)
+        records = []
+        for case in train:
+            label, listed_image, listed_label = listed[case]
+            meta: dict[str, Any] = {"case": case, "modalities": names, "modality": modality}
+            if listed_image:
+                meta["listed"] = {"images": [listed_image], "label": listed_label}
+            records.append(
+                Record(
+                    case,
+                    self._image_files(images_tr, case, split_tr),
+                    label or labels_tr / f"{case}{self.ending}",
+                    "train",
+                    meta,
+                )
+            )
+        return records, train
 
     # --- checking and reading -------------------------------------------------------------------------------
 
@@ -216,13 +307,33 @@ class MSDLayout(DatasetLayout):
         return [f"channel {i}" for i in range(len(record.images))]
 
     def check(self, record: Record) -> list[Problem]:
-        return medical.check_volumes(
+        problems = medical.check_volumes(
             record.images,
             record.label,
             self._channel_names(record),
             label_values=self.label_names(),
             tolerance=self.tolerance,
         )
+        listed = record.meta.get("listed")
+        if not listed:
+            return problems
+        out = []
+        for problem in problems:
+            if problem.message.startswith("missing"):
+                if record.label is not None and Path(problem.path) == record.label:
+                    as_listed = listed.get("label") or ""
+                else:
+                    images = listed.get("images") or []
+                    index = record.images.index(Path(problem.path)) if Path(problem.path) in record.images else 0
+                    as_listed = images[min(index, len(images) - 1)] if images else ""
+                if as_listed:
+                    problem = Problem(
+                        problem.path,
+                        f"{problem.message} (dataset.json lists {as_listed!r}; this is the path tried)",
+                        problem.fix,
+                    )
+            out.append(problem)
+        return out
 
     def read(self, record: Record) -> Sample:
         return medical.read_volumes(
