@@ -1,8 +1,11 @@
 """``jascl data check``: every kind of problem is one line and exit 2; a sound copy passes with a summary."""
 
+import json
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -246,3 +249,127 @@ def test_builtin_med_ss_passes_on_fixture_copies(tmp_path, capsys):
     )  # 7 cases: 1 held out, 5 shots, 1 + 2 imagesTs left
     assert "warning: session 1 (amos): 3 unlabelled of 25 requested" in out
     assert out[-1] == "no problems found"
+
+
+# --- defects that break training (issue 20, item 1), each one line naming the file and the fix ----------------
+
+
+def _set_first(value):
+    def change(data):
+        data.flat[0] = value
+        return data
+
+    return change
+
+
+def test_nan_voxel_in_an_image(tmp_path, capsys):
+    roots = write_copies(tmp_path)
+    image = fxm.rewrite_volume(roots["ct"] / "imagesTr" / "case_001_0000.nii.gz", _set_first(np.nan), np.float32)
+    line = _one_problem(
+        tmp_path, capsys, protocol_dict(), roots, str(image), "image holds 1 non-finite value(s) (NaN or +-inf)"
+    )
+    assert line.endswith(
+        f"out of {12 * 12 * 8}; replace them (e.g. numpy.nan_to_num) and save the file again, or drop the sample"
+    )
+
+
+def test_infinite_values_in_an_image(tmp_path, capsys):
+    roots = write_copies(tmp_path)
+    path = roots["mr"] / "imagesTr" / "case_002_0000.nii.gz"
+    image = fxm.rewrite_volume(path, lambda d: np.where(d > 0, np.inf, d), np.float32)
+    count = int((np.asarray(fxm.nib.load(str(image)).dataobj) == np.inf).sum())
+    assert count > 1
+    _one_problem(tmp_path, capsys, protocol_dict(), roots, str(image), f"image holds {count} non-finite value(s)")
+
+
+def test_constant_image(tmp_path, capsys):
+    roots = write_copies(tmp_path)
+    image = fxm.rewrite_volume(roots["ct"] / "imagesTr" / "case_000_0000.nii.gz", lambda d: np.zeros_like(d))
+    _one_problem(
+        tmp_path, capsys, protocol_dict(), roots, str(image), "image is constant (every value is 0)", "re-export"
+    )
+
+
+def test_implausible_spacing(tmp_path, capsys):
+    roots = write_copies(tmp_path)
+    affine = fxm.fixture_affine(SHAPE)
+    affine[2, 2] = 25.0  # 25 mm slices: a header error, not a CT
+    image = fxm.rewrite_volume(roots["ct"] / "imagesTr" / "case_002_0000.nii.gz", lambda d: d, affine=affine)
+    fxm.rewrite_volume(roots["ct"] / "labelsTr" / "case_002.nii.gz", lambda d: d, affine=affine)  # same grid
+    _one_problem(
+        tmp_path, capsys, protocol_dict(), roots, str(image), "implausible voxel spacing (1.5, 1.5, 25.0) mm", "pixdim"
+    )
+
+
+def test_four_dimensional_channel_file_and_label(tmp_path, capsys):
+    roots = write_copies(tmp_path)
+    image = fxm.rewrite_volume(roots["ct"] / "imagesTr" / "case_001_0000.nii.gz", lambda d: np.stack([d, d], axis=-1))
+    _one_problem(
+        tmp_path,
+        capsys,
+        protocol_dict(),
+        roots,
+        str(image),
+        "image is 4D (12, 12, 8, 2) with 2 channel(s); the dataset declares 1 (CT)",
+    )
+    roots = write_copies(tmp_path / "again")
+    label = fxm.rewrite_volume(
+        roots["mr"] / "labelsTr" / "case_000.nii.gz", lambda d: np.stack([d == 0, d == 1], -1).astype(np.uint8)
+    )
+    _one_problem(tmp_path, capsys, protocol_dict(), roots, str(label), "label is 4D (12, 12, 8, 2)", "one 3D volume")
+
+
+def test_float_label_with_fractions(tmp_path, capsys):
+    roots = write_copies(tmp_path)
+    label = fxm.rewrite_volume(roots["ct"] / "labelsTr" / "case_000.nii.gz", _set_first(0.5), np.float32)
+    _one_problem(tmp_path, capsys, protocol_dict(), roots, str(label), "label holds non-integer values")
+
+
+def test_a_training_sample_with_only_background_is_a_warning(tmp_path, capsys):
+    roots = write_copies(tmp_path)
+    label = fxm.rewrite_volume(roots["ct"] / "labelsTr" / "case_000.nii.gz", lambda d: np.zeros_like(d))
+    code, out, errors = run_check(tmp_path, capsys, protocol_dict(), roots)
+    assert code == 0 and errors == [], out
+    assert (
+        f"warning: {label}: label holds only background, so no session of the protocol uses this sample of "
+        "dataset ct; fix the label file if it should show classes, or drop the sample"
+    ) in out
+    # the base session takes every training case that shows a class: 2 of the pool of 3
+    assert "  0 base [ct]: classes 1:liver, 2:spleen; shots all; labelled 2, unlabelled 0, test 1" in out
+
+
+def test_run_refuses_a_nan_sample_with_the_check_line_and_never_trains(tmp_path, capsys):
+    roots = write_copies(tmp_path)
+    image = fxm.rewrite_volume(roots["ct"] / "imagesTr" / "case_001_0000.nii.gz", _set_first(np.inf), np.float32)
+    path = tmp_path / "check-proto.yaml"
+    path.write_text(yaml.safe_dump(protocol_dict()))
+    tiny = {"backbone_args": {"features": [4, 4, 8, 8, 8, 8]}, "epochs_base": 1, "epochs_incremental": 1}
+    tiny["patch_size"] = [32, 32, 32]
+    args = ["run", "--protocol", str(path), "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache")]
+    args += ["--no-progress", "--methods", "vanilla", *(f"--set={k}={json.dumps(v)}" for k, v in tiny.items())]
+    args += [f"--root={name}={root}" for name, root in roots.items()]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"{image}: image holds 1 non-finite value(s) (NaN or +-inf)" in err
+    assert "found while loading it for training; 'jascl data check' lists all" in err
+    assert not list((tmp_path / "run").rglob("*.safetensors"))  # nothing was trained
+
+
+def test_check_sample_values_names_the_channel_file():
+    from jascl.data.layouts import Record
+    from jascl.data.real.storage import check_sample_values
+    from jascl.errors import DataError
+
+    record = Record("c", (Path("c_0000.nii.gz"), Path("c_0001.nii.gz")), None)
+    image = np.random.default_rng(0).normal(size=(2, 4, 4, 4)).astype(np.float32)
+    check_sample_values(record, image)  # sound: no error
+    image[1, 0, 0, 0] = np.nan
+    with pytest.raises(DataError, match=r"^c_0001\.nii\.gz: image holds 1 non-finite value\(s\)"):
+        check_sample_values(record, image)
+    image[1] = 3.0
+    with pytest.raises(DataError, match=r"^c_0001\.nii\.gz: image is constant \(every value is 3\)"):
+        check_sample_values(record, image)
+    one_file = Record("d", (Path("d.nii.gz"),), None)  # a 4D file: the channel is named
+    with pytest.raises(DataError, match=r"^d\.nii\.gz: image channel 1 is constant"):
+        check_sample_values(one_file, image)

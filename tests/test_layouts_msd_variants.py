@@ -166,3 +166,28 @@ def test_a_missing_listed_file_is_named_as_listed_and_as_tried(tmp_path):
     assert label_line.startswith("/mnt/old-copy/labelsTr/case_001.nii.gz: missing label")
     assert "dataset.json lists '/mnt/old-copy/labelsTr/case_001.nii.gz'" in label_line
     assert all("\n" not in line for line in lines)
+
+
+def test_a_3d_file_where_the_dataset_declares_channels_and_a_4d_channel_file(tmp_path):
+    from fixtures.medical import rewrite_volume
+
+    root = write_msd(tmp_path / "msd", cases=2, test_cases=0, channels=2, style="msd")  # one 4D file per case
+    image = rewrite_volume(root / "imagesTr" / "case_001.nii.gz", lambda d: d[..., 0])
+    layout = _layout(root)
+    records = {r.id: r for r in layout.scan()}
+    assert layout.check(records["case_000"]) == []
+    (problem,) = layout.check(records["case_001"])
+    assert str(problem) == (
+        f"{image}: image is 3D (16, 16, 12) with 1 channel(s); the dataset declares 2 (FLAIR, T1w); give one file "
+        "per declared channel, or fix the channels (modality / channel_names) in dataset.json"
+    )
+    root = write_msd(tmp_path / "nnunet", cases=1, test_cases=0, channels=2, style="nnunet-v2")
+    channel = rewrite_volume(
+        root / "imagesTr" / "case_000_0001.nii.gz", lambda d: __import__("numpy").stack([d, d], -1)
+    )
+    layout = _layout(root)
+    (problem,) = layout.check(layout.scan()[0])
+    assert problem.path == channel
+    assert problem.message == (
+        "modality T1w is 4D (16, 16, 12, 2) with 2 channels; a channel file (_0000, _0001, ...) holds one 3D volume"
+    )

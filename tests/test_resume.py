@@ -227,19 +227,26 @@ def test_non_finite_loss_stops_the_session_and_keeps_the_last_good_checkpoint(to
 
     class PoisonAt(Plugin):
         name = "poison"
+        first_ids = None
 
         def after_forward(self, state):
             if state.session.index == 1 and state.epoch == 2:
                 state.losses["poison"] = torch.tensor(float("nan"))
+                if self.first_ids is None:
+                    self.first_ids = list(state.batch["id"])
 
     out = tmp_path / "run"
     shutil.copytree(root / "base", out / "base")
-    with pytest.raises(
-        TrainingError,
-        match=r"vanilla session 1 \(inc\) epoch 2: the training loss became nan; "
-        r"the session stopped and its last good checkpoint \(after epoch 1\)",
-    ):
-        _run(protocol, config, "vanilla", out, root, PoisonAt())
+    poison = PoisonAt()
+    with pytest.raises(TrainingError) as info:
+        _run(protocol, config, "vanilla", out, root, poison)
+    assert poison.first_ids and all(isinstance(i, str) for i in poison.first_ids)
+    assert str(info.value).startswith(
+        "vanilla session 1 (inc) epoch 2: the training loss became nan, first at step 1 of the epoch, in the "
+        f"batch of samples {', '.join(poison.first_ids)}; the session stopped and its last good checkpoint "
+        "(after epoch 1)"
+    )
+    assert "check those samples ('jascl data check')" in str(info.value)
     meta, payload = load_progress(out / "vanilla" / "s1-inc" / "progress.safetensors")
     assert meta["epoch"] == 1
     assert all(torch.isfinite(v).all() for v in payload["model"].values())
@@ -263,8 +270,8 @@ def test_non_finite_loss_inside_an_epoch_is_never_checkpointed(toy_steps, tmp_pa
     shutil.copytree(root / "base", out / "base")
     with pytest.raises(
         TrainingError,
-        match=r"vanilla session 1 \(inc\) epoch 1: the training loss became inf; the "
-        r"session stopped and its last good checkpoint \(inside epoch 1, after "
+        match=r"vanilla session 1 \(inc\) epoch 1: the training loss became inf, first at step 2 of the epoch, "
+        r"in the batch of samples [^;]+; the session stopped and its last good checkpoint \(inside epoch 1, after "
         r"step 1\) is kept",
     ):
         _run(protocol, dataclasses.replace(config, checkpoint_steps=1), "vanilla", out, root, PoisonStep())

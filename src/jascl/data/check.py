@@ -3,7 +3,9 @@
 For every dataset entry of the protocol it resolves the root, scans the copy with
 its layout and opens every sample (``DatasetLayout.check``: missing files,
 unreadable or corrupt files, image/label shape and affine mismatches, label values
-the dataset does not declare), reads which labels each sample contains, checks the
+the dataset does not declare, non-finite or constant images, 4D files where 3D
+are expected and the reverse, implausible voxel spacing), reads which labels each
+sample contains (a training sample showing only background is a warning: no session uses it), checks the
 protocol's label map against the dataset's labels, then runs the session
 selection of :mod:`jascl.data.real` as a dry run: every session must find at
 least K labelled samples of each class it teaches, test samples of its classes,
@@ -131,6 +133,7 @@ def check_protocol(
                         f"value(s) in datasets.{name}.labels"
                     )
                     src.excluded.add(rid)
+        report.warnings += _background_only(name, src)
         entry.update(
             samples=len(src.records),
             train_pool=len([r for r in src.train_pool if r not in src.excluded]),
@@ -151,6 +154,20 @@ def check_protocol(
     report.problems = _unique(problems)
     report.warnings = _unique(report.warnings)
     return report
+
+
+def _background_only(name: str, src: DatasetSource) -> list[str]:
+    """One line per training-pool sample whose label holds nothing but background: the session selection
+    takes samples by the classes they show, so it is silently never used (and counts in no session)."""
+    lines = []
+    for rid in sorted(src.presence):
+        if rid in src.excluded or rid not in src.train_pool or not set(src.presence[rid]) <= {0}:
+            continue
+        lines.append(
+            f"{src.records[rid].label}: label holds only background, so no session of the protocol uses this "
+            f"sample of dataset {name}; fix the label file if it should show classes, or drop the sample"
+        )
+    return lines
 
 
 __all__ = ["CheckReport", "SessionPlan", "check_protocol"]

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from jascl.data.layouts.base import Problem, Sample
+from jascl.data.layouts.base import Problem, Sample, image_value_problems
 from jascl.errors import ConfigError, DataError
 
 #: default largest absolute difference between two affines (mm for the origin, the
@@ -37,6 +37,9 @@ AFFINE_TOLERANCE = 1e-3
 CT_WINDOW = (-175.0, 250.0)
 
 REDOWNLOAD = "re-download or re-extract it from the dataset's release"
+
+#: the largest voxel spacing (mm) ``check_volumes`` accepts; thicker "slices" are a header error
+MAX_SPACING_MM = 20.0
 
 
 def _nib():
@@ -188,11 +191,17 @@ def check_volumes(
     label_values: Iterable[int] | None = None,
     tolerance: float = AFFINE_TOLERANCE,
     extra_labels: Sequence[tuple[Path, str]] = (),
+    channels: Sequence[str] | None = None,
 ) -> list[Problem]:
     """Open every file of one sample and report what is wrong.
 
     The first image readable is the reference grid: every other image and the
     label(s) must have its spatial shape and (within ``tolerance``) its affine.
+    Every image is decoded: non-finite values and constant images are reported
+    (:func:`~jascl.data.layouts.base.image_value_problems`), as are voxel spacings
+    that are zero, negative or over :data:`MAX_SPACING_MM`, 4D files where one 3D
+    channel file is expected (and a file whose channel count differs from
+    ``channels``), and 4D labels.
 
     Args:
         images: the image files, one per channel (or one multi-channel file).
@@ -202,6 +211,8 @@ def check_volumes(
         tolerance: largest absolute difference between affine entries still accepted.
         extra_labels: further (mask file, structure name) pairs on the same grid
             (TotalSegmentator's one-file-per-structure masks; values must be 0/1).
+        channels: the channels the sample must have over all its image files, by name (e.g. the
+            modalities dataset.json declares); None = not checked.
 
     Returns:
         One :class:`Problem` per defect; empty when the sample is sound.
@@ -260,13 +271,25 @@ def check_volumes(
         what = f"modality {name}" if len(images) > 1 else "image"
         opened = open_checked(Path(path), what, decode=False)
         if opened is not None:
-            compare_grid(Path(path), opened[0], "image")
+            img, data = opened
+            compare_grid(Path(path), img, "image")
+            problems += _shape_problems(Path(path), img.shape, what, len(images), channels)
+            problems += _spacing_problems(Path(path), img, what)
+            problems += image_value_problems(Path(path), data, what)
     declared = set(int(v) for v in label_values) if label_values is not None else None
     if label is not None:
         opened = open_checked(Path(label), "label", decode=True)
         if opened is not None:
             img, data = opened
             compare_grid(Path(label), img, "label")
+            if len(img.shape) > 3 and any(int(n) != 1 for n in img.shape[3:]):
+                problems.append(
+                    Problem(
+                        Path(label),
+                        f"label is {len(img.shape)}D {tuple(int(n) for n in img.shape)}; a label map is one 3D volume",
+                        "save the label map as one 3D volume of class ids (not one-hot, not per-class channels)",
+                    )
+                )
             problems += _label_value_problems(Path(label), data, declared)
     for path, structure in extra_labels:
         opened = open_checked(Path(path), f"segmentation {structure}", decode=True)
@@ -275,6 +298,59 @@ def check_volumes(
             compare_grid(Path(path), img, "segmentation")
             problems += _label_value_problems(Path(path), data, {0, 1}, binary=True)
     return problems
+
+
+def _shape_problems(
+    path: Path, shape: Sequence[int], what: str, files: int, channels: Sequence[str] | None
+) -> list[Problem]:
+    """A 3D volume, or 4D with channels last; one channel per file when a sample has one file per channel."""
+    shape = tuple(int(n) for n in shape)
+    if len(shape) < 3 or len(shape) > 4:
+        return [
+            Problem(
+                path,
+                f"{what} has {len(shape)} dimension(s) {shape}; a volume is 3D (or 4D, channels last)",
+                "re-export it as a 3D NIfTI volume",
+            )
+        ]
+    held = 1 if len(shape) == 3 else shape[3]
+    if files > 1 and held > 1:
+        return [
+            Problem(
+                path,
+                f"{what} is 4D {shape} with {held} channels; a channel file (_0000, _0001, ...) holds one 3D volume",
+                "split it into one 3D file per channel, or keep one 4D file per case without channel files",
+            )
+        ]
+    if files == 1 and channels is not None and held != len(channels):
+        kind = "3D" if len(shape) == 3 else "4D"
+        return [
+            Problem(
+                path,
+                f"image is {kind} {shape} with {held} channel(s); the dataset declares {len(channels)} "
+                f"({', '.join(channels)})",
+                "give one file per declared channel, or fix the channels (modality / channel_names) in dataset.json",
+            )
+        ]
+    return []
+
+
+def _spacing_problems(path: Path, img: Any, what: str) -> list[Problem]:
+    """Voxel spacing (the header's zooms) that is zero, negative, not finite or over MAX_SPACING_MM."""
+    try:
+        zooms = [float(z) for z in img.header.get_zooms()[:3]]
+    except Exception:  # a header without zooms: nothing to check
+        return []
+    if all(np.isfinite(z) and 0 < z <= MAX_SPACING_MM for z in zooms):
+        return []
+    return [
+        Problem(
+            path,
+            f"{what} has an implausible voxel spacing {tuple(round(z, 4) for z in zooms)} mm (zero, negative or "
+            f"over {MAX_SPACING_MM:g} mm)",
+            "fix the header's voxel size (pixdim) from the scanner's or the dataset's documented spacing",
+        )
+    ]
 
 
 def _label_value_problems(

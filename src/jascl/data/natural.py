@@ -253,8 +253,8 @@ def image_size(path: Path) -> tuple[int, int]:
 def check_image_label(record: Record, decode_label: LabelDecoder, dataset: str, fix_values: str = "") -> list[Problem]:
     """Open a 2D record's files and report what is wrong with them.
 
-    Reports: a missing or undecodable image or label file, a label whose (H, W) differs
-    from the image's, and label values / colours that are not in the dataset's table.
+    Reports: a missing or undecodable image or label file, a constant image (a blank frame), a label
+    whose (H, W) differs from the image's, and label values / colours that are not in the dataset's table.
 
     Args:
         record: the record (one RGB image, optionally one label file).
@@ -262,7 +262,7 @@ def check_image_label(record: Record, decode_label: LabelDecoder, dataset: str, 
         dataset: the dataset's name, for messages.
         fix_values: what to do about unknown label values.
     """
-    from jascl.data.layouts.base import Problem
+    from jascl.data.layouts.base import Problem, image_value_problems
 
     problems: list[Problem] = []
     size: tuple[int, int] | None = None
@@ -272,6 +272,7 @@ def check_image_label(record: Record, decode_label: LabelDecoder, dataset: str, 
             continue
         try:
             size = image_size(path)
+            problems += image_value_problems(path, read_rgb(Path(path)))  # a blank frame (constant) trains nothing
         except DataError as error:
             problems.append(Problem(path, _reason(error, path), FIX_REDOWNLOAD))
     if record.label is None:

@@ -330,6 +330,7 @@ class ContinualTrainer:
             for module in state.frozen:
                 module.eval()
             running = torch.zeros((), device=self.device)
+            recent: list[tuple[torch.Tensor, object]] = []  # (loss, sample ids) of the steps since the last sync
             steps, due = 0, False
             if resume is not None and resume.step is not None and epoch == resume.epoch:
                 # the epoch's set-up (plugins' before_epoch, the loader's position) comes from the checkpoint
@@ -355,18 +356,21 @@ class ContinualTrainer:
                 self.fire("after_update", state)
                 state.iteration += 1
                 running += total.detach().float()
+                recent.append((total.detach(), batch.get("id") if isinstance(batch, dict) else None))
                 steps += 1
                 due = step_checkpoints and state.iteration % cfg.checkpoint_steps == 0
                 stop_now = alone and REQUEST.requested and not blockers
                 if (due or stop_now) and steps < n_steps:  # (at the epoch's last step: the epoch-end checkpoint)
-                    _, stop = progress.sync(state, running, steps, lr)
+                    _, stop = progress.sync(state, running, steps, lr, recent)
+                    recent.clear()
                     progress.save(
                         state, loader, epoch, inside={"step": steps, "running": running, "loader_start": epoch_start}
                     )
                     if stop:
                         raise progress.stopped(state)
             self.fire("after_epoch", state)
-            mean_loss, stop = progress.sync(state, running, steps, lr)
+            mean_loss, stop = progress.sync(state, running, steps, lr, recent)
+            recent.clear()
             bar.set_postfix(loss=f"{mean_loss:.3f}")
             log.info(
                 "%s session %d epoch %d: loss %.4f (%s)",

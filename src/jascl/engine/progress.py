@@ -11,6 +11,7 @@ Only rank 0 writes; nothing is pickled.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,11 +123,22 @@ class SessionProgress:
         self.saved = resume.where
         return resume
 
-    def sync(self, state: LoopState, running: torch.Tensor, steps: int, lr: float) -> tuple[float, bool]:
+    def sync(
+        self,
+        state: LoopState,
+        running: torch.Tensor,
+        steps: int,
+        lr: float,
+        recent: Sequence[tuple[torch.Tensor, object]] = (),
+    ) -> tuple[float, bool]:
         """(mean training loss so far in the epoch, whether any rank was asked to stop).
 
         One host synchronisation, and with several processes one collective: every rank calls it at
         the same steps, and the stop signal travels with the loss.
+
+        Args:
+            recent: (loss, sample ids) of every step since the last sync, to name the batch whose loss
+                first became non-finite (only read then).
 
         Raises:
             TrainingError: the loss is not finite; the session stops, its last good checkpoint is kept.
@@ -143,9 +155,9 @@ class SessionProgress:
             )
             raise TrainingError(
                 f"{self.method.name} session {t} ({session.name}) epoch {state.epoch}: the training "
-                f"loss became {mean_loss}; the session stopped and {kept}; lower the learning rate "
-                f"({'lr_base' if t == 0 else 'lr_incremental'}={lr}) or check the data, then "
-                "rerun to resume"
+                f"loss became {mean_loss}{_culprit(recent, steps)}; the session stopped and {kept}; lower the "
+                f"learning rate ({'lr_base' if t == 0 else 'lr_incremental'}={lr}) or check those samples "
+                "('jascl data check'), then rerun to resume"
             )
         return mean_loss, stops > 0
 
@@ -156,3 +168,22 @@ class SessionProgress:
             f"in {self.method.name} session {session.index} ({session.name}): its training state "
             f"{self.saved} is saved in {self.path}"
         )
+
+
+def _culprit(recent: Sequence[tuple[torch.Tensor, object]], steps: int) -> str:
+    """ ", first at step N of the epoch, in the batch of samples a, b, c" for the first non-finite loss of
+    ``recent`` (the steps up to ``steps``); "" when this process saw none (another process's batch)."""
+    if not recent:
+        return ""
+    losses = torch.stack([loss.float().reshape(()) for loss, _ in recent])
+    bad = (~torch.isfinite(losses)).nonzero()
+    if bad.numel() == 0:
+        return " (in another process's batch)" if distributed.world_size() > 1 else ""
+    index = int(bad[0, 0])
+    step = steps - len(recent) + index + 1
+    ids = recent[index][1]
+    if isinstance(ids, (list, tuple)) and ids:
+        names = [str(i) for i in ids]
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        return f", first at step {step} of the epoch, in the batch of samples {shown}"
+    return f", first at step {step} of the epoch"

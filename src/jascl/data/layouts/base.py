@@ -79,6 +79,42 @@ class Problem:
         return f"{self.path}: {self.message}" + (f"; {self.fix}" if self.fix else "")
 
 
+def image_value_problems(path: Path | str, data: np.ndarray, what: str = "image") -> list[Problem]:
+    """What in an image's values breaks training: non-finite values (NaN, +-inf) and a constant image.
+
+    ``jascl data check`` reports these per file, and ``jascl run`` refuses a sample it loads with the
+    same line (:class:`jascl.data.real.storage.SampleStore`), so a NaN voxel never reaches the loss.
+
+    Args:
+        path: the file the values come from (named in the line).
+        data: its decoded values, any shape.
+        what: "image", "modality T1w", ... as the line calls it.
+    """
+    data = np.asarray(data)
+    if data.size == 0:
+        return [Problem(path, f"{what} holds no values", "re-export the file")]
+    if data.dtype.kind in "fc":
+        bad = int(data.size - np.count_nonzero(np.isfinite(data)))
+        if bad:
+            return [
+                Problem(
+                    path,
+                    f"{what} holds {bad} non-finite value(s) (NaN or +-inf) out of {data.size}",
+                    "replace them (e.g. numpy.nan_to_num) and save the file again, or drop the sample",
+                )
+            ]
+    low, high = data.min(), data.max()
+    if low == high:
+        return [
+            Problem(
+                path,
+                f"{what} is constant (every value is {low.item():g})",
+                "the file holds no image (an empty export or a blank frame); re-export it or drop the sample",
+            )
+        ]
+    return []
+
+
 class DatasetLayout:
     """Base class of a dataset layout.
 

@@ -260,7 +260,7 @@ class MSDLayout(DatasetLayout):
             train_ids = set(train)
             for case in test:
                 rid = f"imagesTs/{case}" if case in train_ids else case
-                meta = {"case": case, "modalities": names, "modality": modality}
+                meta: dict[str, Any] = {"case": case, "modalities": names, "modality": modality}
                 if listed_test is not None:
                     meta["listed"] = {"images": [listed_test[case][1]], "label": ""}
                 records.append(Record(rid, self._image_files(images_ts, case, split_ts), None, "test", meta))
@@ -313,6 +313,7 @@ class MSDLayout(DatasetLayout):
             self._channel_names(record),
             label_values=self.label_names(),
             tolerance=self.tolerance,
+            channels=self.modalities or None,
         )
         listed = record.meta.get("listed")
         if not listed:

@@ -146,7 +146,7 @@ class TotalSegmentatorLayout(DatasetLayout):
         if record.label is not None:
             if not record.label.is_dir():
                 return [
-                    *medical.check_volumes(record.images, None, ["ct"], tolerance=self.tolerance),
+                    *medical.check_volumes(record.images, None, ["ct"], tolerance=self.tolerance, channels=["CT"]),
                     Problem(
                         record.label,
                         "missing segmentations folder",
@@ -154,7 +154,9 @@ class TotalSegmentatorLayout(DatasetLayout):
                     ),
                 ]
             masks = [(self._mask_path(record.label, s), s) for s in self.structures]
-        return medical.check_volumes(record.images, None, ["ct"], tolerance=self.tolerance, extra_labels=masks)
+        return medical.check_volumes(
+            record.images, None, ["ct"], tolerance=self.tolerance, extra_labels=masks, channels=["CT"]
+        )
 
     def read(self, record: Record) -> Sample:
         ct, affine = medical.load_volume(record.images[0])

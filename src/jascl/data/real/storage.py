@@ -82,7 +82,15 @@ class SampleStore:
         record = source.records[rid]
 
         def compute() -> tuple[np.ndarray, np.ndarray | None]:
-            image, label = self.preprocess(source, source.layout.read(record))
+            sample = source.layout.read(record)
+            check_sample_values(record, sample.image)  # once per file version: the result is cached below
+            image, label = self.preprocess(source, sample)
+            if not np.isfinite(image).all():
+                raise DataError(
+                    f"{record.images[0]}: preprocessing made non-finite values (e.g. a z-score of a constant channel "
+                    f"or a resampling of an empty volume); check the sample with 'jascl data check' or change "
+                    f"datasets.{d}.preprocess"
+                )
             return (
                 np.ascontiguousarray(image, dtype=np.float32),
                 None if label is None else np.ascontiguousarray(label, dtype=np.int32),
@@ -109,6 +117,30 @@ class SampleStore:
         while len(self._memo) > 2:
             self._memo.popitem(last=False)
         return item
+
+
+def check_sample_values(record: Any, image: np.ndarray) -> None:
+    """Refuse a decoded sample whose values break training, with ``jascl data check``'s line for its file.
+
+    Args:
+        record: the sample's :class:`~jascl.data.layouts.base.Record` (its files name the line).
+        image: (C, *spatial) decoded values; channel c comes from ``record.images[c]`` when there is one
+            file per channel, else all from ``record.images[0]``.
+
+    Raises:
+        DataError: non-finite values or a constant channel (:func:`~jascl.data.layouts.base.image_value_problems`).
+    """
+    from jascl.data.layouts.base import image_value_problems
+
+    image = np.asarray(image)
+    files = list(record.images)
+    per_file = len(files) == image.shape[0] and len(files) > 1
+    for c in range(image.shape[0]):
+        path = files[c] if per_file else files[0]
+        what = f"image channel {c}" if image.shape[0] > 1 and not per_file else "image"
+        problems = image_value_problems(path, image[c], what)
+        if problems:
+            raise DataError(f"{problems[0]} (found while loading it for training; 'jascl data check' lists all)")
 
 
 class SplitBackend:
