@@ -18,6 +18,14 @@ from jascl.protocols import parse_protocol  # noqa: E402
 # one thread per pytest-xdist worker (the workers share the cores), else two
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
+# Hypothesis (tests/test_fuzz_inputs.py): the same examples on every run and machine, CI included, and no
+# example database written into the checkout; HYPOTHESIS_PROFILE=explore draws new examples each run
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("jascl", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "jascl"))
+
 
 def toy_protocol_dict(spatial_dims: int = 2) -> dict:
     size = 32

@@ -10,9 +10,28 @@ from __future__ import annotations
 
 
 class JasclError(Exception):
-    """An error caused by user input; printed as one line, exit code 2."""
+    """An error caused by user input; printed as one line, exit code 2.
+
+    A message that quotes user input holding line breaks (a YAML key ``"\\n"``, a file name with a
+    newline) keeps them escaped, so the line stays one line whatever the input.
+    """
 
     exit_code = 2
+
+    def __init__(self, *args: object) -> None:
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (one_line(args[0]),)
+        super().__init__(*args)
+
+
+def one_line(text: str) -> str:
+    """``text`` with CR, LF and the other line separators Python splits on written as escapes."""
+    return text if len(text.splitlines()) <= 1 and not text.endswith(_ENDINGS) else text.translate(_BREAKS)
+
+
+#: what str.splitlines() breaks on, mapped to a visible escape
+_ENDINGS = tuple("\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
+_BREAKS = {ord(c): repr(c)[1:-1] for c in _ENDINGS}
 
 
 class ConfigError(JasclError):

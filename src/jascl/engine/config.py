@@ -180,8 +180,19 @@ def _at(source: str | None) -> str:
     return f"{source}: " if source else ""
 
 
-def _coerce(value: Any, current: Any, key: str, source: str | None) -> Any:
-    """Check ``value`` against the type of the default ``current``."""
+def _optional(target: Any, key: str) -> bool:
+    """Whether ``target``'s annotation of field ``key`` allows None."""
+    for f in dataclasses.fields(target):
+        if f.name == key:
+            return "None" in [p.strip() for p in str(f.type).split("|")]
+    return True
+
+
+def _coerce(value: Any, current: Any, key: str, source: str | None, target: Any = None) -> Any:
+    """Check ``value`` against the type of the default ``current``; null only where ``target``'s annotation of
+    the field allows it (optional fields are checked by ``RunConfig.validate``)."""
+    if target is not None and value is None and not _optional(target, key.rsplit(".", 1)[-1]):
+        raise ConfigError(f"{_at(source)}{key}: must not be null (its default is {current!r})")
     if current is None or value is None:
         return value
     if isinstance(current, bool):
@@ -256,9 +267,9 @@ def apply_mapping(target: Any, updates: Mapping[str, Any], source: str | None, p
                 )
             apply_mapping(current, value, source, prefix=f"{full}.")
         elif full == "method_args":  # merged key by key: the protocol's, a file's and --set's options all hold
-            setattr(target, key, _merge(current, _coerce(value, current, full, source)))
+            setattr(target, key, _merge(current, _coerce(value, current, full, source, target)))
         else:
-            setattr(target, key, _coerce(value, current, full, source))
+            setattr(target, key, _coerce(value, current, full, source, target))
 
 
 def parse_overrides(items: list[str]) -> dict:

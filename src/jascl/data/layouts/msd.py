@@ -40,6 +40,18 @@ from jascl.errors import DataError
 CHANNEL_SUFFIX_DIGITS = 4
 
 
+#: the dataset.json keys jascl reads, with the JSON type each must have
+_META_TYPES = (
+    ("labels", dict, "an object of label ids and names"),
+    ("modality", dict, "an object of channel index: name"),
+    ("channel_names", dict, "an object of channel index: name"),
+    ("training", list, "a list of entries"),
+    ("test", list, "a list of entries"),
+    ("dataset", dict, "an object of case: {images, label}"),
+    ("file_ending", str, "a string such as .nii.gz"),
+)
+
+
 def _strip(name: str, ending: str) -> str:
     return name[: -len(ending)] if name.endswith(ending) else name
 
@@ -98,6 +110,12 @@ class MSDLayout(DatasetLayout):
                 raise DataError(f"{path}: not valid JSON ({exc}); restore the dataset's dataset.json") from None
             if not isinstance(meta, dict):
                 raise DataError(f"{path}: expected a JSON object; restore the dataset's dataset.json")
+            for key, kind, what in _META_TYPES:
+                if meta.get(key) is not None and not isinstance(meta[key], kind):
+                    raise DataError(
+                        f"{path}: '{key}' must be {what} (got {type(meta[key]).__name__}); fix dataset.json "
+                        "or restore the dataset's own"
+                    )
             self._meta = meta
         return self._meta
 
