@@ -82,7 +82,8 @@ def write_fake(root: Path, samples: dict[str, tuple[str, list[int]]], size=(8, 8
         label = np.zeros(size, np.int64)
         for j, v in enumerate(values):
             label[:, j + 1] = v
-        np.save(folder / f"{rid}.img.npy", (label[None] * 10.0 + 1.0).astype(np.float32))
+        ramp = np.linspace(0.0, 0.5, size[0], dtype=np.float32)[:, None]  # no image is constant (run refuses those)
+        np.save(folder / f"{rid}.img.npy", (label[None] * 10.0 + 1.0 + ramp).astype(np.float32))
         if split != "nolabel":
             np.save(folder / f"{rid}.lab.npy", label)
     return root
