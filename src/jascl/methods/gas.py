@@ -20,8 +20,17 @@ Notes on the authors' code (``ProbabilisticClassifier``):
     * Noise std is exactly G~^-1 there (sigma^2 = 1, the paper's default); the
       paper's sensitivity table varies the noise variance sigma^2, so we expose it.
     * The buffer is overwritten with the latest squared gradient every iteration
-      (no running average) and starts at zero, so the first step of a session
-      has scale 1 everywhere; we follow that.
+      (no running average) and starts at zero, as here.
+    * The first step of a session: with G = 0 everywhere, eq. 1 read literally
+      gives G~^-1 = (1 + 1e8 - 1e8) / (1 + 1e8 - 1e8) = 1, full noise everywhere,
+      and that is what jascl computes (in float64, subtracting before adding the
+      1). The authors' float32 code adds first: 1 + 1e8 rounds to 1e8, so the
+      numerator is 0 and their first step is noise-free. From the second session
+      on, their imprinting also copies the old rows' last gradient buffer, so old
+      rows start with small noise and new rows with scale 1 (both found by
+      running their code and this one on identical tensors). jascl follows eq. 1
+      (the paper is the specification); the difference concerns the first step
+      of each session. The authors' variant is not offered as an option yet.
 """
 
 from __future__ import annotations
