@@ -302,12 +302,17 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     if args.json:
         console.print_json(json.dumps([{"without_jascl": a, "with_jascl": b} for a, b in rows]))
         return 0
-    table = Table(title=f"model-info (batch {args.batch_size} for memory; FLOPs per image = 2 x MACs)")
+    table = Table(
+        title=f"model-info (batch {args.batch_size} for memory; per image: GMACs = multiply-accumulates, as the "
+        "paper and thop/fvcore count; GFLOPs = 2 x GMACs)"
+    )
     for col in (
         "backbone",
         "input",
         "params (M)",
         "trainable (M)",
+        "GMACs",
+        "GMACs +JASCL",
         "GFLOPs",
         "GFLOPs +JASCL",
         "train mem (MiB)",
@@ -323,6 +328,8 @@ def cmd_model_info(args: argparse.Namespace) -> int:
             f"{a['in_channels']}x{size} ({a['spatial_dims']}D, K={a['num_classes']})",
             f"{a['params_m']:.2f}",
             f"{a['trainable_params_m']:.2f}",
+            f"{a['gmacs']:.1f}",
+            f"{b['gmacs']:.1f}",
             f"{a['gflops']:.1f}",
             f"{b['gflops']:.1f}",
             f"{a['train_memory_mib']:.0f}",
