@@ -11,6 +11,7 @@ from jascl.errors import DataError
 from jascl.evaluation.metrics import (
     ConfusionAccumulator,
     dice_from_confusion,
+    harmonic_mean,
     iou_from_confusion,
     per_class_forgetting,
     soft_dice_per_class,
@@ -31,6 +32,14 @@ def test_total_drop_counts_only_falls() -> None:
     assert total_drop([0.5, 0.6, 0.4]) == pytest.approx(40.0)
     assert total_drop([0.5, 0.6, 0.7]) == 0.0
     assert total_drop([0.5]) == 0.0
+
+
+def test_harmonic_mean_of_seen_and_new_by_hand() -> None:
+    # 2 * 0.6 * 0.2 / 0.8 = 0.3: pulled towards the weaker side (arithmetic mean 0.4)
+    assert harmonic_mean(0.6, 0.2) == pytest.approx(0.3)
+    assert harmonic_mean(0.5, 0.5) == pytest.approx(0.5)
+    assert harmonic_mean(0.9, 0.0) == 0.0 and harmonic_mean(0.0, 0.0) == 0.0
+    assert math.isnan(harmonic_mean(math.nan, 0.7))  # session 0: no seen classes
 
 
 @pytest.mark.parametrize("scores", [[], [0.0, 0.1], [-0.2, 0.1]])

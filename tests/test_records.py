@@ -48,7 +48,9 @@ def test_records_read_every_entry_with_nan_for_missing():
     assert s0.extra == {"dice": 0.8} and s0.pseudo_labels is None
     assert s1.pseudo_label_value("coverage") == 0.25
     assert math.isnan(s1.pseudo_label_value("precision")) and math.isnan(s0.pseudo_label_value("coverage"))
-    assert [s1.score(k) for k in SPLITS] == [0.5, 0.4, 0.6, 0.4, 0.98]
+    # hm (not in this older record) from old 0.4 and new 0.6: 2 * 0.4 * 0.6 / 1.0 = 0.48
+    assert [s1.score(k) for k in SPLITS] == pytest.approx([0.5, 0.4, 0.6, 0.48, 0.4, 0.98])
+    assert math.isnan(s0.hm)  # session 0 has no old classes
     assert v.total_drop == 37.5 and v.forgetting == {"1": 0.4} and v.last is s1
     short = r.methods["short"]
     assert short.sessions[0].session == 0  # the position stands in for a missing index
@@ -68,7 +70,7 @@ def test_tables_read_records_and_dicts_alike():
     # IoU is shown x100 with one decimal; a missing value is a dash
     assert rows == [["vanilla", "80.0", "50.0", "40.0", "37.5"], ["short", "70.0", "—", "—", "—"]]
     assert comparison_table(RESULTS) == (header, rows)
-    assert session_detail_table(typed, "vanilla")[1][0] == ["0", "base", "80.0", "—", "80.0", "80.0", "99.0"]
+    assert session_detail_table(typed, "vanilla")[1][0] == ["0", "base", "80.0", "—", "80.0", "—", "80.0", "99.0"]
     _, per_class = per_class_table(typed)
     assert per_class[2][:3] == ["2 tumour", "—", "—"]
     assert per_class[1][:3] == ["1 liver", "40.0", "40.0"]

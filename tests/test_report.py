@@ -92,8 +92,10 @@ def test_comparison_table_iou_is_percent() -> None:
 
 def test_session_detail_table_marks_missing() -> None:
     header, rows = session_detail_table(_results(), "jascl")
-    assert header == ["Session", "Name", "All", "Old", "New", "Base", "Background"]
-    assert rows[0] == ["0", "base", "0.736", "—", "0.736", "0.736", "0.990"]
+    assert header == ["Session", "Name", "All", "Old", "New", "HM", "Base", "Background"]
+    assert rows[0] == ["0", "base", "0.736", "—", "0.736", "—", "0.736", "0.990"]
+    # a record without "hm" (written before it was saved) gets it from old and new: 2 * 0.5 * 0.4 / 0.9
+    assert rows[1][5] == "0.444"
     assert len(rows) == 3
 
 
@@ -125,9 +127,10 @@ def test_csv_long_format(tmp_path: Path) -> None:
     path = to_csv(_results(), tmp_path / "r.csv")
     rows = list(csv.reader(path.open()))
     assert rows[0] == ["method", "session", "session_name", "split", "value"]
-    # per method: sessions have 5 splits + 2, 3, 4 classes = 7 + 8 + 9 = 24; two methods
-    assert len(rows) == 1 + 2 * 24
+    # per method: sessions have 6 splits + 2, 3, 4 classes = 8 + 9 + 10 = 27; two methods
+    assert len(rows) == 1 + 2 * 27
     assert ["jascl", "0", "base", "old", ""] in rows  # NaN -> empty field
+    assert ["jascl", "2", "step2", "hm", str(2 * 0.4 * 0.3 / 0.7)] in rows  # from old and new
     assert ["jascl", "2", "step2", "class:4", "0.3"] in rows
 
 

@@ -25,7 +25,14 @@ from jascl.results.sections import _class_matrix, pseudo_label_section
 from jascl.results.tensorboard import gas_scale_stats
 
 METHODS = ["vanilla", "jascl"]
-SPLIT_COLUMNS = {"All": "all", "Old": "old", "New": "new", "Base classes": "base", "Background": "background"}
+SPLIT_COLUMNS = {
+    "All": "all",
+    "Old": "old",
+    "New": "new",
+    "HM": "hm",
+    "Base classes": "base",
+    "Background": "background",
+}
 
 
 @pytest.fixture(scope="module")

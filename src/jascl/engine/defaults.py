@@ -33,7 +33,7 @@ from jascl.engine.checkpoint import save_model, save_tensors
 from jascl.engine.losses import SegmentationLoss
 from jascl.engine.plugin import Method, Plugin
 from jascl.evaluation.evaluator import EvalResult, evaluate
-from jascl.evaluation.metrics import summarise
+from jascl.evaluation.metrics import harmonic_mean, summarise
 from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import Protocol
 
@@ -114,7 +114,8 @@ class StorePrototypes(Plugin):
 
 
 def session_record(protocol: Protocol, t: int, result: EvalResult) -> dict:
-    """The record of session ``t``: all / old / new / base means of the protocol's metric, per-class scores."""
+    """The record of session ``t``: all / old / new / HM (of old and new) / base means of the protocol's metric,
+    per-class scores."""
     seen = protocol.seen_classes(t)
     session = protocol.sessions[t]
     old = [c for c in seen if c != 0 and c not in session.new_classes]
@@ -129,6 +130,7 @@ def session_record(protocol: Protocol, t: int, result: EvalResult) -> dict:
         "all": summary["all"],
         "old": summary["old"],
         "new": summary["new"],
+        "hm": harmonic_mean(summary["old"], summary["new"]),
         "base": base,
         "background": summary["background"],
         "per_class": {str(c): v for c, v in per_class.items()},

@@ -30,6 +30,7 @@ __all__ = [
     "iou_from_confusion",
     "soft_dice_per_class",
     "total_drop",
+    "harmonic_mean",
     "per_class_forgetting",
     "summarise",
 ]
@@ -225,6 +226,24 @@ def total_drop(scores: Sequence[float]) -> float:
         raise ValueError(f"total_drop needs a positive base-session score, got {s[0]}")
     falls = sum(max(0.0, a - b) for a, b in zip(s[:-1], s[1:]))
     return 100.0 * falls / s[0]
+
+
+def harmonic_mean(seen: float, new: float) -> float:
+    """The harmonic mean of the seen (old) and new classes' scores, ``2 S N / (S + N)``.
+
+    The paper's Seen / New / HM figure (Figure "Performance of JASCL ...": "Seen refers to the average
+    performance on classes the model has encountered in previous sessions, while New refers to the
+    average performance on classes introduced in the current session. HM refers to Harmonic Mean"), the
+    usual summary of the stability-plasticity balance in few-shot class-incremental learning: it is high
+    only when both are, and 0 when either is 0.
+
+    Returns:
+        The harmonic mean; NaN when either score is NaN (session 0 has no seen classes); 0.0 when both are 0.
+    """
+    s, n = float(seen), float(new)
+    if math.isnan(s) or math.isnan(n):
+        return math.nan
+    return 0.0 if s + n == 0 else 2.0 * s * n / (s + n)
 
 
 def per_class_forgetting(history: Mapping[int, Sequence[float]]) -> dict[int, float]:

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from jascl.errors import ConfigError
+from jascl.evaluation.metrics import harmonic_mean
 
 #: the score splits of every session record, in table order
-SPLITS = ("all", "old", "new", "base", "background")
+SPLITS = ("all", "old", "new", "hm", "base", "background")
 
 _IOU_NAMES = {"iou", "miou", "jaccard"}
 
@@ -60,6 +61,8 @@ class SessionRecord:
         session: the session index.
         name: the session's name in the protocol.
         all, old, new, base, background: the split means (see :mod:`jascl.evaluation.metrics`); NaN if missing.
+        hm: the harmonic mean of old and new (:func:`jascl.evaluation.metrics.harmonic_mean`); computed from
+            them for records written before jascl saved it.
         per_class: class id (string) -> score; NaN if the class had no pixels.
         domains: the domains evaluated.
         pseudo_labels: the pseudo-label statistics of a semi-supervised method, or None.
@@ -71,6 +74,7 @@ class SessionRecord:
     all: float = math.nan
     old: float = math.nan
     new: float = math.nan
+    hm: float = math.nan
     base: float = math.nan
     background: float = math.nan
     per_class: Mapping[str, float] = field(default_factory=dict)
@@ -105,10 +109,13 @@ class SessionRecord:
         session = data.get("session", index)
         if isinstance(session, bool) or not isinstance(session, int):
             raise ConfigError(f"{where}.session: must be an integer (got {session!r})")
+        scores = {k: _score(data.get(k), f"{where}.{k}") for k in SPLITS}
+        if "hm" not in data:  # a record written before the harmonic mean was saved
+            scores["hm"] = harmonic_mean(scores["old"], scores["new"])
         return cls(
             session=session,
             name=str(data.get("name") or ""),
-            **{k: _score(data.get(k), f"{where}.{k}") for k in SPLITS},
+            **scores,
             per_class={str(k): _score(v, f"{where}.per_class.{k}") for k, v in per_class.items()},
             domains=tuple(str(d) for d in data.get("domains") or ()),
             pseudo_labels=dict(pseudo) if pseudo is not None else None,

@@ -131,7 +131,7 @@ def session_detail_table(results: ResultsLike, method: str) -> tuple[list[str], 
     """Per-session detail table for one method.
 
     Returns:
-        ``(header, rows)`` with columns Session, Name, All, Old, New, Base,
+        ``(header, rows)`` with columns Session, Name, All, Old, New, HM (of old and new), Base,
         Background; one row per session.
 
     Raises:
@@ -139,7 +139,7 @@ def session_detail_table(results: ResultsLike, method: str) -> tuple[list[str], 
     """
     results = RunResults.from_json(results)
     m = results.methods[method]
-    header = ["Session", "Name", "All", "Old", "New", "Base", "Background"]
+    header = ["Session", "Name", "All", "Old", "New", "HM", "Base", "Background"]
     rows = []
     for s in m.sessions:
         rows.append([str(s.session), s.name] + [format_score(s.score(k), results.metric) for k in SPLITS])

@@ -67,7 +67,7 @@ def _title(run: RunInput) -> str:
 def sessions_section(run: RunInput) -> list[ReportBlock]:
     """Per method: all / old / new / base-class / background score per session, then a Total Drop row."""
     blocks: list[ReportBlock] = []
-    header = ["Session", "Name", "Domains", "All", "Old", "New", "Base classes", "Background"]
+    header = ["Session", "Name", "Domains", "All", "Old", "New", "HM", "Base classes", "Background"]
     for m in run.methods():
         recs = run.records(m)
         rows = []
@@ -76,12 +76,13 @@ def sessions_section(run: RunInput) -> list[ReportBlock]:
                 continue
             domains = ", ".join(recs[0][t].domains) if t < len(recs[0]) else ""
             rows.append([str(t), name, domains, *[fmt_values(_values(recs, t, k), run.metric) for k in SPLITS]])
-        rows.append([TOTAL_DROP_ROW, "", "", fmt_values(run.total_drops(m), "pct"), "", "", "", ""])
+        rows.append([TOTAL_DROP_ROW, "", "", fmt_values(run.total_drops(m), "pct"), "", "", "", "", ""])
         blocks.append(_table(f"sessions:{m}", header, rows, heading=m))
     blocks.append(
         _text(
             "All = mean over the foreground classes seen so far; Old = classes of earlier sessions; "
-            "New = classes introduced in the session; Base classes = session-0 classes; "
+            "New = classes introduced in the session; HM = harmonic mean of Old and New (the paper's Seen / "
+            "New / HM figure; undefined in session 0); Base classes = session-0 classes; "
             f"background {run.first.background}. Evaluated on the test splits of every session so far."
         )
     )
