@@ -211,6 +211,17 @@ def test_corrupt_png_in_a_2d_copy(tmp_path, capsys):
     code, out, errors = run_check(tmp_path, capsys, data, {"bdd": root})
     assert code == 2 and len(errors) == 1 and str(image) in errors[0]
     assert "  1 car [bdd]: classes 2:car; shots 2; labelled 2, unlabelled 0, test 2" in out
+    # a blank (constant) frame, as JPEG, in the training split
+    from PIL import Image
+
+    blank = sorted((root / "images" / "10k" / "train").glob("*.jpg"))[0]
+    size = Image.open(blank).size
+    Image.new("RGB", size, (0, 0, 0)).save(blank)
+    code, out, errors = run_check(tmp_path, capsys, data, {"bdd": root})
+    assert code == 2 and len(errors) == 2, errors
+    assert any(
+        e.startswith(f"error: {blank}: image is constant (every value is 0); the file holds no image") for e in errors
+    )
 
 
 def test_synthetic_protocol_is_refused(capsys):
