@@ -33,7 +33,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
 from jascl.data.cache import cached
 from jascl.data.datasets import LabelledDataset
@@ -182,26 +182,23 @@ def main() -> None:
         patches = {}
         for workers in sorted({0, args.workers}):
             dataset = LabelledDataset(split, [0, 1, 2, 3], augment=True, patch_size=PATCH, seed=1)
-            loader = DataLoader(
-                dataset,
-                batch_size=2,
-                shuffle=True,
-                num_workers=workers,
-                persistent_workers=False,
-                generator=torch.Generator().manual_seed(0),
+            # patches drawn at random, with replacement, over the training volumes (one pass of --patches
+            # items: worker start-up is counted once, as in a long epoch)
+            sampler = RandomSampler(
+                dataset, replacement=True, num_samples=args.patches, generator=torch.Generator().manual_seed(0)
             )
+            loader = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=workers)
             got, t0 = 0, time.perf_counter()
-            while got < args.patches:
-                for batch in loader:
-                    got += batch["image"].shape[0]
-                    if got >= args.patches:
-                        break
+            for batch in loader:
+                got += batch["image"].shape[0]
             patches[workers] = got / (time.perf_counter() - t0)
 
         vox = np.prod(shape) / 1e6
-        print(f"data pipeline · {args.cases} CT volumes {shape[0]}x{shape[1]}x{shape[2]} int16 "
-              f"({vox:.0f} M voxels each, {size:.0f} MiB gzip on disk, written in {written:.1f} s) · "
-              f"preprocessed to {tuple(out_shape[1:]) if out_shape else '?'} · torch threads {torch.get_num_threads()}\n")
+        print(
+            f"data pipeline · {args.cases} CT volumes {shape[0]}x{shape[1]}x{shape[2]} int16 "
+            f"({vox:.0f} M voxels each, {size:.0f} MiB gzip on disk, written in {written:.1f} s) · "
+            f"preprocessed to {tuple(out_shape[1:]) if out_shape else '?'} · torch threads {torch.get_num_threads()}\n"
+        )
         print("| stage | seconds per volume | volumes/s |")
         print("|---|---|---|")
         for key, total in stages.items():
@@ -209,16 +206,23 @@ def main() -> None:
             print(f"| first pass: {key} | {per:.2f} | {1 / per if per else float('inf'):.2f} |")
         first = sum(stages.values()) / len(records)
         print(f"| first pass: all four | {first:.2f} | {1 / first:.2f} |")
-        print(f"| label indexing (every label read once, cached) | {index_s / args.cases:.2f} | {args.cases / index_s:.2f} |")
+        print(
+            f"| label indexing (every label read once, cached) | {index_s / args.cases:.2f} | {args.cases / index_s:.2f} |"
+        )
         print(f"| store, cold cache (the run's first epoch) | {cold / n:.2f} | {n / cold:.2f} |")
         print(f"| store, cached pass | {warm / n:.2f} | {n / warm:.2f} |")
         print()
-        print(f"| training patches {PATCH[0]}x{PATCH[1]}x{PATCH[2]} (pad, foreground crop, flips) | patches/s |")
+        print(
+            f"| training patches {PATCH[0]}x{PATCH[1]}x{PATCH[2]} (pad, foreground crop, flips; {n} training volumes, "
+            f"the store keeps 2 decoded per process) | patches/s |"
+        )
         print("|---|---|")
         for workers, rate in patches.items():
             print(f"| DataLoader, {workers} worker process(es), batch 2 | {rate:.2f} |")
         print()
-        print(f"peak RSS: this process {rss_mib():.0f} MiB; worker processes {rss_mib(resource.RUSAGE_CHILDREN):.0f} MiB")
+        print(
+            f"peak RSS: this process {rss_mib():.0f} MiB; worker processes {rss_mib(resource.RUSAGE_CHILDREN):.0f} MiB"
+        )
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)

@@ -93,7 +93,7 @@ class SampleStore:
                 )
             return (
                 np.ascontiguousarray(image, dtype=np.float32),
-                None if label is None else np.ascontiguousarray(label, dtype=np.int32),
+                None if label is None else np.ascontiguousarray(label, dtype=compact_dtype(label)),
             )
 
         # keyed by the files (paths, sizes, times), the layout and its options and the preprocessing
@@ -117,6 +117,22 @@ class SampleStore:
         while len(self._memo) > 2:
             self._memo.popitem(last=False)
         return item
+
+
+def compact_dtype(label: np.ndarray) -> np.dtype:
+    """The smallest dtype holding a native label map: uint8 for ids 0-255 (every dataset jascl reads so far),
+    uint16, else int32. The cached label is read back for every training patch, so a 274 x 274 x 300 CT
+    label is 22 MiB instead of 90; entries cached as int32 by earlier versions hold the same values and stay
+    valid."""
+    label = np.asarray(label)
+    if label.size == 0:
+        return np.dtype(np.uint8)
+    lo, hi = int(label.min()), int(label.max())
+    if lo >= 0 and hi < 1 << 8:
+        return np.dtype(np.uint8)
+    if lo >= 0 and hi < 1 << 16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32)
 
 
 def check_sample_values(record: Any, image: np.ndarray) -> None:
