@@ -371,3 +371,26 @@ def test_cache_key_covers_folder_contents_and_not_strings_as_paths(tmp_path):
     assert cache_key([str(folder)]) == cache_key([str(folder)])
     assert cache_key([{"a": 1, "b": 2}]) == cache_key([{"b": 2, "a": 1}])
     assert json.loads(json.dumps(cache_key(["x"]))) == cache_key(["x"])
+
+
+@pytest.mark.parametrize(
+    ("zooms", "bad"),
+    [
+        ((1.5, 1.5, 2.0), False),
+        ((0.0, 1.0, 1.0), True),
+        ((1.0, -2.0, 1.0), True),
+        ((1.0, 1.0, 20.0), False),
+        ((1.0, 1.0, 20.5), True),
+    ],
+)
+def test_spacing_zero_negative_or_over_20_mm_is_a_problem(zooms, bad):
+    from jascl.data.medical import _spacing_problems
+
+    img = nib.Nifti1Image(np.zeros((4, 4, 4), np.int16), np.eye(4))
+    img.header["pixdim"][1:4] = zooms  # written straight into the header, as a broken export has it
+    problems = _spacing_problems("v.nii.gz", img, "image")
+    assert bool(problems) == bad
+    if bad:
+        assert problems[0].message == (
+            f"image has an implausible voxel spacing {tuple(float(z) for z in zooms)} mm (zero, negative or over 20 mm)"
+        )
