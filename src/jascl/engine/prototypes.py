@@ -42,9 +42,13 @@ def per_sample_prototypes(
         labels: (B, *spatial) global class ids (resized to the features if needed).
         classes: class ids to collect (0 = background may be included).
         normalize_pixels: L2-normalise every pixel's feature before the per-sample
-            mean, as the authors' code does (``get_prototype``), so that each pixel
-            counts once in the prototype's *direction*; False is eq. 2 literally,
-            where pixels with large feature norms dominate the mean.
+            mean, so that each pixel counts once in the prototype's *direction*;
+            False is eq. 2 literally, where pixels with large feature norms dominate
+            the mean. The authors' code (``get_prototype``) also normalises the
+            pixels, but then averages them over all images of the class without
+            normalising each image's mean; here each per-sample mean is still
+            normalised (eq. 2's p_c^(i)/|p_c^(i)|), so the two agree within one
+            image and differ when a class spans several.
 
     Returns:
         class id -> list of (D,) unit vectors, one per sample containing the class.
