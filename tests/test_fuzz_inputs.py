@@ -30,7 +30,7 @@ from jascl.cli import main
 from jascl.data.layouts import LAYOUTS
 from jascl.data.real import load_manifest, resolve_roots
 from jascl.engine.config import RunConfig, resolve_config
-from jascl.errors import JasclError
+from jascl.errors import ConfigError, JasclError
 from jascl.protocols import parse_protocol
 
 #: scalars and nested containers as YAML / JSON can hold them
@@ -90,6 +90,12 @@ def _one_line_or_accepted(call):
 
 
 # ------------------------------------------------------------------------------------------ the readers
+
+
+def test_errors_quoting_line_breaks_stay_one_line():
+    # the first defect the protocol property found: a YAML key "\n" made the error two lines
+    message = str(ConfigError("fuzz.yaml: 'a\nb\u2028c': unknown key"))
+    assert message == "fuzz.yaml: 'a\\nb\\u2028c': unknown key" and len(message.splitlines()) == 1
 
 
 @API

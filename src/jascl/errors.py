@@ -26,12 +26,11 @@ class JasclError(Exception):
 
 def one_line(text: str) -> str:
     """``text`` with CR, LF and the other line separators Python splits on written as escapes."""
-    return text if len(text.splitlines()) <= 1 and not text.endswith(_ENDINGS) else text.translate(_BREAKS)
+    return text.translate(_BREAKS)
 
 
 #: what str.splitlines() breaks on, mapped to a visible escape
-_ENDINGS = tuple("\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
-_BREAKS = {ord(c): repr(c)[1:-1] for c in _ENDINGS}
+_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
 
 
 class ConfigError(JasclError):
