@@ -5,6 +5,7 @@ A page writes a marker; the hook replaces it when the site is built:
 - ``<!-- generated:methods -->``: every registered method (name, options block, paper, description);
 - ``<!-- generated:events -->``: the loop's events in firing order;
 - ``<!-- generated:defaults -->``: the loop's default plugins and what each does;
+- ``<!-- generated:paper-tables -->``: the paper's tables shipped as data (``jascl reproduce --list``);
 - ``<!-- generated:backbones -->`` and ``<!-- generated:protocols -->``: the other registries.
 """
 
@@ -66,7 +67,22 @@ def _protocols() -> str:
     return "\n".join(rows)
 
 
-GENERATORS = {"methods": _methods, "events": _events, "defaults": _defaults, "backbones": _backbones,
+def _paper_tables() -> str:
+    from jascl.methods import METHODS
+    from jascl.paper import paper_tables
+
+    rows = ["| table | kind | protocol | stand-in | rows × columns | methods registered | caption |",
+            "|---|---|---|---|---|---|---|"]
+    registered = set(METHODS.list())
+    for t in paper_tables().values():
+        methods = sorted({c.method for c in t.cells() if c.method})
+        have = sum(m in registered for m in methods)
+        rows.append(f"| `{t.label}` | {t.kind} | {t.protocol or '—'} | {t.stand_in or '—'} | "
+                    f"{len(t.rows)} × {len(t.columns)} | {have} of {len(methods)} | {_cell(t.caption)} |")
+    return "\n".join(rows)
+
+
+GENERATORS = {"paper-tables": _paper_tables, "methods": _methods, "events": _events, "defaults": _defaults, "backbones": _backbones,
               "protocols": _protocols}
 
 

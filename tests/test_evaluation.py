@@ -33,7 +33,6 @@ def test_sliding_window_dice_iou_by_hand():
     # class 5: TP 2, FP 0, FN 1 -> Dice 4/5, IoU 2/3; class 0: TP 1, FP 1, FN 0 -> Dice 2/3, IoU 1/2
     assert res.dice[5] == pytest.approx(0.8) and res.iou[5] == pytest.approx(2 / 3)
     assert res.dice[0] == pytest.approx(2 / 3) and res.iou[0] == pytest.approx(0.5)
-    assert res.background_in_mean is False
 
 
 def test_absent_class_is_nan_and_union_of_splits():
@@ -68,7 +67,6 @@ def test_authors_mode_soft_dice_on_centred_crop():
     # soft Dice = 2 * sum(p g) / (sum p + sum g): class 1 = 64 / (108 + 64); class 0 = 152 / (108 + 152)
     assert res.dice[1] == pytest.approx(64 / 172, rel=1e-4)
     assert res.dice[0] == pytest.approx(152 / 260, rel=1e-4)
-    assert res.background_in_mean is True
 
 
 # --- memory-bounded (blocked) sliding window -----------------------------------------------------------------------
@@ -268,3 +266,15 @@ def test_variable_size_samples_are_grouped_by_shape():
         max_block_elements=2 * 4**3,
     )
     assert res_sw.dice[1] == pytest.approx(res.dice[1])
+
+
+def test_all_class_mean_excludes_background_unless_asked(toy_protocol):
+    # the paper's class-wise tables average foreground classes only; RunConfig.background_in_mean gives the
+    # authors' code's mean with background: (0.9 + 0.5 + 0.3) / 3
+    from jascl.engine.defaults import session_record
+    from jascl.evaluation.evaluator import EvalResult
+
+    result = EvalResult(dice={0: 0.9, 1: 0.5, 2: 0.3}, iou={0: 0.8, 1: 0.4, 2: 0.2})
+    assert session_record(toy_protocol, 0, result)["all"] == pytest.approx(0.4)
+    assert session_record(toy_protocol, 0, result, background_in_mean=True)["all"] == pytest.approx(1.7 / 3)
+    assert session_record(toy_protocol, 0, result, background_in_mean=True)["background"] == 0.9

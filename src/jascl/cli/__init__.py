@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from jascl import __version__
 from jascl.cli.common import DEFAULT_METHODS, DEFAULT_PROTOCOL, add_root_arguments, import_modules
-from jascl.cli.experiments import cmd_bench, cmd_compare, cmd_report, cmd_sweep
+from jascl.cli.experiments import cmd_bench, cmd_compare, cmd_report, cmd_reproduce, cmd_sweep
 from jascl.cli.listing import add_data_parser, add_model_info_parser, cmd_backbones, cmd_methods, cmd_protocols
 from jascl.cli.run import cmd_run
 from jascl.errors import JasclError
@@ -124,6 +124,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="compare folder (default runs/compare-<protocol>); reused to resume"
     )
     compare.set_defaults(func=cmd_compare)
+
+    reproduce = sub.add_parser(
+        "reproduce", help="run one of the paper's result tables and print the published value beside the measured one"
+    )
+    reproduce.add_argument("table", nargs="?", help="the table's label (see --list), e.g. tab_set1_part")
+    reproduce.add_argument("--list", action="store_true", help="list the paper's tables")
+    reproduce.add_argument(
+        "--dry-run", action="store_true", help="print the plan (jobs, shared bases, GPU-hour estimate) and stop"
+    )
+    reproduce.add_argument(
+        "--stand-in",
+        action="store_true",
+        help="run the table's methods on its embedded stand-in benchmark (synthetic-2d or synthetic-2d-ss)",
+    )
+    reproduce.add_argument(
+        "--seeds", default="1024,", help="a count (from 1024) or a list, e.g. 1024,7; one seed: 1024, (default 1024,)"
+    )
+    reproduce.add_argument("--out", default=None, help="folder (default runs/reproduce-<table>); reused to resume")
+    reproduce.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a configuration key in every job"
+    )
+    reproduce.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:1, ...")
+    reproduce.add_argument("--cache-dir", default=None, help="synthetic data cache")
+    reproduce.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_root_arguments(reproduce)
+    add_import(reproduce)
+    reproduce.set_defaults(func=cmd_reproduce, split_manifest=None)
 
     sweep = sub.add_parser("sweep", help="run a grid of configurations (sensitivity / retention / layer-choice tables)")
     common(sweep)

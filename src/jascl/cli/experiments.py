@@ -134,3 +134,73 @@ def cmd_bench(args: argparse.Namespace) -> int:
         atomic_write_text(out.with_suffix(".json"), __import__("json").dumps(summary, indent=1, default=float))
         console.print(f"written to {out.with_suffix('.md')} and {out.with_suffix('.json')}")
     return 0
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    """``jascl reproduce``: a paper table's configuration run through compare, published beside measured."""
+    from rich.table import Table
+
+    from jascl.experiments.compare import parse_seeds
+    from jascl.paper.tables import get_table, paper_tables
+
+    console = _console()
+    if args.list or not args.table:
+        listing = Table(title="the paper's result tables (jascl reproduce TABLE)")
+        for h in ("table", "kind", "protocol", "stand-in", "rows x cols", "caption"):
+            listing.add_column(h, no_wrap=h == "table")
+        for t in paper_tables().values():
+            listing.add_row(
+                t.label,
+                t.kind,
+                t.protocol or "—",
+                t.stand_in or "—",
+                f"{len(t.rows)} x {len(t.columns)}",
+                t.caption if len(t.caption) < 90 else t.caption[:87] + "...",
+            )
+        console.print(listing)
+        if not args.list:
+            console.print("give a table label to reproduce it, e.g. jascl reproduce tab_set1_part --stand-in --dry-run")
+        return 0
+    from jascl.experiments.reproduce import describe_plan, plan_table, reproduce_table, reproduce_title, run_reproduce
+
+    table = get_table(args.table)
+    seeds = parse_seeds(args.seeds, 1024)
+    if args.dry_run:
+        for line in describe_plan(plan_table(table, stand_in=args.stand_in), seeds):
+            console.print(line, markup=False, highlight=False)
+        return 0
+    out = (
+        Path(args.out) if args.out else Path("runs") / f"reproduce-{table.label}{'-stand-in' if args.stand_in else ''}"
+    )
+    from jascl.cli.common import _data_args, recorded_imports
+    from jascl.engine.stop import REQUEST, Stopped
+
+    try:
+        with REQUEST.installed():
+            summary = run_reproduce(
+                table,
+                seeds,
+                out,
+                stand_in=args.stand_in,
+                overrides=[*(args.set or []), *([f"device={args.device}"] if args.device else [])],
+                echo=_echo(console),
+                cache_dir=args.cache_dir,
+                progress=not args.no_progress,
+                imports=recorded_imports(args.imports),
+                **_data_args(args),
+            )
+    except Stopped as exc:
+        console.print(f"{exc}; rerun the same command to continue in {out}")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        console.print(f"aborted; finished sessions are saved in {out}; rerun the same command to continue")
+        return 130
+    header, rows = reproduce_table(summary)
+    shown = Table(title=reproduce_title(summary))
+    for h in header:
+        shown.add_column(h)
+    for r in rows:
+        shown.add_row(*r)
+    console.print(shown)
+    console.print(f"written to {out}/reproduce.{{md,csv,json}}; the runs are in {out}/<job>/seed-*/")
+    return 0

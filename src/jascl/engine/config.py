@@ -52,7 +52,9 @@ class RunConfig:
         patch_size: training crop (None = whole image/volume); also the sliding-window ROI.
         augment: random flips during training (MONAI transforms).
         eval_mode: "sliding-window" (whole images/volumes) or "authors" (one
-            ground-truth-centred crop per volume, soft Dice, background in the mean).
+            ground-truth-centred crop per volume, soft Dice).
+        background_in_mean: count background in the all-class mean (the authors' code does; the
+            paper's class-wise tables average foreground classes only, the default).
         eval_mc_samples: 0 = deterministic evaluation; N > 0 averages softmax over N GAS noise draws.
         sw_batch_size / sw_overlap: sliding-window inference options.
         device: "auto", "cpu", "cuda", "cuda:1", ...
@@ -103,6 +105,7 @@ class RunConfig:
     patch_size: list | None = None
     augment: bool = True
     eval_mode: str = "sliding-window"
+    background_in_mean: bool = False
     eval_mc_samples: int = 0
     sw_batch_size: int = 4
     sw_overlap: float = 0.25

@@ -113,15 +113,15 @@ class StorePrototypes(Plugin):
         state.prototypes.add(state.session.index, state.compute_prototypes([0, *state.session.classes]))
 
 
-def session_record(protocol: Protocol, t: int, result: EvalResult) -> dict:
+def session_record(protocol: Protocol, t: int, result: EvalResult, background_in_mean: bool = False) -> dict:
     """The record of session ``t``: all / old / new / HM (of old and new) / base means of the protocol's metric,
-    per-class scores."""
+    per-class scores. ``background_in_mean`` counts class 0 in ``all`` (``RunConfig.background_in_mean``)."""
     seen = protocol.seen_classes(t)
     session = protocol.sessions[t]
     old = [c for c in seen if c != 0 and c not in session.new_classes]
     new = list(session.new_classes)
     per_class = result.metric(protocol.metric)
-    summary = summarise(per_class, old, new, include_background=result.background_in_mean)
+    summary = summarise(per_class, old, new, include_background=background_in_mean)
     base = summarise(per_class, protocol.base_classes(), [], include_background=False)["old"]
     return {
         "session": t,
@@ -189,7 +189,7 @@ class Evaluation(Plugin):
             )
         state.eval_session = None
         state.metrics["eval"] = result
-        state.record = session_record(state.protocol, t, result)
+        state.record = session_record(state.protocol, t, result, cfg.background_in_mean)
 
 
 class SessionCheckpoint(Plugin):

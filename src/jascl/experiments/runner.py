@@ -368,7 +368,9 @@ def run_benchmark(
             "metric": protocol.metric,
             "eval_mode": config.eval_mode,
             "background": (
-                "included in means (authors' convention)" if config.eval_mode == "authors" else "excluded from means"
+                "included in means (the authors' code's convention)"
+                if config.background_in_mean
+                else "excluded from means"
             ),
             "seed": protocol.seed,
             "classes": {str(c.id): c.name for c in protocol.classes},

@@ -1,0 +1,564 @@
+"""``jascl reproduce``: run one of the paper's tables and print the published number beside the measured one.
+
+A table (:mod:`jascl.paper.tables`) is split into *jobs*: the cells that share a protocol,
+a number of sessions, a backbone and configuration overrides run as one
+:func:`jascl.experiments.compare.run_compare` (one run folder per seed, the methods that
+do not change session 0 sharing its base model). Every cell then gets its measured value,
+mean ± std over the seeds, from that job's results, in the table's own unit (``scale``).
+
+Cells that cannot run say why, instead of disappearing from the table:
+
+* ``not registered``: the paper's method has no jascl implementation (yet);
+* ``no protocol``: the table's protocol is not built in (e.g. ``coco-o``);
+* ``not supported``: a setting the configuration refuses (the message says which);
+* ``not runnable``: compute tables (``jascl model-info``) and tables of kind ``other``;
+* ``not in stand-in``: with ``--stand-in``, a class row whose class the embedded benchmark lacks.
+
+With ``--stand-in`` the table's method list runs on the embedded benchmark it names
+(``stand_in``: ``synthetic-2d`` or ``synthetic-2d-ss``), with that benchmark's own backbone,
+epochs and sizes and only the row and column settings of the table (e.g. ``gas.eps``),
+so the whole path is exercised on a laptop; the published numbers are then only a
+reference point, not a target.
+
+Folder layout::
+
+    <out>/<job>/seed-<s>/...      one compare folder per job (see jascl.experiments.compare)
+    <out>/reproduce.{md,csv,json}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from jascl.errors import ConfigError, JasclError
+from jascl.experiments.compare import mean_std
+from jascl.fileio import atomic_write_text
+from jascl.paper.tables import Cell, PaperTable
+from jascl.results.records import RunResults
+from jascl.results.report import md_table
+
+#: training hours per session on one GPU, from the paper's compute table ("Computational analysis for
+#: Session 1", JASCL column): Med JASCL-Disjoint 4h 06m (U-Net), Med Semi-Supervised-JASCL 5h 18m
+#: (MedFormer), Natural-JASCL 1h 43m (SAM ViT-B). The estimate assumes every session costs the same.
+HOURS_PER_SESSION = {"med": 4.1, "med-ss": 5.3, "natural": 1.72}
+
+#: override prefixes that only concern a method's incremental sessions (JASCL's settings, a baseline's options):
+#: jobs that differ only in these share one session-0 base model
+METHOD_ONLY_PREFIXES = ("method_args.", "gas.", "pas.", "components.")
+
+SESSION_METRICS = ("dice", "miou")
+#: metrics published in percent whatever the table's scale: Total Drop, and the PAS retention (the share of
+#: unlabelled pixels whose pseudo-label passes both filters, jascl's pseudo-label ``coverage``)
+PERCENT_METRICS = ("total_drop", "retention")
+STATUS_PLANNED = "planned"
+
+
+def _family(protocol: str) -> str | None:
+    if protocol.startswith("synthetic") or protocol.startswith("bench"):
+        return None
+    if protocol == "med-ss":
+        return "med-ss"
+    for prefix in ("med", "natural", "surgery"):
+        if protocol.startswith(prefix):
+            return prefix
+    return None
+
+
+@dataclasses.dataclass
+class Job:
+    """One compare run: every cell with this protocol, session count, backbone and overrides."""
+
+    key: str
+    protocol: str
+    sessions: int | None
+    overrides: tuple[str, ...]
+    shots: int | None
+    methods: list[str] = dataclasses.field(default_factory=list)
+
+    def describe(self) -> str:
+        parts = [self.protocol]
+        if self.sessions:
+            parts.append(f"first {self.sessions} sessions")
+        if self.shots is not None:
+            parts.append(f"K={self.shots}")
+        parts.extend(self.overrides)
+        return ", ".join(parts)
+
+
+@dataclasses.dataclass
+class PlannedCell:
+    cell: Cell
+    status: str = STATUS_PLANNED
+    job: str | None = None
+    reason: str = ""
+
+
+@dataclasses.dataclass
+class Plan:
+    table: PaperTable
+    stand_in: bool
+    jobs: dict[str, Job]
+    cells: list[PlannedCell]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "-", text).strip("-")[:80] or "job"
+
+
+def _override_text(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        value = str(value).lower()
+    return f"{key}={value}"
+
+
+def plan_table(
+    table: PaperTable,
+    *,
+    stand_in: bool = False,
+    methods: Sequence[str] | None = None,
+    protocols: Sequence[str] | None = None,
+    check_config: Callable[[str, Sequence[str]], None] | None = None,
+) -> Plan:
+    """Group the table's cells into jobs; mark the cells that cannot run, with the reason.
+
+    Args:
+        table: the paper table.
+        stand_in: run on the table's embedded stand-in benchmark instead of its protocol.
+        methods: registered method names (default: jascl's registry).
+        protocols: built-in protocol names (default: jascl's).
+        check_config: ``(protocol, overrides) -> None``; raises :class:`ConfigError` on overrides the
+            configuration refuses (default: resolve the protocol's configuration with them).
+    """
+    if methods is None:
+        from jascl.methods import METHODS
+
+        methods = list(METHODS.list())
+    if protocols is None:
+        from jascl.protocols import builtin_protocols
+
+        protocols = list(builtin_protocols())
+    if check_config is None:
+        check_config = _check_config
+    if stand_in and not table.stand_in:
+        raise ConfigError(f"table {table.label} names no stand_in benchmark; run it on its protocol")
+    jobs: dict[str, Job] = {}
+    planned: list[PlannedCell] = []
+    refused: dict[tuple[str, tuple[str, ...]], str] = {}
+    for cell in table.cells():
+        p = PlannedCell(cell)
+        planned.append(p)
+        if table.kind in ("compute", "other") or cell.metric not in (*SESSION_METRICS, *PERCENT_METRICS):
+            p.status, p.reason = (
+                "not runnable",
+                ("a compute table: see `jascl model-info`" if table.kind == "compute" else f"metric {cell.metric}"),
+            )
+            continue
+        if cell.metric != "total_drop" and cell.session is None:
+            p.status, p.reason = "not runnable", "the column names no session"
+            continue
+        if not cell.method:
+            p.status, p.reason = "not runnable", "no method"
+            continue
+        if cell.method not in methods:
+            p.status, p.reason = "not registered", f"{cell.method} is not a registered method"
+            continue
+        protocol = table.stand_in if stand_in else cell.protocol
+        if not protocol or protocol not in protocols:
+            p.status, p.reason = "no protocol", f"{cell.protocol or 'no protocol'} is not a built-in protocol"
+            continue
+        settings = dict(cell.set)
+        sessions = cell.sessions
+        if stand_in:  # only the row's and column's settings: the table-level ones are the paper's sizes
+            settings = {k: v for k, v in cell.set.items() if table.set.get(k, _UNSET) != v}
+            available = stand_in_sessions(protocol)
+            if (cell.session or 0) >= available:
+                p.status, p.reason = "not in stand-in", f"{protocol} has {available} sessions"
+                continue
+            sessions = None if sessions is None or sessions >= available else sessions
+        shots = settings.pop("shots", None)
+        overrides = [_override_text(k, v) for k, v in sorted(settings.items())]
+        if cell.backbone and not stand_in:
+            overrides.append(f"backbone={cell.backbone}")
+        if cell.eval_mode:
+            overrides.append(f"eval_mode={cell.eval_mode}")
+        key = (protocol, tuple(overrides))
+        if key not in refused:
+            try:
+                check_config(protocol, overrides)
+                refused[key] = ""
+            except JasclError as exc:
+                refused[key] = str(exc)
+        if refused[key]:
+            p.status, p.reason = "not supported", refused[key]
+            continue
+        parts = [
+            Path(protocol).stem,
+            *overrides,
+            *([f"first{sessions}"] if sessions else []),
+            *([f"K{shots}"] if shots else []),
+        ]
+        name = _slug("_".join(parts))
+        job = jobs.get(name)
+        if job is None:
+            job = jobs[name] = Job(
+                key=name,
+                protocol=protocol,
+                sessions=sessions,
+                overrides=tuple(overrides),
+                shots=None if shots is None else int(shots),
+            )
+        if cell.method not in job.methods:
+            job.methods.append(cell.method)
+        p.job = name
+    return Plan(table=table, stand_in=stand_in, jobs=jobs, cells=planned)
+
+
+_UNSET = object()
+
+
+def stand_in_sessions(protocol: str) -> int:
+    """The number of sessions of a built-in protocol."""
+    from jascl.protocols import get_protocol
+
+    return len(get_protocol(protocol).sessions)
+
+
+def _check_config(protocol: str, overrides: Sequence[str]) -> None:
+    from jascl.engine.config import resolve_config
+    from jascl.protocols import get_protocol
+
+    proto = get_protocol(protocol)
+    resolve_config(proto.training, proto.path, None, list(overrides))
+
+
+def base_key(job: Job) -> tuple:
+    """What a job's session-0 base depends on: jobs with equal keys share one base model."""
+    return (job.protocol, job.shots, tuple(o for o in job.overrides if not o.startswith(METHOD_ONLY_PREFIXES)))
+
+
+def estimate_gpu_hours(plan: Plan, seeds: int) -> tuple[float, list[str]]:
+    """GPU-hours of the plan from the paper's compute table (:data:`HOURS_PER_SESSION`), the shared base
+    counted once per base and seed, and the protocols the table gives no time for (not counted)."""
+    total = 0.0
+    unknown: list[str] = []
+    bases: set[tuple] = set()
+    for job in plan.jobs.values():
+        family = _family(job.protocol)
+        if family is None or family not in HOURS_PER_SESSION:
+            unknown.append(job.protocol)
+            continue
+        from jascl.protocols import get_protocol
+
+        n = job.sessions or len(get_protocol(job.protocol).sessions)
+        own_base = sum(1 for m in job.methods if _changes_base(m))
+        shared = len(job.methods) - own_base
+        new_base = bool(shared) and base_key(job) not in bases
+        bases.add(base_key(job))
+        sessions = (1 if new_base else 0) + shared * (n - 1) + own_base * n
+        total += sessions * HOURS_PER_SESSION[family] * seeds
+    return total, sorted(set(unknown))
+
+
+def _changes_base(method: str) -> bool:
+    from jascl.engine.config import RunConfig
+    from jascl.methods.registry import create_method
+
+    try:
+        return bool(create_method(method, RunConfig()).changes_base_session)
+    except JasclError:  # a method whose options need a run's configuration counts as sharing the base
+        return False
+
+
+def describe_plan(plan: Plan, seeds: Sequence[int]) -> list[str]:
+    """The ``--dry-run`` text: jobs, which methods share a base, skipped cells, and the GPU-hour estimate."""
+    t = plan.table
+    lines = [
+        f"{t.label}: {t.caption}",
+        f"  {len(plan.cells)} cells, {sum(p.status == STATUS_PLANNED for p in plan.cells)} to measure; "
+        f"seeds {', '.join(map(str, seeds))}" + (f"; stand-in {t.stand_in}" if plan.stand_in else ""),
+    ]
+    for job in plan.jobs.values():
+        own = [m for m in job.methods if _changes_base(m)]
+        shared = [m for m in job.methods if m not in own]
+        lines.append(f"  job {job.key}: {job.describe()}")
+        if shared:
+            lines.append(f"    share one session-0 base: {', '.join(shared)}")
+        if own:
+            lines.append(f"    train their own session 0: {', '.join(own)}")
+    skipped: dict[str, list[str]] = {}
+    for p in plan.cells:
+        if p.status != STATUS_PLANNED:
+            skipped.setdefault(f"{p.status}: {p.reason}", []).append(p.cell.row)
+    for reason, rows in skipped.items():
+        unique = list(dict.fromkeys(rows))
+        lines.append(f"  skipped ({reason}): {', '.join(unique)}")
+    if not plan.jobs:
+        lines.append("  nothing to run")
+        return lines
+    hours, unknown = estimate_gpu_hours(plan, len(seeds))
+    embedded = [p for p in unknown if _family(p) is None]
+    if hours:
+        lines.append(
+            f"  estimate: about {hours:.0f} GPU-hours (the paper's compute table: hours per session "
+            f"{', '.join(f'{k} {v}' for k, v in HOURS_PER_SESSION.items())}; every session costed like session 1)"
+        )
+    if embedded:
+        lines.append(f"  {', '.join(embedded)}: an embedded benchmark, minutes per method on a CPU")
+    if len(unknown) > len(embedded):
+        lines.append(
+            f"  no time in the paper for {', '.join(p for p in unknown if p not in embedded)} (not in the estimate)"
+        )
+    return lines
+
+
+def _job_protocol(job: Job):
+    from jascl.experiments.sweep import with_shots
+    from jascl.protocols import get_protocol
+
+    protocol = get_protocol(job.protocol)
+    if job.sessions is not None and job.sessions < len(protocol.sessions):
+        protocol = dataclasses.replace(
+            protocol, sessions=protocol.sessions[: job.sessions], name=f"{protocol.name}-first{job.sessions}"
+        )
+    if job.shots is not None:
+        protocol = with_shots(protocol, job.shots)
+    return protocol
+
+
+def run_plan(
+    plan: Plan,
+    seeds: Sequence[int],
+    out: str | Path,
+    *,
+    overrides: Sequence[str] = (),
+    echo: Callable[[str], None] = print,
+    **compare_kwargs: Any,
+) -> dict[str, dict[int, RunResults]]:
+    """Run (or reuse) every job for every seed; returns job -> seed -> results."""
+    from jascl.engine.config import resolve_config
+    from jascl.experiments.compare import run_compare
+
+    out = Path(out)
+    results: dict[str, dict[int, RunResults]] = {}
+    first_with_base: dict[tuple, Job] = {}
+    for i, job in enumerate(plan.jobs.values()):
+        echo(f"[reproduce] job {i + 1}/{len(plan.jobs)}: {job.describe()} — {', '.join(job.methods)}")
+        owner = first_with_base.setdefault(base_key(job), job)
+        if owner is not job:
+            for seed in seeds:
+                _share_base(out / owner.key / f"seed-{seed}" / "base", out / job.key / f"seed-{seed}" / "base")
+        protocol = _job_protocol(job)
+        config = resolve_config(protocol.training, protocol.path, None, [*job.overrides, *overrides])
+        run_compare(protocol, config, job.methods, seeds, out / job.key, echo=echo, **compare_kwargs)
+        results[job.key] = {s: RunResults.read(out / job.key / f"seed-{s}" / "results.json") for s in seeds}
+    return results
+
+
+def _share_base(source: Path, link: Path) -> None:
+    """Point ``link`` at an earlier job's finished base model (a relative symlink, else a copy)."""
+    import os
+    import shutil
+
+    if link.exists() or not (source / "metrics.json").exists():
+        return
+    link.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.symlink(os.path.relpath(source, link.parent), link)
+    except OSError:
+        shutil.copytree(source, link)
+
+
+def _measure_one(cell: Cell, res: RunResults) -> float:
+    """The cell's quantity in one seed's results, as a fraction (NaN where the run has no such value)."""
+    m = res.methods.get(str(cell.method))
+    if m is None:
+        return math.nan
+    if cell.metric == "total_drop":
+        return float(m.total_drop)
+    if cell.session is None or cell.session >= len(m.sessions):
+        return math.nan
+    record = m.sessions[cell.session]
+    if cell.metric == "retention":
+        return 100.0 * record.pseudo_label_value("coverage")
+    if cell.class_id is not None:
+        return float(record.per_class.get(str(cell.class_id), math.nan))
+    return float(record.all)
+
+
+def measure(plan: Plan, results: Mapping[str, Mapping[int, RunResults]]) -> dict[str, Any]:
+    """Published beside measured for every cell: ``{"table", "stand_in", "seeds", "cells": [...]}``.
+
+    A cell's measured value is the mean ± sample std over seeds, in the table's unit (scores times
+    ``scale``; Total Drop in percent as published); ``delta`` = measured mean − published.
+    """
+    t = plan.table
+    seeds: list[int] = sorted({s for per_seed in results.values() for s in per_seed})
+    cells = []
+    for p in plan.cells:
+        c = p.cell
+        entry: dict[str, Any] = {
+            "row": c.row,
+            "column": c.column,
+            "method": c.method,
+            "metric": c.metric,
+            "published": c.value,
+            "status": p.status,
+            "reason": p.reason,
+            "job": p.job,
+            "measured": None,
+            "std": None,
+            "values": [],
+            "delta": None,
+        }
+        if p.status == STATUS_PLANNED and p.job is not None and p.job in results:
+            factor = 1.0 if c.metric in PERCENT_METRICS else t.scale
+            values = [_measure_one(c, results[p.job][s]) * factor for s in sorted(results[p.job])]
+            mean, std = mean_std(values)
+            if c.class_id is not None and plan.stand_in and all(math.isnan(v) for v in values):
+                entry["status"], entry["reason"] = "not in stand-in", f"class {c.class_id} is not in {t.stand_in}"
+            elif not math.isnan(mean):
+                entry.update(
+                    measured=mean,
+                    std=std,
+                    values=values,
+                    status="measured",
+                    delta=None if c.value is None else mean - c.value,
+                )
+            else:
+                entry["status"], entry["reason"] = "missing", "the run has no value for this cell"
+        cells.append(entry)
+    return {
+        "table": t.label,
+        "caption": t.caption,
+        "metric": t.metric,
+        "scale": t.scale,
+        "stand_in": t.stand_in if plan.stand_in else None,
+        "seeds": seeds,
+        "notes": list(t.notes),
+        "cells": cells,
+    }
+
+
+def _fmt(value: float | None, metric: str, scale: float) -> str:
+    """Printed like the paper: percentages with one decimal, mIoU (scale 100) with two, fractions with three."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if metric in PERCENT_METRICS:
+        return f"{value:.1f}"
+    return f"{value:.2f}" if scale != 1 else f"{value:.3f}"
+
+
+def _fmt_delta(value: float | None, metric: str, scale: float) -> str:
+    text = _fmt(value, metric, scale)
+    if text == "—" or text.startswith("-"):
+        return text
+    return "0" if float(text) == 0 else f"+{text}"
+
+
+def reproduce_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Rows of the paper; per paper column three columns: paper, measured (± std over seeds), Δ."""
+    scale = float(summary.get("scale", 1))
+    n = len(summary.get("seeds", []))
+    columns: list[str] = list(dict.fromkeys(c["column"] for c in summary["cells"]))
+    header = ["Row"]
+    for col in columns:
+        header += [f"{col} paper", f"{col} jascl", f"{col} Δ"]
+    rows: dict[str, list[str]] = {}
+    for c in summary["cells"]:
+        metric = str(c.get("metric") or summary["metric"])
+        row = rows.setdefault(c["row"], [c["row"]] + [""] * (3 * len(columns)))
+        i = 1 + 3 * columns.index(c["column"])
+        row[i] = _fmt(c["published"], metric, scale)
+        if c["status"] == "measured":
+            text = _fmt(c["measured"], metric, scale)
+            row[i + 1] = text + (f" ± {_fmt(c['std'], metric, scale)}" if n > 1 else "")
+            row[i + 2] = _fmt_delta(c["delta"], metric, scale)
+        else:
+            row[i + 1] = c["status"]
+    return header, list(rows.values())
+
+
+def reproduce_title(summary: Mapping[str, Any]) -> str:
+    seeds = summary.get("seeds", [])
+    where = (
+        f"measured on the stand-in benchmark {summary['stand_in']} (the published numbers are a reference, "
+        "not a target)"
+        if summary.get("stand_in")
+        else "measured on the table's protocol"
+    )
+    seed_text = (
+        f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''} ({', '.join(map(str, seeds))})" if seeds else "no seeds"
+    )
+    return f"{summary['table']}: {summary['caption']} · {where} · mean ± std over {seed_text}"
+
+
+def write_reproduce(summary: Mapping[str, Any], out: str | Path) -> dict[str, Path]:
+    """Write ``reproduce.md`` (the side-by-side table, skipped cells with reasons, the table's notes),
+    ``reproduce.csv`` (one row per cell) and ``reproduce.json``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    header, rows = reproduce_table(summary)
+    lines = [f"**{reproduce_title(summary)}**", "", md_table(header, rows)]
+    reasons: dict[str, list[str]] = {}
+    for c in summary["cells"]:
+        if c["status"] not in ("measured", STATUS_PLANNED) and c["reason"]:
+            reasons.setdefault(f"{c['status']}: {c['reason']}", []).append(c["row"])
+    if reasons:
+        lines += ["", "Not measured:", ""]
+        lines += [f"- {r} ({', '.join(dict.fromkeys(rows_))})" for r, rows_ in reasons.items()]
+    if summary.get("notes"):
+        lines += ["", "Notes on the paper's table:", ""] + [f"- {n}" for n in summary["notes"]]
+    paths = {"md": out / "reproduce.md", "csv": out / "reproduce.csv", "json": out / "reproduce.json"}
+    atomic_write_text(paths["md"], "\n".join(lines) + "\n")
+    csv = ["table,row,column,method,published,measured_mean,measured_std,delta,status,per_seed"]
+    for c in summary["cells"]:
+
+        def num(v: Any) -> str:
+            return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.6g}"
+
+        fields = [
+            summary["table"],
+            c["row"],
+            c["column"],
+            c["method"] or "",
+            num(c["published"]),
+            num(c["measured"]),
+            num(c["std"]),
+            num(c["delta"]),
+            c["status"],
+            ";".join(num(v) for v in c["values"]),
+        ]
+        csv.append(",".join('"' + f.replace('"', '""') + '"' if ("," in f or '"' in f) else f for f in fields))
+    atomic_write_text(paths["csv"], "\n".join(csv) + "\n")
+    atomic_write_text(paths["json"], json.dumps(summary, indent=1, default=float))
+    return paths
+
+
+def run_reproduce(
+    table: PaperTable,
+    seeds: Sequence[int],
+    out: str | Path,
+    *,
+    stand_in: bool = False,
+    overrides: Sequence[str] = (),
+    echo: Callable[[str], None] = print,
+    protocols: Sequence[str] | None = None,
+    **compare_kwargs: Any,
+) -> dict[str, Any]:
+    """Plan, run and measure ``table``; write ``reproduce.{md,csv,json}`` into ``out`` and return the summary.
+
+    ``protocols``: the protocol names (or YAML paths) a table may name, default the built-in ones."""
+    plan = plan_table(table, stand_in=stand_in, protocols=protocols)
+    if not plan.jobs:
+        reasons = sorted({f"{p.status} ({p.reason})" for p in plan.cells})
+        raise ConfigError(f"table {table.label}: no cell can run here: {'; '.join(reasons)}")
+    results = run_plan(plan, seeds, out, overrides=overrides, echo=echo, **compare_kwargs)
+    summary = measure(plan, results)
+    write_reproduce(summary, out)
+    return summary

@@ -1,0 +1,153 @@
+"""``jascl reproduce``: a paper table planned into compare jobs, run, and printed published beside measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from conftest import toy_protocol_dict
+from jascl.cli import main
+from jascl.experiments.reproduce import plan_table, reproduce_table, run_reproduce
+from jascl.paper.tables import get_table, parse_table
+from jascl.results.records import RunResults
+
+
+def _no_check(protocol, overrides):
+    return None
+
+
+def test_plan_of_the_main_table_groups_cells_into_one_job():
+    t = get_table("tab_set1_part")
+    plan = plan_table(
+        t, methods=["ucl", "jascl", "mib"], protocols=["med-disjoint", "synthetic-2d"], check_config=_no_check
+    )
+    assert list(plan.jobs) == ["med-disjoint_backbone=unet3d-authors_eval_mode=authors_first3"]
+    job = plan.jobs["med-disjoint_backbone=unet3d-authors_eval_mode=authors_first3"]
+    assert job.methods == ["ucl", "mib", "jascl"] and job.sessions == 3
+    status = {(p.cell.row, p.cell.column): p.status for p in plan.cells}
+    assert status[("UCL", "Session 2")] == "planned"
+    assert status[("PIFS", "Session 0")] == "not registered"
+    assert sum(s == "planned" for s in status.values()) == 9
+    # the stand-in keeps the row and column settings only: no paper backbone, the benchmark's own sessions
+    stand = plan_table(
+        t, stand_in=True, methods=["ucl"], protocols=["med-disjoint", "synthetic-2d"], check_config=_no_check
+    )
+    assert [(j.protocol, j.overrides, j.sessions) for j in stand.jobs.values()] == [
+        ("synthetic-2d", ("eval_mode=authors",), 3)
+    ]
+
+
+def test_plan_of_a_settings_table_makes_one_job_per_setting_and_refuses_unknown_keys():
+    t = get_table("sen_rob")
+    plan = plan_table(t, stand_in=True, methods=["jascl", "vanilla"], protocols=["synthetic-2d"])
+    assert len(plan.jobs) == 10
+    shots = sorted(j.shots for j in plan.jobs.values() if j.shots is not None)
+    assert shots == [3, 4, 5]
+    assert any("gas.eps=1e-09" in j.overrides for j in plan.jobs.values())
+    noisy = get_table("tab:noise_results")
+    refused = plan_table(noisy, stand_in=True, methods=["jascl", "uad-ce"], protocols=["synthetic-2d-ss"])
+    reasons = {p.cell.row: (p.status, p.reason) for p in refused.cells}
+    assert reasons["JASCL (no noise)"][0] == "planned"
+    status, reason = reasons["JASCL (moderate noise)"]
+    assert status == "not supported" and "unlabelled_noise" in reason
+
+
+def _toy_table(tmp_path):
+    proto = tmp_path / "toy.yaml"
+    proto.write_text(yaml.safe_dump(toy_protocol_dict(2)))
+    data = {
+        "label": "toy_table",
+        "caption": "a toy table",
+        "line": 1,
+        "kind": "methods",
+        "metric": "dice",
+        "protocol": "med-disjoint",
+        "stand_in": str(proto),
+        "set": {"epochs_base": 300},
+        "columns": [{"name": "Session 0", "session": 0}, {"name": "Session 1", "session": 1}],
+        "rows": [
+            {"name": "Vanilla", "method": "vanilla", "values": [0.7, 0.1]},
+            {"name": "JASCL", "method": "jascl-no-unlabelled", "values": [0.7, 0.4]},
+            {"name": "Future", "method": "not-yet", "values": [0.5, None]},
+        ],
+    }
+    return parse_table(data, "toy_table.yaml"), str(proto)
+
+
+def test_reproduce_on_a_stand_in_measures_every_cell_from_the_runs(tmp_path):
+    table, proto = _toy_table(tmp_path)
+    out = tmp_path / "rep"
+    summary = run_reproduce(
+        table,
+        [3],
+        out,
+        stand_in=True,
+        protocols=[proto],
+        echo=lambda *a: None,
+        progress=False,
+        cache_dir=tmp_path / "cache",
+    )
+    (job,) = [p for p in out.iterdir() if p.is_dir()]
+    assert job.name == "toy"  # an embedded protocol is named by its file stem
+    results = RunResults.read(job / "seed-3" / "results.json")
+    cells = {(c["row"], c["column"]): c for c in summary["cells"]}
+    for row, method in (("Vanilla", "vanilla"), ("JASCL", "jascl-no-unlabelled")):
+        for t in (0, 1):
+            c = cells[(row, f"Session {t}")]
+            measured = results.methods[method].sessions[t].all
+            assert c["status"] == "measured" and c["measured"] == pytest.approx(measured)
+            assert c["delta"] == pytest.approx(measured - c["published"])
+    # the table-level paper setting (300 base epochs) is not applied to the stand-in: the toy's 1 epoch is
+    assert json.loads((job / "seed-3" / "run.json").read_text()) is not None
+    assert "epochs_base: 1" in (job / "seed-3" / "config.yaml").read_text()
+    assert cells[("Future", "Session 0")]["status"] == "not registered"
+    md = (out / "reproduce.md").read_text()
+    assert "| Future | 0.500 | not registered |" in md
+    assert "not registered: not-yet is not a registered method (Future)" in md
+    csv = (out / "reproduce.csv").read_text().splitlines()
+    assert csv[0].startswith("table,row,column,method,published,measured_mean")
+    assert len(csv) == 1 + 6
+    # a rerun reuses every finished session: the same numbers
+    again = run_reproduce(
+        table, [3], out, stand_in=True, protocols=[proto], echo=lambda *a: None, progress=False,
+        cache_dir=tmp_path / "cache",
+    )  # fmt: skip
+    assert [c["measured"] for c in again["cells"]] == [c["measured"] for c in summary["cells"]]
+
+
+def test_reproduce_table_formats_like_the_paper():
+    summary = {
+        "table": "t",
+        "caption": "c",
+        "metric": "miou",
+        "scale": 100.0,
+        "seeds": [1, 2],
+        "cells": [
+            {"row": "A", "column": "S0", "metric": "miou", "published": 47.76, "status": "measured",
+             "measured": 50.0, "std": 1.234, "delta": 2.24},
+            {"row": "A", "column": "TD", "metric": "total_drop", "published": 45.9, "status": "measured",
+             "measured": 40.04, "std": 0.5, "delta": -5.86},
+            {"row": "B", "column": "S0", "metric": "miou", "published": None, "status": "not registered",
+             "measured": None, "std": None, "delta": None},
+        ],
+    }  # fmt: skip
+    header, rows = reproduce_table(summary)
+    assert header == ["Row", "S0 paper", "S0 jascl", "S0 Δ", "TD paper", "TD jascl", "TD Δ"]
+    assert rows[0] == ["A", "47.76", "50.00 ± 1.23", "+2.24", "45.9", "40.0 ± 0.5", "-5.9"]
+    assert rows[1] == ["B", "—", "not registered", "", "", "", ""]
+
+
+def test_cli_lists_tables_and_prints_a_plan(capsys):
+    assert main(["reproduce", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "tab_set1_part" in out and "t_drop" in out and "clip_d" in out
+    assert main(["reproduce", "t_drop", "--dry-run", "--seeds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "28 cells, 25 to measure; seeds 1024, 1025" in out
+    assert "skipped (not registered: clip-ct is not a registered method): CLIP-CT" in out
+    # 20 methods share one base (1 + 20 x 2 sessions) and 5 train their own (5 x 3): 56 sessions x 4.1 h x 2 seeds
+    assert "about 459 GPU-hours" in out
+    assert main(["reproduce", "tab_nope"]) == 2
+    assert "no paper table 'tab_nope'" in capsys.readouterr().err
