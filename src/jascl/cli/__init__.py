@@ -22,6 +22,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
 
 
+def add_launcher_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--launcher",
+        default=None,
+        choices=["local", "slurm"],
+        help="run every (method, seed) cell as its own job through submitit: local processes or SLURM jobs "
+        "(the shared base trains first; a rerun submits only missing cells)",
+    )
+    p.add_argument(
+        "--launcher-opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="launcher option, repeatable: parallel, gpus (local, e.g. 0,1,2,3), time_min, partition, account, "
+        "qos, constraint, gpus_per_job, cpus_per_job, mem_gb",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jascl", description="Continual semantic segmentation under joint nonstationarity.")
     parser.add_argument("--version", action="version", version=f"jascl {__version__}")
@@ -123,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--out", default=None, help="compare folder (default runs/compare-<protocol>); reused to resume"
     )
+    add_launcher_arguments(compare)
     compare.set_defaults(func=cmd_compare)
 
     reproduce = sub.add_parser(
@@ -149,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     reproduce.add_argument("--cache-dir", default=None, help="synthetic data cache")
     reproduce.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_root_arguments(reproduce)
+    add_launcher_arguments(reproduce)
     add_import(reproduce)
     reproduce.set_defaults(func=cmd_reproduce, split_manifest=None)
 

@@ -174,6 +174,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     )
     from jascl.cli.common import _data_args, recorded_imports
     from jascl.engine.stop import REQUEST, Stopped
+    from jascl.experiments.launcher import parse_launcher
 
     try:
         with REQUEST.installed():
@@ -187,6 +188,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                 cache_dir=args.cache_dir,
                 progress=not args.no_progress,
                 imports=recorded_imports(args.imports),
+                launcher=parse_launcher(args.launcher, args.launcher_opt),
                 **_data_args(args),
             )
     except Stopped as exc:

@@ -189,6 +189,7 @@ def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -
     from rich.table import Table
 
     from jascl.experiments.compare import compare_table, compare_title, parse_seeds, run_compare
+    from jascl.experiments.launcher import parse_launcher
     from jascl.methods import METHODS
 
     seeds = parse_seeds(args.seeds, protocol.seed)
@@ -216,6 +217,7 @@ def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -
                 echo=_echo(console),
                 **_data_args(args),
                 imports=recorded_imports(args.imports),
+                launcher=parse_launcher(getattr(args, "launcher", None), getattr(args, "launcher_opt", [])),
             )
     except Stopped as exc:
         console.print(f"{exc}; rerun the same command to continue in {out}")

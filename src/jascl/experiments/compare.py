@@ -26,6 +26,7 @@ from typing import Any
 
 from jascl.engine.config import RunConfig
 from jascl.errors import ConfigError
+from jascl.experiments.launcher import Launcher
 from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import Protocol
 from jascl.results.records import RunResults
@@ -195,19 +196,36 @@ def run_compare(
     cache_dir: str | Path | None = None,
     progress: bool = True,
     echo=print,
+    launcher: Launcher | None = None,
     **run_kwargs: Any,
 ) -> dict:
     """Run (or reuse) every method for every seed and write the aggregated table.
 
     The protocol's seed is replaced by each seed in turn (it drives data
     generation / K-shot selection and training); ``config.seed`` must be unset
-    so that the training seed follows.
+    so that the training seed follows. With a ``launcher`` every (method, seed) cell that is not finished
+    runs as its own job first (:mod:`jascl.experiments.launcher`); the tables are then written from the
+    same folders as without one.
     """
     from jascl.experiments.runner import run_benchmark
 
     if config.seed is not None:
         raise ConfigError("compare: do not set 'seed' in the configuration; give the seeds with --seeds")
     out = Path(out)
+    if launcher is not None:
+        from jascl.experiments.launcher import cell_finished, run_cells
+
+        cells = []
+        for seed in seeds:
+            seeded = dataclasses.replace(protocol, seed=seed)
+            folder = out / f"seed-{seed}"
+            echo(f"[compare] seed {seed}: preparing the run folder and the shared base model")
+            run_benchmark(
+                seeded, config, methods, folder, cache_dir=cache_dir, progress=progress, echo=echo, stage="base",
+                **run_kwargs,
+            )  # fmt: skip
+            cells += [(seeded, m, folder) for m in methods if not cell_finished(folder, m, seeded)]
+        run_cells(launcher, cells, config, out, {"cache_dir": cache_dir, **run_kwargs}, echo=echo)
     per_seed: dict[int, dict] = {}
     for i, seed in enumerate(seeds):
         echo(f"[compare] seed {seed} ({i + 1}/{len(seeds)})")

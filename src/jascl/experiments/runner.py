@@ -305,6 +305,7 @@ def run_benchmark(
     roots_file: str | Path | None = None,
     extra_plugins: Sequence[Plugin | Callable[[], Plugin]] = (),
     imports: Sequence[str] = (),
+    stage: str = "all",
 ) -> dict:
     """Run ``methods`` on ``protocol`` and write the run folder; returns the results dict.
 
@@ -324,7 +325,13 @@ def run_benchmark(
         split_manifest: a ``manifest.json`` whose samples are reused instead of a new selection.
         imports: the modules that registered your own methods or backbones (``jascl run --import``), recorded
             in ``run.json`` so that ``jascl run --resume`` imports them again.
+        stage: ``"all"`` (default); ``"base"``: write the run files and train the shared base model, then
+            return ``{}`` (what a launcher does before it fans the methods out); ``"cell"``: train the methods'
+            sessions into a folder ``"base"`` prepared, writing neither the run files nor the results (one
+            job of a launcher, beside others in the same folder; a final ``"all"`` pass collects them).
     """
+    if stage not in ("all", "base", "cell"):
+        raise ValueError(f"stage must be all, base or cell (got {stage!r})")
     if not methods:
         raise ConfigError("--methods: give at least one method (see 'jascl methods')")
     check_method_args(config)
@@ -358,7 +365,7 @@ def run_benchmark(
             data = apply_unlabelled_noise(protocol, data)
         check_same_samples(protocol, data)
         check_reusable(out, config, protocol)
-        if main:
+        if main and stage != "cell":
             write_run_files(out, protocol, config, methods, data, cache_dir, roots, roots_file, split_manifest, imports)
         log.info("run %s: protocol %s seed %d methods %s", out, protocol.name, protocol.seed, ",".join(methods))
 
@@ -378,6 +385,10 @@ def run_benchmark(
         }
         for method in built:  # every method's folder is checked before anything trains
             check_method_options(out / method.name, method.name, config)
+        if stage == "base":
+            if any(not m.changes_base_session for m in built):
+                ensure_base(protocol, config, data, out / "base", progress, echo)
+            return {}
         bar = tqdm(
             total=len(built) * len(protocol.sessions), desc="sessions", unit="session", disable=not (progress and main)
         )
@@ -422,7 +433,7 @@ def run_benchmark(
                 bar.update(1)
             results["methods"][method.name] = _method_summary(protocol, records)
         bar.close()
-        if main:
+        if main and stage != "cell":
             write_all(results, out)
         return results
     finally:
