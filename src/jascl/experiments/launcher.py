@@ -86,7 +86,9 @@ class Launcher:
         try:
             ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
         except RuntimeError as exc:  # submitit: 'Could not detect "srun"'
-            raise ConfigError(f"--launcher slurm: {exc} (run it on a SLURM login node, or use --launcher local)") from None
+            raise ConfigError(
+                f"--launcher slurm: {exc} (run it on a SLURM login node, or use --launcher local)"
+            ) from None
         params: dict[str, Any] = {
             "timeout_min": self.time_min,
             "gpus_per_node": self.gpus_per_job,
