@@ -41,6 +41,10 @@ def toy_ss(tmp_path_factory):
     root = tmp_path_factory.mktemp("registry")
     data = load_sessions(protocol, root / "cache", echo=lambda *a: None)
     ensure_base(protocol, config, data, root / "base", progress=False, echo=lambda *a: None)
+    keyed = create_method("jascl", config)  # the JASCL family's shared base, trained once for all of them
+    ensure_base(
+        protocol, config, data, root / f"base-{keyed.base_key}", False, lambda *a: None, keyed.base_method()
+    )
     return protocol, config, root
 
 
@@ -49,7 +53,8 @@ def test_every_method_trains_evaluates_and_its_loss_terms_act(name, toy_ss, tmp_
     protocol, config, root = toy_ss
     probe = LossProbe()
     out = tmp_path / "run"
-    shutil.copytree(root / "base", out / "base")
+    for base in root.glob("base*"):
+        shutil.copytree(base, out / base.name)
     results = run_benchmark(
         protocol,
         config,
@@ -80,6 +85,7 @@ def test_every_method_trains_evaluates_and_its_loss_terms_act(name, toy_ss, tmp_
 def test_registry_has_the_jascl_preset_and_vanilla():
     assert {"vanilla", "jascl"} <= set(METHODS.list())
     assert [type(p).__name__ for p in create_method("jascl", resolve_config()).plugins] == [
+        "StochasticBasePlugin",
         "GASPlugin",
         "PrototypeReplayPlugin",
         "MeanTeacherPlugin",

@@ -143,11 +143,16 @@ def test_presets_wire_the_anchor_options():
     def mean_teacher(method):
         return next(p for p in method.plugins if isinstance(p, MeanTeacherPlugin))
 
+    # jascl follows eqs. 2-3 literally: plain feature means, one class prototype
     default = mean_teacher(create_method("jascl", resolve_config()))
-    assert default.normalize_pixels is True and default.anchors == "per-sample"
+    assert default.normalize_pixels is False and default.anchors == "mean"
     config = resolve_config(overrides=["pas.normalize_pixels=false", "pas.anchors=per-sample"])
     plugin = mean_teacher(create_method("jascl", config))
     assert plugin.normalize_pixels is False and plugin.anchors == "per-sample"
+    # jascl-anchors: the per-sample anchors on normalised pixels, unless the options say otherwise
+    variant = mean_teacher(create_method("jascl-anchors", resolve_config()))
+    assert variant.normalize_pixels is True and variant.anchors == "per-sample"
+    assert mean_teacher(create_method("jascl-anchors", config)).normalize_pixels is False
 
 
 def test_consistency_loss_by_hand_and_empty_set():

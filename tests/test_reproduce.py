@@ -147,7 +147,9 @@ def test_cli_lists_tables_and_prints_a_plan(capsys):
     out = capsys.readouterr().out
     assert "28 cells, 25 to measure; seeds 1024, 1025" in out
     assert "skipped (not registered: clip-ct is not a registered method): CLIP-CT" in out
-    # 20 methods share one base (1 + 20 x 2 sessions) and 5 train their own (5 x 3): 56 sessions x 4.1 h x 2 seeds
-    assert "about 459 GPU-hours" in out
+    # 19 methods share the vanilla base and JASCL its own keyed base (1 + 1 + 20 x 2 sessions), 5 train their own
+    # (5 x 3): 57 sessions x 4.1 h x 2 seeds
+    assert "about 467 GPU-hours" in out
+    assert "share the stochastic-classifier session-0 base: jascl" in out
     assert main(["reproduce", "tab_nope"]) == 2
     assert "no paper table 'tab_nope'" in capsys.readouterr().err

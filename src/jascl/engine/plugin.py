@@ -94,6 +94,9 @@ class Plugin:
         name: short name, used in logs and loss-term names.
         changes_base_session: True if the plugin alters training of session 0;
             methods whose plugins all leave it alone share one base checkpoint.
+        base_key: for a plugin that changes session 0 in a way other methods may share (e.g.
+            JASCL's stochastic classifier): a name; methods whose base-changing plugins all have
+            keys share the base trained by those plugins alone (``<run>/base-<key>``).
         freeze_incremental: freezing policy of incremental sessions this plugin
             needs ("all_but_classifier" or "none"); None = the run configuration's.
         loss_terms: the ``state.losses`` keys the plugin adds (checked non-zero by
@@ -111,6 +114,7 @@ class Plugin:
     name = "plugin"
     replaces: tuple[str, ...] = ()
     changes_base_session = False
+    base_key: str | None = None
     freeze_incremental: str | None = None
     #: keys this plugin adds to ``state.losses`` (non-zero in incremental sessions)
     loss_terms: tuple[str, ...] = ()
@@ -193,6 +197,22 @@ class Method:
     @property
     def changes_base_session(self) -> bool:
         return any(p.changes_base_session for p in self.plugins)
+
+    @property
+    def base_key(self) -> str | None:
+        """The name of a session-0 model other methods share (``"+"``-joined keys of the plugins that change
+        session 0), or None: the vanilla base when nothing changes session 0, else the method's own."""
+        changing = [p for p in self.plugins if p.changes_base_session]
+        if not changing or any(p.base_key is None for p in changing):
+            return None
+        return "+".join(sorted({str(p.base_key) for p in changing}))
+
+    def base_method(self) -> Method:
+        """The method that trains the shared keyed base: the plugins that change session 0, alone."""
+        key = self.base_key
+        if key is None:
+            raise ValueError(f"method {self.name} has no shared keyed base")
+        return Method(f"base-{key}", [p for p in self.plugins if p.changes_base_session])
 
     @property
     def unused_parameters(self) -> bool:

@@ -256,23 +256,35 @@ def estimate_gpu_hours(plan: Plan, seeds: int) -> tuple[float, list[str]]:
         from jascl.protocols import get_protocol
 
         n = job.sessions or len(get_protocol(job.protocol).sessions)
-        own_base = sum(1 for m in job.methods if _changes_base(m))
+        groups = _base_groups(job.methods)
+        own_base = len(groups.get("", []))
         shared = len(job.methods) - own_base
-        new_base = bool(shared) and base_key(job) not in bases
+        keyed = [k for k in groups if k not in ("", VANILLA_BASE)]
+        new_base = VANILLA_BASE in groups and base_key(job) not in bases
         bases.add(base_key(job))
-        sessions = (1 if new_base else 0) + shared * (n - 1) + own_base * n
+        sessions = (1 if new_base else 0) + len(keyed) + shared * (n - 1) + own_base * n
         total += sessions * HOURS_PER_SESSION[family] * seeds
     return total, sorted(set(unknown))
 
 
-def _changes_base(method: str) -> bool:
+VANILLA_BASE = "vanilla"
+
+
+def _base_groups(methods: Sequence[str]) -> dict[str, list[str]]:
+    """Methods by the session-0 model they start from: ``"vanilla"`` (the shared base), a keyed base shared
+    by a family (e.g. ``"stochastic-classifier"``, JASCL's), or ``""`` (each trains its own)."""
     from jascl.engine.config import RunConfig
     from jascl.methods.registry import create_method
 
-    try:
-        return bool(create_method(method, RunConfig()).changes_base_session)
-    except JasclError:  # a method whose options need a run's configuration counts as sharing the base
-        return False
+    groups: dict[str, list[str]] = {}
+    for m in methods:
+        try:
+            method = create_method(m, RunConfig())
+            key = VANILLA_BASE if not method.changes_base_session else (method.base_key or "")
+        except JasclError:  # a method whose options need a run's configuration: counted as sharing the base
+            key = VANILLA_BASE
+        groups.setdefault(key, []).append(m)
+    return groups
 
 
 def describe_plan(plan: Plan, seeds: Sequence[int]) -> list[str]:
@@ -284,13 +296,14 @@ def describe_plan(plan: Plan, seeds: Sequence[int]) -> list[str]:
         f"seeds {', '.join(map(str, seeds))}" + (f"; stand-in {t.stand_in}" if plan.stand_in else ""),
     ]
     for job in plan.jobs.values():
-        own = [m for m in job.methods if _changes_base(m)]
-        shared = [m for m in job.methods if m not in own]
         lines.append(f"  job {job.key}: {job.describe()}")
-        if shared:
-            lines.append(f"    share one session-0 base: {', '.join(shared)}")
-        if own:
-            lines.append(f"    train their own session 0: {', '.join(own)}")
+        for key, members in _base_groups(job.methods).items():
+            if key == VANILLA_BASE:
+                lines.append(f"    share one session-0 base: {', '.join(members)}")
+            elif key:
+                lines.append(f"    share the {key} session-0 base: {', '.join(members)}")
+            else:
+                lines.append(f"    train their own session 0: {', '.join(members)}")
     skipped: dict[str, list[str]] = {}
     for p in plan.cells:
         if p.status != STATUS_PLANNED:

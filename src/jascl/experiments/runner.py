@@ -10,6 +10,8 @@ Run folder layout::
     <out>/tensorboard/<method>/  TensorBoard scalars (with ``tensorboard: true``)
     <out>/log.txt              log
     <out>/base/                session 0 shared by every method that does not change it
+    <out>/base-<key>/          session 0 shared by a family that changes it alike (e.g. base-stochastic-classifier:
+                               the JASCL presets; see Plugin.base_key)
     <out>/<method>/options.json  the method's resolved options: a later run into the folder must match them
     <out>/<method>/s<t>-<name>/  model.safetensors, prototypes.safetensors, metrics.json
                                (progress.safetensors while the session trains)
@@ -112,12 +114,17 @@ def ensure_base(
     base_dir: Path,
     progress: bool = True,
     echo=print,
+    method: Method | None = None,
 ) -> None:
-    """Train the shared session-0 model into ``base_dir`` unless it is already complete there."""
+    """Train the shared session-0 model into ``base_dir`` unless it is already complete there.
+
+    ``method``: the plugins that train a keyed shared base (:meth:`Method.base_method`); default none
+    (the vanilla base every method that leaves session 0 alone shares)."""
     if distributed.broadcast_object((base_dir / "metrics.json").exists()):
         return
-    echo(f"session 0 ({protocol.sessions[0].name}): training the shared base model")
-    trainer = ContinualTrainer(protocol, config, Method("base"), list(data), progress=progress)
+    method = method or Method("base")
+    echo(f"session 0 ({protocol.sessions[0].name}): training the shared base model {base_dir.name}")
+    trainer = ContinualTrainer(protocol, config, method, list(data), progress=progress)
     trainer.run_session(0, trainer.initial_model(len(protocol.seen_classes(0))), PrototypeStore(), base_dir)
     distributed.barrier()  # rank 0 has written it before anyone reads it
 
@@ -388,6 +395,9 @@ def run_benchmark(
         if stage == "base":
             if any(not m.changes_base_session for m in built):
                 ensure_base(protocol, config, data, out / "base", progress, echo)
+            for m in built:  # keyed bases too, so that the jobs sharing one do not train it side by side
+                if m.base_key is not None:
+                    ensure_base(protocol, config, data, out / f"base-{m.base_key}", progress, echo, m.base_method())
             return {}
         bar = tqdm(
             total=len(built) * len(protocol.sessions), desc="sessions", unit="session", disable=not (progress and main)
@@ -404,6 +414,14 @@ def run_benchmark(
                     shared_base = base_dir
                 model, store, record = trainer.load_session(shared_base, 0)
                 trainer.restore_session(0, shared_base, model, store)
+                records.append(record)
+                bar.update(1)
+                start = 1
+            elif method.base_key is not None:  # a base shared with the methods of the same key
+                keyed = out / f"base-{method.base_key}"
+                ensure_base(protocol, config, data, keyed, progress, echo, method.base_method())
+                model, store, record = trainer.load_session(keyed, 0)
+                trainer.restore_session(0, keyed, model, store)
                 records.append(record)
                 bar.update(1)
                 start = 1

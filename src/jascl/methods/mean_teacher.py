@@ -96,17 +96,20 @@ class MeanTeacherPlugin(Plugin):
     ``weight * L_consistency`` (eq. 5) on the pixels valid for both models.
     Prototypes for PAS are recomputed from the session's labelled data at the
     start of every phase (as the authors do), falling back to stored ones for
-    classes the session does not teach. Two choices of anchor, both measured on
-    synthetic-2d-ss (README, "Semi-supervised sessions"):
+    classes the session does not teach. The defaults follow eqs. 2-3 literally: a
+    sample's prototype is the plain mean of its class features, the class prototype
+    P_c the mean of the unit-normalised sample prototypes, and eq. 3 the cosine to
+    P_c. Two departures are options (together: the ``jascl-anchors`` preset; their
+    measured effect is in docs/method.md, "PAS: literal or per-sample anchors"):
 
-    * ``normalize_pixels`` (default): average L2-normalised pixel features, as
-      the authors' ``get_prototype`` does. With eq. 2's plain mean, high-norm
-      pixels steer the direction eq. 3 compares against: in the xray session,
+    * ``normalize_pixels``: average L2-normalised pixel features, as the authors'
+      ``get_prototype`` does. With eq. 2's plain mean, high-norm pixels steer the
+      direction eq. 3 compares against: in synthetic-2d-ss's xray session,
       unlabelled old-class objects inside the labelled background have about 3x
       the feature norm of true background, the background prototype leans
       towards them, and PAS keeps missed objects while rejecting real background.
-    * ``anchors="per-sample"`` (default): keep every labelled sample's prototype
-      (the summands of eq. 2) and test eq. 4 against the best-matching one. Under
+    * ``anchors="per-sample"``: keep every labelled sample's prototype (the
+      summands of eq. 2) and test eq. 4 against the best-matching one. Under
       domain shift the background varies from image to image and a single mean
       rejects most of it; stored anchors from *other* domains are not added,
       because there they match the wrong pixels (a CT background anchor matches
@@ -145,8 +148,8 @@ class MeanTeacherPlugin(Plugin):
         start_epoch: int = 25,
         every: int = 25,
         batch_size: int | None = None,
-        normalize_pixels: bool = True,
-        anchors: str = "per-sample",
+        normalize_pixels: bool = False,
+        anchors: str = "mean",
         max_anchors: int = 16,
     ) -> None:
         if filter not in ("pas", "confidence"):

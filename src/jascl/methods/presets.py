@@ -19,6 +19,7 @@ from jascl.methods.mean_teacher import MeanTeacherPlugin
 from jascl.methods.options import option, read_options
 from jascl.methods.registry import METHODS
 from jascl.methods.replay import PrototypeReplayPlugin
+from jascl.methods.stochastic_base import StochasticBasePlugin
 
 PAPER = "JASCL (ICML 2026)"
 
@@ -70,10 +71,11 @@ class PASOptions:
         start_epoch: first epoch of an unlabelled phase.
         every: epochs between unlabelled phases.
         batch_size: unlabelled batch size (null: the labelled one).
-        normalize_pixels: session prototypes average L2-normalised pixel features (the authors'
-            get_prototype); false: eq. 2's plain feature mean.
-        anchors: "per-sample" (every labelled sample's prototype, the summands of eq. 2; the best
-            match counts) or "mean" (eq. 2's class prototype).
+        normalize_pixels: false (default, eq. 2): a sample's prototype is the plain mean of its class
+            features; true: the mean of L2-normalised pixel features (the authors' get_prototype).
+        anchors: "mean" (default, eqs. 2-3: one class prototype P_c, the mean of the unit-normalised
+            per-sample prototypes, and the cosine to it) or "per-sample" (every labelled sample's
+            prototype, the summands of eq. 2; the best match counts: the ``jascl-anchors`` variant).
         max_anchors: per class at most this many per-sample anchors, a spread-out subset (0 = all).
     """
 
@@ -84,8 +86,8 @@ class PASOptions:
     start_epoch: int = option(25, ge=0)
     every: int = option(25, ge=1)
     batch_size: int | None = option(None, ge=1)
-    normalize_pixels: bool = True
-    anchors: str = option("per-sample", choices=("per-sample", "mean"))
+    normalize_pixels: bool = False
+    anchors: str = option("mean", choices=("per-sample", "mean"))
     max_anchors: int = option(16, ge=0)
 
 
@@ -106,8 +108,16 @@ class Components:
 
 @dataclass
 class JasclOptions:
-    """``method_args.jascl``: the options every JASCL-family method reads."""
+    """``method_args.jascl``: the options every JASCL-family method reads.
 
+    Attributes:
+        base: "stochastic" (default): session 0 trains the classifier with learned Gaussian weight noise,
+            as the authors' base code does (:mod:`jascl.methods.stochastic_base`; the JASCL family shares
+            that base); "shared": start from the vanilla base every baseline shares (fair component
+            comparisons with the baselines).
+    """
+
+    base: str = option("stochastic", choices=("stochastic", "shared"))
     gas: GASOptions = field(default_factory=GASOptions)
     replay: ReplayOptions = field(default_factory=ReplayOptions)
     pas: PASOptions = field(default_factory=PASOptions)
@@ -117,6 +127,10 @@ class JasclOptions:
 def jascl_options(config: RunConfig) -> JasclOptions:
     """The run's ``method_args.jascl`` (for methods outside the family that share its unlabelled schedule)."""
     return read_options(JasclOptions, config, "jascl")
+
+
+def _base(o: JasclOptions) -> list[Plugin]:
+    return [StochasticBasePlugin()] if o.base == "stochastic" else []
 
 
 def _gas(o: JasclOptions) -> GASPlugin:
@@ -160,7 +174,7 @@ def jascl(o: JasclOptions, config: RunConfig) -> Method:
 
     ``components`` switches each part off for ablations; ``jascl methods jascl`` lists every option.
     """
-    plugins: list[Plugin] = []
+    plugins: list[Plugin] = _base(o)
     if o.components.gas:
         plugins.append(_gas(o))
     if o.components.replay:
@@ -173,7 +187,9 @@ def jascl(o: JasclOptions, config: RunConfig) -> Method:
 @_family("jascl-no-unlabelled", "comparison: JASCL ignoring unlabelled pools (GAS + prototype replay)")
 def jascl_no_unlabelled(o: JasclOptions, config: RunConfig) -> Method:
     """GAS + prototype replay, labelled data only."""
-    return Method("jascl-no-unlabelled", [_gas(o), _replay(o)], "GAS + prototype replay, labelled data only")
+    return Method(
+        "jascl-no-unlabelled", [*_base(o), _gas(o), _replay(o)], "GAS + prototype replay, labelled data only"
+    )
 
 
 @_family("jascl-conf", "comparison: JASCL with a confidence-only mean teacher (no prototype check)")
@@ -181,7 +197,7 @@ def jascl_conf(o: JasclOptions, config: RunConfig) -> Method:
     """GAS + prototype replay + a mean teacher whose pseudo-labels pass eq. 4's confidence test alone."""
     return Method(
         "jascl-conf",
-        [_gas(o), _replay(o), _mean_teacher(o, "confidence")],
+        [*_base(o), _gas(o), _replay(o), _mean_teacher(o, "confidence")],
         "GAS + prototype replay + mean teacher with confidence-only filtering",
     )
 
@@ -199,10 +215,38 @@ def mean_teacher_conf(o: JasclOptions, config: RunConfig) -> Method:
 @_family("jascl-no-gas", "ablation: JASCL without GAS (prototype replay + PAS)")
 def jascl_no_gas(o: JasclOptions, config: RunConfig) -> Method:
     """The ablation without GAS."""
-    return Method("jascl-no-gas", [_replay(o), _mean_teacher(o, "pas")], "prototype replay + PAS")
+    return Method("jascl-no-gas", [*_base(o), _replay(o), _mean_teacher(o, "pas")], "prototype replay + PAS")
 
 
 @_family("jascl-no-replay", "ablation: JASCL without prototype replay (GAS + PAS)")
 def jascl_no_replay(o: JasclOptions, config: RunConfig) -> Method:
     """The ablation without prototype replay."""
-    return Method("jascl-no-replay", [_gas(o), _mean_teacher(o, "pas")], "GAS + PAS")
+    return Method("jascl-no-replay", [*_base(o), _gas(o), _mean_teacher(o, "pas")], "GAS + PAS")
+
+
+@_family(
+    "jascl-anchors",
+    "variant: JASCL whose PAS compares each pixel with every labelled sample's prototype (normalised pixels)",
+)
+def jascl_anchors(o: JasclOptions, config: RunConfig) -> Method:
+    """JASCL with the per-sample-anchor PAS (jascl's default before eqs. 2-3 were followed literally).
+
+    PAS compares an unlabelled pixel with the prototype of every labelled sample of its predicted class
+    (eq. 2's summands, built from L2-normalised pixel features as the authors' get_prototype does) and
+    keeps the best match, instead of eq. 3's cosine to the one class prototype. Set by this preset
+    unless ``method_args.jascl.pas`` says otherwise for ``anchors`` / ``normalize_pixels``.
+    """
+    import dataclasses
+
+    pas = o.pas
+    if pas.anchors == "mean" and not pas.normalize_pixels:  # the literal defaults: switch to the variant
+        pas = dataclasses.replace(pas, anchors="per-sample", normalize_pixels=True)
+    v = dataclasses.replace(o, pas=pas)
+    plugins: list[Plugin] = _base(v)
+    if v.components.gas:
+        plugins.append(_gas(v))
+    if v.components.replay:
+        plugins.append(_replay(v))
+    if v.components.pas:
+        plugins.append(_mean_teacher(v, "pas"))
+    return Method("jascl-anchors", plugins, "JASCL with per-sample PAS anchors")
