@@ -12,11 +12,7 @@ import torch.nn.functional as F
 from jascl.engine.config import RunConfig
 from jascl.experiments.runner import run_benchmark
 from jascl.methods.registry import create_method
-from jascl.methods.stochastic_base import (
-    attach_learned_noise,
-    detach_learned_noise,
-    learned_noise_weight,
-)
+from jascl.methods.stochastic_base import attach_learned_noise, detach_learned_noise, learned_noise_weight
 from jascl.networks.classifier import PixelClassifier
 
 
