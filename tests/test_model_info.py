@@ -148,3 +148,34 @@ def test_cli_table_and_errors(capsys):
         bad.func(bad)
     with pytest.raises(ConfigError, match="unknown backbone"):
         model_info("no-such-net", device="meta")
+
+
+def test_step_times_take_turns_and_report_medians_after_warm_up(monkeypatch):
+    from jascl.experiments import model_info as mi
+
+    calls: list[bool] = []
+    # without JASCL: 9 (warm-up), 9 (warm-up), then 3, 1, 2 -> median 2; with: 9, 9, then 4, 6, 5 -> median 5
+    seq = {False: iter([9.0, 9.0, 3.0, 1.0, 2.0]), True: iter([9.0, 9.0, 4.0, 6.0, 5.0])}
+
+    def fake(model, x, labels, with_jascl, num_prototypes):
+        calls.append(with_jascl)
+        return next(seq[with_jascl])
+
+    monkeypatch.setattr(mi, "_timed_step", fake)
+    without, with_jascl = mi.step_times(
+        "unet", 3, spatial_dims=2, spatial_size=(16, 16), num_classes=3, backbone_args={}, device="cpu"
+    )
+    assert (without, with_jascl) == (2.0, 5.0)
+    assert calls == [False, True] * 5  # interleaved: a busy machine slows both alike
+    with pytest.raises(ConfigError, match="--time 0: give the number of steps"):
+        mi.step_times("unet", 0)
+
+
+def test_cli_time_column(capsys):
+    args = _parser().parse_args(
+        ["model-info", "unet", "--spatial-dims", "2", "--spatial-size", "32", "--num-classes", "3", "--time", "1",
+         "--time-device", "cpu", "--device", "meta", "--backbone-args", "{features: [4, 4, 8, 8, 8, 8]}"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "s/step" in out and "time ratio" in out and "median of 1 training steps each" in out

@@ -17,7 +17,18 @@ def cmd_protocols(args: argparse.Namespace) -> int:
     if args.name:
         p = get_protocol(args.name)
         table = Table(title=f"{p.name}: {p.description}".strip(": "))
-        for col in ("session", "domains", "new classes", "recurring", "shots K", "labelled", "unlabelled", "test"):
+        cols = (
+            "session",
+            "domains",
+            "new classes",
+            "recurring",
+            "shots K",
+            "labelled",
+            "unlabelled",
+            "val/class",
+            "test",
+        )
+        for col in cols:
             table.add_column(col)
         for s in p.sessions:
             names = lambda ids: ", ".join(f"{c}:{p.class_name(c)}" for c in ids) or "-"  # noqa: E731
@@ -31,10 +42,13 @@ def cmd_protocols(args: argparse.Namespace) -> int:
                 if s.shots is None and s.train is None
                 else (f"<= {s.num_labelled}" if s.sources else str(s.num_labelled)),
                 str(s.unlabelled) + (f" + {s.unlabelled_per_class}/class" if s.unlabelled_per_class else ""),
+                str(s.validation),
                 "all" if s.test is None else str(s.test),
             )
         console.print(table)
         console.print(f"spatial_dims={p.spatial_dims} metric={p.metric} seed={p.seed} file={p.path}")
+        if p.training.get("model_selection"):
+            console.print(f"model_selection={p.training['model_selection']} (on the val/class validation samples)")
         for d in p.datasets.values():
             console.print(
                 f"dataset {d.name}: layout {d.layout}, domain {d.domain}, root name {d.root} (--root {d.root}=PATH)"
@@ -156,6 +170,17 @@ def add_model_info_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         choices=["cuda", "meta"],
         help="cuda: measured memory; meta: estimate (default: cuda if available)",
+    )
+    p.add_argument(
+        "--time",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time N training steps (median, after 2 warm-up steps) with and without JASCL: the compute "
+        "table's time column",
+    )
+    p.add_argument(
+        "--time-device", default=None, help="where --time runs: cuda or cpu (default: cuda if available, else cpu)"
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_model_info)

@@ -27,6 +27,12 @@ How each number is obtained:
     * "with JASCL": the same step with GAS attached to the classifier (noise in
       the training forward, squared gradient stored after backward) and the
       prototype replay loss on ``num_prototypes`` random prototypes, weight 0.1.
+    * Time (``time_steps`` > 0, ``jascl model-info --time N``): the median wall time of N
+      training steps (forward + backward + SGD step on random inputs, after 2 warm-up
+      steps, ``torch.cuda.synchronize`` around each on a GPU), on a real device. The
+      paper's compute table gives hours per session (4h 06m with JASCL vs 4h 05m without
+      on Med JASCL-Disjoint); the per-step ratio is what its difference comes from. The
+      PAS mean teacher's unlabelled phases are not in the step (they depend on the pool).
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -154,6 +162,74 @@ def _measure_cuda_memory(
     _train_step(model, x, labels, with_jascl, num_prototypes, None)
     torch.cuda.synchronize()
     return int(torch.cuda.max_memory_allocated())
+
+
+def _timed_step(
+    model: nn.Module, x: torch.Tensor, labels: torch.Tensor, with_jascl: bool, num_prototypes: int
+) -> float:
+    cuda = x.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(x.device)
+    start = time.perf_counter()
+    _train_step(model, x, labels, with_jascl, num_prototypes, None)
+    if cuda:
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter() - start
+
+
+def step_times(
+    name: str,
+    steps: int,
+    spatial_dims: int | None = None,
+    in_channels: int | None = None,
+    num_classes: int | None = None,
+    spatial_size: tuple[int, ...] | None = None,
+    backbone_args: dict | None = None,
+    batch_size: int = 2,
+    num_prototypes: int = 40,
+    device: str | None = None,
+    warmup: int = 2,
+) -> tuple[float, float]:
+    """Median seconds of one training step without and with JASCL (GAS + prototype replay), interleaved.
+
+    Two identical models (same seed), one with GAS on the classifier, take turns step by step on the same
+    random batch (``warmup`` untimed steps each first), so a busy machine slows both alike. ``device``:
+    "cuda" or "cpu" (default: cuda if available).
+    """
+    from jascl.methods.gas import attach_gas
+    from jascl.networks import create_segmenter
+
+    if steps < 1:
+        raise ConfigError(f"--time {steps}: give the number of steps to time (>= 1)")
+    d = defaults_for(name)
+    spatial_dims = d.spatial_dims if spatial_dims is None else spatial_dims
+    in_channels = d.in_channels if in_channels is None else in_channels
+    num_classes = d.num_classes if num_classes is None else num_classes
+    backbone_args = dict(d.backbone_args if backbone_args is None else backbone_args)
+    if spatial_size is None:
+        spatial_size = d.spatial_size if len(d.spatial_size) == spatial_dims else (d.spatial_size[-1],) * spatial_dims
+    where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if where.type not in ("cuda", "cpu"):
+        raise ConfigError(f"--time-device {device}: timing needs a real device, cuda or cpu")
+    models = []
+    for jascl in (False, True):
+        torch.manual_seed(0)
+        m = create_segmenter(
+            name, spatial_dims=spatial_dims, in_channels=in_channels, num_classes=num_classes, **backbone_args
+        ).to(where)
+        if jascl:
+            attach_gas(m.classifier)
+        m.train()
+        models.append(m)
+    x = torch.randn(batch_size, in_channels, *spatial_size, device=where)
+    y = torch.randint(0, num_classes, (batch_size, *spatial_size), device=where)
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(warmup + steps):
+        for k, jascl in enumerate((False, True)):
+            t = _timed_step(models[k], x, y, jascl, num_prototypes)
+            if i >= warmup:
+                times[k].append(t)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def model_info(
@@ -295,9 +371,15 @@ def cmd_model_info(args: argparse.Namespace) -> int:
             spatial_size=_parse_size(args.spatial_size, dims),
             backbone_args=backbone_args,
             batch_size=args.batch_size,
-            device=args.device,
         )
-        rows.append((model_info(name, with_jascl=False, **common), model_info(name, with_jascl=True, **common)))
+        a, b = (
+            model_info(name, with_jascl=False, device=args.device, **common),
+            model_info(name, with_jascl=True, device=args.device, **common),
+        )
+        if args.time:
+            a["step_seconds"], b["step_seconds"] = step_times(name, args.time, device=args.time_device, **common)
+            a["time_device"] = b["time_device"] = args.time_device or ("cuda" if torch.cuda.is_available() else "cpu")
+        rows.append((a, b))
     console = Console(width=None if sys.stdout.isatty() else 170)  # keep the table readable in logs
     if args.json:
         console.print_json(json.dumps([{"without_jascl": a, "with_jascl": b} for a, b in rows]))
@@ -318,6 +400,7 @@ def cmd_model_info(args: argparse.Namespace) -> int:
         "train mem (MiB)",
         "mem +JASCL (MiB)",
         "mem overhead",
+        *(("s/step", "s/step +JASCL", "time ratio") if args.time else ()),
     ):
         table.add_column(col, justify="left" if col in ("backbone", "input") else "right")
     for a, b in rows:
@@ -335,7 +418,17 @@ def cmd_model_info(args: argparse.Namespace) -> int:
             f"{a['train_memory_mib']:.0f}",
             f"{b['train_memory_mib']:.0f}",
             f"+{overhead:.2f} MiB ({100 * overhead / a['train_memory_mib']:.3f}%)",
+            *(
+                (f"{a['step_seconds']:.4f}", f"{b['step_seconds']:.4f}", f"{b['step_seconds'] / a['step_seconds']:.3f}")
+                if args.time
+                else ()
+            ),
         )
     console.print(table)
     console.print(f"memory: {rows[0][0]['memory_method']} on {rows[0][0]['device']}")
+    if args.time:
+        console.print(
+            f"time: median of {args.time} training steps each, without and with JASCL taking turns (after 2 warm-up "
+            f"steps), on {rows[0][0]['time_device']}, batch {args.batch_size}"
+        )
     return 0
