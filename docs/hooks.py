@@ -41,8 +41,8 @@ def _defaults() -> str:
     from jascl.engine.plugin import EVENTS, Plugin
 
     rows = ["| default plugin | events | what it does |", "|---|---|---|"]
-    for cls in (defaults.ClassifierGrowth, defaults.SupervisedLoss, defaults.StorePrototypes, defaults.Evaluation,
-                defaults.SessionCheckpoint):
+    for cls in (defaults.ClassifierGrowth, defaults.SupervisedLoss, defaults.ModelSelection, defaults.StorePrototypes,
+                defaults.Evaluation, defaults.SessionCheckpoint):
         events = [e for e in EVENTS if getattr(cls, e) is not getattr(Plugin, e)]
         doc = inspect.getdoc(cls).split("\n\n")[0]
         rows.append(f"| `{cls.name}` | {', '.join(f'`{e}`' for e in events)} | {_cell(doc)} |")

@@ -414,6 +414,22 @@ def test_paper_protocol_facts():
     assert [len(s.new_classes) for s in get_protocol("natural-ss").sessions] == [10, 2, 2, 3]
     assert [s.unlabelled for s in get_protocol("med-ss").sessions] == [0, 25, 30, 8, 15, 20]
     assert [s.unlabelled_per_class for s in get_protocol("natural-ss").sessions] == [0, 400, 400, 400]
+    # validation samples per class: the smallest count of the "Val" column of the paper's split tables per session
+    validation = {
+        "med-disjoint": [17, 26, 4, 4, 4, 5],
+        "med-ss": [17, 26, 4, 4, 4, 5],
+        "med-mixed": [55, 4, 4, 4, 4],
+        "natural": [189, 3, 3],
+        "natural-cdil": [189, 3, 3],
+        "natural-cil": [189, 3],
+        "natural-dil": [189, 3],
+        "natural-ss": [189, 3, 3, 3],
+        "surgery": [154, 4, 15],
+    }
+    for name in expected:
+        p = get_protocol(name)
+        assert [s.validation for s in p.sessions] == validation.get(name, [0] * len(p.sessions)), name
+        assert p.training.get("model_selection", "last") == ("best_val_new" if name in validation else "last"), name
     # recurring classes keep their global ids in the new domain
     mixed = get_protocol("med-mixed")
     assert mixed.sessions[2].recurring_classes == (2, 3, 7)
@@ -553,6 +569,10 @@ def _run_end_to_end(name, tmp_path):
         datasets = {src.dataset for src in s.sources}
         assert entry["train"] and all(ref.split("/", 1)[0] in datasets for ref in entry["train"] + entry["test"])
         assert not set(entry["train"]) & set(entry["test"])
+        validation = set(entry.get("validation", []))  # none when the tiny copy has no sample to spare
+        assert not validation & (set(entry["train"]) | set(entry["test"]) | set(entry.get("unlabelled") or []))
+    for s, record in zip(protocol.sessions, records):  # the paper's protocols keep the best validation epoch
+        assert (record.get("selection") or {}).get("mode") == ("best_val_new" if s.validation else None), (name, s)
     return protocol, roots, manifest
 
 

@@ -66,6 +66,7 @@ class CheckReport:
             out.append(
                 f"  {s['session']} {s['name']} [{', '.join(s['domains'])}]: classes {', '.join(s['classes'])}; "
                 f"shots {s['shots']}; labelled {s['labelled']}, unlabelled {s['unlabelled']}, test {s['test']}"
+                + (f", validation {s['validation']}" if s.get("validation") else "")
             )
         out += [f"warning: {w}" for w in self.warnings]
         out += [f"error: {p}" for p in self.problems]

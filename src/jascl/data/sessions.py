@@ -2,9 +2,10 @@
 
 A protocol (synthetic or on local copies of public datasets), its roots and an
 optional split manifest become one :class:`~jascl.data.types.SessionData` per
-session: labelled K-shot ``train``, ``test`` and the unlabelled pool with the
-protocol's noise schedule. The K-shot manifest of what was chosen is written by
-:func:`write_manifest` and checked across ranks by :func:`check_same_samples`.
+session: labelled K-shot ``train``, ``test``, the unlabelled pool with the
+protocol's noise schedule and the ``validation`` samples of model selection. The
+K-shot manifest of what was chosen is written by :func:`write_manifest` and
+checked across ranks by :func:`check_same_samples`.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def _check_synthetic_manifest(protocol: Protocol, data: Sequence[SessionData], p
             f"{manifest.get('seed')} to reuse them"
         )
     for d, entry in zip(data, manifest["sessions"]):
-        for split in ("train", "test", "unlabelled"):
+        for split in ("train", "test", "unlabelled", "validation"):
+            if split == "validation" and split not in entry:  # a manifest written before validation samples
+                continue
             ours = getattr(d, split)
             theirs = entry.get(split)
             if (ours.ids if ours is not None else None) != theirs:

@@ -18,6 +18,11 @@ training label policy of :mod:`jascl.data.datasets` hides untaught classes):
   for measuring pseudo-label quality only).
 * ``test``: images with objects of the session's classes only, so every class
   is measured in the domain(s) where it was taught.
+* ``validation`` (``validation`` > 0): that many images per taught class, each with
+  one or two instances of it and, like ``test``, no other class; for model selection.
+
+Every sample is drawn from its own random stream, seeded by (seed, session, split
+name, index), so adding validation samples leaves the other splits bit-identical.
 
 Training and unlabelled images also contain up to ``distractors`` objects of
 classes introduced in *earlier* sessions, rendered in the new domain: as in the
@@ -250,7 +255,11 @@ class SyntheticRenderer:
         pool_plan: list[int | None] = [None] * session.unlabelled
         pool_plan += [c for c in session.classes for _ in range(session.unlabelled_per_class)]
         unlabelled = self._split(session, "unlabelled", pool_plan, distractors=True) if pool_plan else None
-        return SessionData(session, train, test, unlabelled)
+        validation = None
+        if session.validation:
+            val_plan: list[int | None] = [c for c in session.classes for _ in range(session.validation)]
+            validation = self._split(session, "validation", val_plan, distractors=False)
+        return SessionData(session, train, test, unlabelled, validation)
 
 
 # ----------------------------------------------------------------------- caching
@@ -281,6 +290,8 @@ def protocol_digest(protocol: Protocol) -> str:
             for s in protocol.sessions
         ],
     }
+    if any(s.validation for s in protocol.sessions):  # only then: the caches of earlier protocols stay valid
+        payload["validation"] = [s.validation for s in protocol.sessions]
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=list).encode()).hexdigest()[:12]
 
 
@@ -289,9 +300,12 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("JASCL_CACHE", Path.home() / ".cache" / "jascl"))
 
 
+_SPLITS = ("train", "test", "unlabelled", "validation")
+
+
 def _save_npz(path: Path, data: SessionData) -> None:
     arrays: dict[str, np.ndarray] = {}
-    for name in ("train", "test", "unlabelled"):
+    for name in _SPLITS:
         split: Split | None = getattr(data, name)
         if split is None:
             continue
@@ -305,12 +319,12 @@ def _load_npz(path: Path, session: SessionSpec) -> SessionData:
     try:
         with np.load(path, allow_pickle=False) as z:
             splits = {}
-            for name in ("train", "test", "unlabelled"):
+            for name in _SPLITS:
                 if f"{name}_images" in z:
                     splits[name] = Split(z[f"{name}_images"], z[f"{name}_labels"], [str(i) for i in z[f"{name}_ids"]])
     except (OSError, ValueError, KeyError) as exc:
         raise DataError(f"{path}: corrupt cache file ({exc}); delete it and rerun") from None
-    return SessionData(session, splits["train"], splits["test"], splits.get("unlabelled"))
+    return SessionData(session, splits["train"], splits["test"], splits.get("unlabelled"), splits.get("validation"))
 
 
 def load_or_generate(

@@ -34,9 +34,11 @@ class Split:
 
 @dataclass
 class SessionData:
-    """The data of one session: labelled ``train``, ``test`` and an optional ``unlabelled`` pool."""
+    """The data of one session: labelled ``train``, ``test``, an optional ``unlabelled`` pool and optional
+    labelled ``validation`` samples (``SessionSpec.validation`` per class; model selection only, never trained on)."""
 
     session: SessionSpec
     train: Split
     test: Split
     unlabelled: Split | None = None
+    validation: Split | None = None

@@ -23,6 +23,7 @@ EVAL_MODES = ("sliding-window", "authors")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "poly")
 PRECISIONS = ("auto", "fp32", "bf16")
+MODEL_SELECTIONS = ("last", "best_val_new", "best_val_all")
 
 
 @dataclass
@@ -57,6 +58,14 @@ class RunConfig:
             paper's class-wise tables average foreground classes only, the default).
         eval_mc_samples: 0 = deterministic evaluation; N > 0 averages softmax over N GAS noise draws.
         sw_batch_size / sw_overlap: sliding-window inference options.
+        model_selection: which epoch's model ends a session: "last", or the epoch with the best
+            validation score (the protocol's ``validation`` samples, :class:`jascl.engine.defaults.ModelSelection`):
+            "best_val_new" (mean Dice of the session's own classes on its validation samples, as the
+            authors chose the checkpoint) or "best_val_all" (mean Dice of every seen foreground class on
+            the validation samples of every session so far). A session without validation samples
+            keeps its last epoch, with a warning.
+        validate_every: with a best-validation ``model_selection``, score every N epochs (and always
+            after the last).
         device: "auto", "cpu", "cuda", "cuda:1", ...
         seed: training seed (None = the protocol's seed).
         threads: torch CPU threads (0 = leave torch's default).
@@ -109,6 +118,8 @@ class RunConfig:
     eval_mc_samples: int = 0
     sw_batch_size: int = 4
     sw_overlap: float = 0.25
+    model_selection: str = "last"
+    validate_every: int = 1
     device: str = "auto"
     seed: int | None = None
     threads: int = 0
@@ -152,6 +163,10 @@ class RunConfig:
             raise bad("eval_mc_samples", f"must be >= 0 (got {self.eval_mc_samples})")
         if not 0 <= self.sw_overlap < 1:
             raise bad("sw_overlap", f"must be in [0, 1) (got {self.sw_overlap})")
+        if self.model_selection not in MODEL_SELECTIONS:
+            raise bad("model_selection", f"must be one of {', '.join(MODEL_SELECTIONS)} (got {self.model_selection!r})")
+        if self.validate_every < 1:
+            raise bad("validate_every", f"must be >= 1 epoch (got {self.validate_every})")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise bad("seed", f"must be a non-negative integer or null (got {self.seed!r})")
         if self.threads < 0:

@@ -11,6 +11,9 @@ name                   event           what it does
 ``classifier-growth``  setup_model     appends the session's new classes' classifier rows, imprinted
                                        from their eq. 2 prototypes (old rows kept bit-exactly)
 ``supervised-loss``    after_forward   ``losses["seg"]``: DiceCE on the labelled batch (ignore-aware)
+``model-selection``    after_epoch,    with ``model_selection`` best_val_*: scores the validation samples every
+                       after_training  ``validate_every`` epochs, keeps the best epoch's weights and loads them
+                                       after training; ``selection`` in the record
 ``prototypes``         before_eval     eq. 2 prototypes of the session's classes into the store
 ``evaluation``         evaluate        every test split so far, over all seen classes; the record
 ``checkpoint``         save_session    model, prototypes, plugins' extra state, ``metrics.json``
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
@@ -35,6 +39,7 @@ from jascl.engine.plugin import Method, Plugin
 from jascl.evaluation.evaluator import EvalResult, evaluate
 from jascl.evaluation.metrics import harmonic_mean, summarise
 from jascl.fileio import atomic_write_text
+from jascl.networks.base import eval_mode
 from jascl.protocols.schema import Protocol
 
 if TYPE_CHECKING:
@@ -190,6 +195,154 @@ class Evaluation(Plugin):
         state.eval_session = None
         state.metrics["eval"] = result
         state.record = session_record(state.protocol, t, result, cfg.background_in_mean)
+
+
+class ModelSelection(Plugin):
+    """With ``model_selection`` best_val_new / best_val_all: the session ends with its best-validation epoch.
+
+    Every ``validate_every`` epochs and after the last one, ``after_epoch`` scores the model on validation
+    samples (the protocol's ``validation`` per class) with the evaluator in the run's ``eval_mode``,
+    deterministically (no GAS noise, whatever ``eval_mc_samples`` says), over the seen classes, and keeps
+    its weights (state dict, on the CPU) when the score beats the best so far (ties: the earlier epoch; a
+    NaN score never wins). ``after_training`` loads the kept weights into the model, so prototypes, the
+    method's own ``after_training`` and the evaluation see the selected model, and adds
+    ``selection: {mode, epoch, score, kept, history: [[epoch, score], ...]}`` to the session's record
+    (``kept``: "best validation", or "last epoch" when nothing could be scored).
+
+    Scores (Dice, as the authors selected their checkpoints, whatever the protocol's headline metric):
+
+    * ``best_val_new``: mean Dice of the session's own classes (new, and recurring ones taught again in a
+      new domain, which the authors' code gives new ids) on the session's validation samples;
+    * ``best_val_all``: mean Dice of every seen foreground class on the validation samples of every
+      session so far.
+
+    Validation scores the model as it trains; ``before_eval_split`` is not fired (a method with
+    per-domain parameters, MDIL, is scored with the current domain's). The kept weights, best score,
+    best epoch and history are the plugin's :meth:`state_dict`, saved in the in-session checkpoint (which
+    then holds a second copy of the model), so a resumed session selects exactly as an uninterrupted one.
+    Scoring draws no random numbers and changes no weights: the epochs train as with "last". A session
+    without validation samples (or whose scores are all NaN) keeps its last epoch, with one warning. With
+    ``model_selection: last`` the plugin does nothing.
+
+    Args:
+        data: every session's data (the validation splits are read).
+        autocast: the run's precision context.
+    """
+
+    name = "model-selection"
+
+    def __init__(self, data: Sequence[SessionData], autocast: Callable[[], AbstractContextManager]) -> None:
+        self.data = data
+        self.autocast = autocast
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.best_epoch: int | None = None
+        self.best_score: float | None = None
+        self.history: list[list] = []
+
+    def state_dict(self) -> dict:
+        return {
+            "best_state": self.best_state,
+            "best_epoch": self.best_epoch,
+            "best_score": self.best_score,
+            "history": [list(h) for h in self.history],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_state = state.get("best_state")
+        self.best_epoch = state.get("best_epoch")
+        self.best_score = state.get("best_score")
+        self.history = [list(h) for h in state.get("history", [])]
+
+    def splits(self, state: LoopState) -> list:
+        """The validation splits scored in session ``state.session`` (none: the last epoch is kept)."""
+        t = state.session.index
+        sessions = [t] if state.config.model_selection == "best_val_new" else range(t + 1)
+        return [
+            s.validation for s in (self.data[i] for i in sessions) if s.validation is not None and len(s.validation)
+        ]
+
+    def before_session(self, state: LoopState) -> None:
+        self.best_state, self.best_epoch, self.best_score, self.history = None, None, None, []
+        if state.config.model_selection != "last" and not self.splits(state):
+            log.warning(
+                "%s session %d (%s): model_selection=%s, but there are no validation samples (the protocol's "
+                "'validation' per class); the session keeps its last epoch",
+                state.method_name,
+                state.session.index,
+                state.session.name,
+                state.config.model_selection,
+            )
+
+    def score(self, state: LoopState, splits: list) -> float:
+        """The selection score of the current model (NaN when none of its classes is in the validation samples)."""
+        cfg, t = state.config, state.session.index
+        with eval_mode(state.model), state.autocast():
+            result = evaluate(
+                state.model,
+                splits,
+                state.seen,
+                state.device,
+                mode=cfg.eval_mode,
+                roi=cfg.patch_size,
+                batch_size=cfg.batch_size,
+                sw_batch_size=cfg.sw_batch_size,
+                overlap=cfg.sw_overlap,
+                mc_samples=0,
+                seed=state.seed + t,
+            )
+        if cfg.model_selection == "best_val_new":
+            return summarise(result.dice, [], state.session.classes)["new"]
+        return summarise(result.dice, [c for c in state.seen if c != 0], [])["all"]
+
+    def after_epoch(self, state: LoopState) -> None:
+        cfg = state.config
+        if cfg.model_selection == "last":
+            return
+        splits = self.splits(state)
+        epochs = cfg.epochs_base if state.session.index == 0 else cfg.epochs_incremental
+        if not splits or ((state.epoch + 1) % cfg.validate_every and state.epoch != epochs - 1):
+            return
+        score = self.score(state, splits)
+        self.history.append([state.epoch, score])
+        if math.isfinite(score) and (self.best_score is None or score > self.best_score):
+            self.best_score, self.best_epoch = score, state.epoch
+            self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in state.model.state_dict().items()}
+        log.info(
+            "%s session %d epoch %d: validation %s %.4f (best %s at epoch %s)",
+            state.method_name,
+            state.session.index,
+            state.epoch,
+            cfg.model_selection,
+            score,
+            "-" if self.best_score is None else f"{self.best_score:.4f}",
+            self.best_epoch,
+        )
+
+    def after_training(self, state: LoopState) -> None:
+        cfg = state.config
+        if cfg.model_selection == "last":
+            return
+        epochs = cfg.epochs_base if state.session.index == 0 else cfg.epochs_incremental
+        if self.best_state is not None:
+            state.model.load_state_dict(self.best_state)
+            self.best_state = None  # the weights are the model's now
+            epoch, score, kept = self.best_epoch, self.best_score, "best validation"
+        else:
+            if self.history:
+                log.warning(
+                    "%s session %d: no finite validation score (none of the scored classes is in the validation "
+                    "samples); the session keeps its last epoch",
+                    state.method_name,
+                    state.session.index,
+                )
+            epoch, score, kept = (epochs - 1 if epochs else None), None, "last epoch"
+        state.report["selection"] = {
+            "mode": cfg.model_selection,
+            "epoch": epoch,
+            "score": score,
+            "kept": kept,
+            "history": self.history,
+        }
 
 
 class SessionCheckpoint(Plugin):

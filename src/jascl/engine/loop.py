@@ -1,6 +1,6 @@
 """The one training loop. Methods are plugins on its named events (``jascl.engine.plugin``); what the loop does
-for every method (supervised loss, classifier growth, prototypes, evaluation, checkpoints) are default plugins
-(``jascl.engine.defaults``) a method can replace."""
+for every method (supervised loss, classifier growth, model selection, prototypes, evaluation, checkpoints) are
+default plugins (``jascl.engine.defaults``) a method can replace."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from jascl.engine.defaults import (
     PROGRESS,
     ClassifierGrowth,
     Evaluation,
+    ModelSelection,
     SessionCheckpoint,
     StorePrototypes,
     SupervisedLoss,
@@ -63,7 +64,7 @@ class ContinualTrainer:
 
     Each session is a sequence of events (:mod:`jascl.engine.plugin`) fired on the
     loop's default plugins (:mod:`jascl.engine.defaults`: classifier growth, the
-    supervised loss, prototypes, evaluation, checkpoint) and then on the method's;
+    supervised loss, model selection, prototypes, evaluation, checkpoint) and then on the method's;
     between them the loop applies the freezing policy, builds the optimiser, runs
     the epochs and keeps the in-session checkpoint (:mod:`jascl.engine.progress`).
 
@@ -108,12 +109,15 @@ class ContinualTrainer:
         defaults = [
             ClassifierGrowth(),
             SupervisedLoss(config.lambda_ce, config.lambda_dice),
+            ModelSelection(data, self.autocast),
             StorePrototypes(),
             Evaluation(data, self.autocast, progress),
             SessionCheckpoint(self.method, self.checkpoint_meta),
         ]
         #: what the loop fires: the defaults the method does not replace, then the method's plugins
         self.plugins = self.method.compose(defaults)
+        #: the defaults in use (their in-session state is checkpointed beside the method's plugins')
+        self.defaults = [d for d in defaults if any(d is p for p in self.plugins)]
         # per event, only the plugins that handle it: a step fires 8 events, most plugins handle few of them
         self._handlers = {
             event: [getattr(p, event) for p in self.plugins if getattr(type(p), event) is not getattr(Plugin, event)]
@@ -309,7 +313,10 @@ class ContinualTrainer:
         step_checkpoints = self._step_checkpoints(t, blockers)
         alone = not distributed.active()  # one process acts on a stop signal at once, several at sync points
         progress = SessionProgress(
-            out_dir / PROGRESS, self.method, {**self.checkpoint_meta(t), "session": t, "method": self.method.name}
+            out_dir / PROGRESS,
+            self.method,
+            {**self.checkpoint_meta(t), "session": t, "method": self.method.name},
+            self.defaults,
         )
         resume = progress.restore(state, loader)
         if resume is not None:

@@ -19,8 +19,9 @@ for every session::
 What the loop does for every method is itself done by *default plugins*
 (:mod:`jascl.engine.defaults`), fired before the method's own on each event: the
 supervised loss ("supervised-loss"), classifier growth with prototype imprinting
-("classifier-growth"), the prototype store ("prototypes"), evaluation
-("evaluation") and the session checkpoint ("checkpoint"). A method that needs
+("classifier-growth"), model selection on validation samples ("model-selection"),
+the prototype store ("prototypes"), evaluation ("evaluation") and the session
+checkpoint ("checkpoint"). A method that needs
 another policy lists the default's name in :attr:`Plugin.replaces` and does the
 work itself, instead of undoing what the default did.
 

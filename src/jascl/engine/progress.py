@@ -1,7 +1,8 @@
 """In-session checkpoints: write, restore and synchronise a session's training state.
 
 ``progress.safetensors`` in a session folder holds everything the rest of the
-session depends on (model, optimiser, plugin states, the labelled loader's
+session depends on (model, optimiser, the method's and the loop's default plugins'
+states, e.g. the model selection's best weights so far, the labelled loader's
 position, random number generators, scalar metrics), after an epoch or, with
 ``checkpoint_steps``, after a step inside one. A session that finds it continues
 from there with bit-identical results on the same machine and thread count.
@@ -21,7 +22,7 @@ from torch.utils.data import DataLoader
 from jascl import distributed
 from jascl.data.sampling import SeededBatchSampler
 from jascl.engine.checkpoint import load_progress, save_progress
-from jascl.engine.plugin import Method
+from jascl.engine.plugin import Method, Plugin
 from jascl.engine.snapshot import load_module_state, module_state, rng_state, set_rng_state
 from jascl.engine.state import LoopState
 from jascl.engine.stop import REQUEST, Stopped
@@ -60,12 +61,15 @@ class SessionProgress:
         path: the session folder's ``progress.safetensors``.
         method: the method (its plugins' states are saved).
         meta: what the checkpoint must match to be loaded (protocol, backbone, classes, session, method).
+        defaults: the loop's default plugins in use (their states are saved by name; a checkpoint
+            written before they were saved restores none).
     """
 
-    def __init__(self, path: Path, method: Method, meta: dict) -> None:
+    def __init__(self, path: Path, method: Method, meta: dict, defaults: Sequence[Plugin] = ()) -> None:
         self.path = path
         self.method = method
         self.meta = meta
+        self.defaults = list(defaults)
         #: where the last checkpoint of this session was taken (None: none yet)
         self.saved: str | None = None
 
@@ -84,6 +88,7 @@ class SessionProgress:
             "model": module_state(state.model),
             "optimizer": state.optimizer.state_dict(),
             "plugins": self.method.state_dict(),
+            "defaults": {p.name: p.state_dict() for p in self.defaults},
             "loader": _sampler(loader).state_dict(),
             "rng": rng_state(),
             "metrics": metrics,
@@ -111,6 +116,10 @@ class SessionProgress:
         load_module_state(state.model, payload["model"])
         state.optimizer.load_state_dict(payload["optimizer"])
         self.method.load_state_dict(payload["plugins"])
+        saved_defaults = payload.get("defaults", {})
+        for plugin in self.defaults:
+            if plugin.name in saved_defaults:
+                plugin.load_state_dict(saved_defaults[plugin.name])
         _sampler(loader).load_state_dict(payload["loader"])
         set_rng_state(payload["rng"])
         state.iteration = int(payload["iteration"])

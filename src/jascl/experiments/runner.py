@@ -50,7 +50,7 @@ from jascl.evaluation.metrics import per_class_forgetting, total_drop
 from jascl.fileio import atomic_write_text
 from jascl.methods.presets import jascl_options
 from jascl.methods.registry import check_method_args, create_method, resolved_options
-from jascl.protocols.schema import Protocol
+from jascl.protocols.schema import Protocol, SessionSpec
 from jascl.results.report import write_all
 
 log = logging.getLogger("jascl")
@@ -173,6 +173,12 @@ def check_reusable(out: Path, config: RunConfig, protocol: Protocol) -> None:
     if resolved.exists():
         old_p = json.loads(resolved.read_text())
         new_p = json.loads(json.dumps(dataclasses.asdict(protocol), default=list))
+        # a session key added to jascl later (e.g. validation) holds its default in a folder written before
+        defaults = {f.name: f.default for f in dataclasses.fields(SessionSpec) if f.default is not dataclasses.MISSING}
+        for entry in old_p.get("sessions") or []:
+            if isinstance(entry, dict):
+                for key, value in json.loads(json.dumps(defaults, default=list)).items():
+                    entry.setdefault(key, value)
         changed = sorted(
             k for k in set(old_p) | set(new_p) if k not in ("path", "file") and old_p.get(k) != new_p.get(k)
         )

@@ -53,6 +53,7 @@ _SESSION_KEYS = {
     "test",
     "unlabelled",
     "unlabelled_per_class",
+    "validation",
     "source",
     "other_classes",
     "sources",
@@ -292,6 +293,7 @@ def _parse_session(
         test = r.integer(e.get("test", 1), f"{key}.test", minimum=1)
     unlabelled = r.integer(e.get("unlabelled", 0), f"{key}.unlabelled", minimum=0)
     per_class = r.integer(e.get("unlabelled_per_class", 0), f"{key}.unlabelled_per_class", minimum=0)
+    validation = r.integer(e.get("validation", 0), f"{key}.validation", minimum=0)
     if on_datasets:
         if "source" in e:
             raise r.fail(f"{key}.source", "does not apply to a session with 'sources'; remove it")
@@ -312,6 +314,7 @@ def _parse_session(
         test=test,
         unlabelled=unlabelled,
         unlabelled_per_class=per_class,
+        validation=validation,
         source=source,
         other_classes=other,
         sources=sources,

@@ -72,6 +72,11 @@ class SessionSpec:
         unlabelled: size of the unlabelled pool drawn from the session's domain (0 = none).
         unlabelled_per_class: additional unlabelled samples per taught class, each
             showing that class (as in Semi-Supervised Natural-JASCL).
+        validation: labelled validation samples per taught class (0 = none), for model selection
+            (``RunConfig.model_selection``); never among the session's training or test samples.
+            Synthetic sessions render this many samples per class; sessions on datasets take, per
+            class, at least this many samples containing it from the training pool (the paper's
+            "Val" columns, e.g. "3 validation samples per class" in Natural-JASCL).
         source: data source ("synthetic", "datasets" when ``sources`` are given, or
             another free-form name for data passed in by the caller).
         other_classes: what the training labels of classes not taught in this
@@ -92,6 +97,7 @@ class SessionSpec:
     test: int | None = 1
     unlabelled: int = 0
     unlabelled_per_class: int = 0
+    validation: int = 0
     source: str = "synthetic"
     other_classes: str = "background"
     sources: tuple[SourceSpec, ...] = ()

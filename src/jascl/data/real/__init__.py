@@ -18,7 +18,8 @@ one :class:`~jascl.data.types.SessionData` per session, in four steps, one modul
 3. **Selection** (:func:`plan_sessions`): seeded (the protocol's seed, 1024 by
    default as the authors used) K-shot selection that guarantees at least K
    labelled samples containing each class the session teaches
-   (:func:`select_k_shot`), test samples containing the session's classes, and
+   (:func:`select_k_shot`), validation samples (``validation`` per class, from the
+   training pool, never trained on), test samples containing the session's classes, and
    unlabelled pools (``unlabelled`` in total and/or ``unlabelled_per_class``) from
    the remaining training samples and label-less records. Samples already used by
    an earlier session are taken last, so sessions drawing on one dataset get
@@ -127,7 +128,8 @@ def load_real(
             if plan.unlabelled is not None
             else None
         )
-        data.append(SessionData(session, train, test, unlabelled))
+        validation = lazy_split(store, plan.validation, luts, protocol) if plan.validation else None
+        data.append(SessionData(session, train, test, unlabelled, validation))
     return data, manifest_dict(protocol, data, resolved)
 
 

@@ -1,5 +1,10 @@
 """K-shot manifests: the sample ids of every split of every session, written into each run folder and reusable
-(``--split-manifest``) so that two runs see exactly the same few shots."""
+(``--split-manifest``) so that two runs see exactly the same few shots.
+
+A session entry lists ``train``, ``test``, ``unlabelled`` (when the session has a pool) and ``validation`` (when it
+has validation samples). Manifests written before validation samples existed have no ``validation`` lists and
+still load: their sessions then have no validation samples (model selection keeps the last epoch, with a warning).
+"""
 
 from __future__ import annotations
 
@@ -42,6 +47,8 @@ def manifest_dict(protocol: Protocol, data: Sequence[SessionData], roots: Mappin
             entry["sources"] = [{"dataset": src.dataset, "classes": list(src.classes)} for src in s.sources]
         if d.unlabelled is not None:
             entry["unlabelled"] = list(d.unlabelled.ids)
+        if d.validation is not None:
+            entry["validation"] = list(d.validation.ids)
         manifest["sessions"].append(entry)
     return manifest
 
@@ -85,6 +92,14 @@ def load_manifest(path: str | Path, protocol: Protocol) -> dict:
                 f"{p}: sessions[{s.index}] ({s.name}) unlabelled pool does not match the protocol's "
                 f"(unlabelled={s.unlabelled}, unlabelled_per_class={s.unlabelled_per_class}); {fix}"
             )
+        validation = entry.get("validation")
+        if validation is not None and not isinstance(validation, list):
+            raise DataError(f"{p}: sessions[{s.index}].validation must be a list of sample ids; {fix}")
+        if validation is not None and not s.validation:
+            raise DataError(
+                f"{p}: sessions[{s.index}] ({s.name}) lists validation samples, the protocol asks for none "
+                f"(validation=0); {fix}"
+            )
     return m
 
 
@@ -96,7 +111,7 @@ def plans_from_manifest(
     test_ids = {ref for e in manifest["sessions"] for ref in e["test"]}
     for s, entry in zip(protocol.sessions, manifest["sessions"]):
         allowed = {src.dataset for src in s.sources}
-        splits = {k: entry.get(k) for k in ("train", "test", "unlabelled")}
+        splits = {k: entry.get(k) for k in ("train", "test", "unlabelled", "validation")}
         for split, refs in splits.items():
             for ref in refs or []:
                 try:
@@ -122,6 +137,11 @@ def plans_from_manifest(
                         f"{source_path}: sessions[{s.index}].{split}: {ref} is also a test sample; "
                         "the manifest mixes training and test data"
                     )
+                if split == "validation" and ref in set(splits["train"] or ()) | set(splits["unlabelled"] or ()):
+                    raise DataError(
+                        f"{source_path}: sessions[{s.index}].validation: {ref} is also a training sample of the "
+                        "session; the manifest mixes training and validation data"
+                    )
         plans.append(
             SessionPlan(
                 s.index,
@@ -129,6 +149,7 @@ def plans_from_manifest(
                 list(entry["train"]),
                 list(entry["test"]),
                 list(entry["unlabelled"]) if entry.get("unlabelled") is not None else None,
+                validation=list(entry["validation"]) if entry.get("validation") is not None else None,
             )
         )
     return plans

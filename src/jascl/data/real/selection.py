@@ -1,5 +1,12 @@
-"""Seeded K-shot selection: the labelled, test and unlabelled samples of every session (a plan), with at least K
-labelled samples containing each class taught, and samples an earlier session used taken last."""
+"""Seeded K-shot selection: the labelled, validation, test and unlabelled samples of every session (a plan), with
+at least K labelled samples containing each class taught, and samples an earlier session used taken last.
+
+Validation samples (``SessionSpec.validation`` V > 0) are labelled samples of the training pool, at least V
+containing each taught class (:func:`select_k_shot`), never among the session's training, test or unlabelled
+samples: in a K-shot session they are taken after the K shots and the unlabelled pool (which stay those of
+V = 0); in a session with ``shots: all`` they are taken first, at most half of the samples showing its classes,
+and training gets the rest (else an uncapped base session would leave none).
+"""
 
 from __future__ import annotations
 
@@ -49,7 +56,7 @@ def select_k_shot(
 
 @dataclass
 class SessionPlan:
-    """Sample ids (``<dataset>/<record id>``) of one session's splits."""
+    """Sample ids (``<dataset>/<record id>``) of one session's splits (``validation``: None when none is asked)."""
 
     session: int
     name: str
@@ -57,6 +64,7 @@ class SessionPlan:
     test: list[str]
     unlabelled: list[str] | None
     shortfalls: list[str] = field(default_factory=list)
+    validation: list[str] | None = None
 
 
 def _ref(dataset: str, rid: str) -> str:
@@ -121,11 +129,38 @@ def plan_sessions(
             natives = class_natives[c].get(d)
             return natives is not None and bool(natives) and sources[d].contains(rid, natives)
 
-        # --- labelled training samples
+        def classes_in(ref: str) -> set[int]:
+            return {c for c in session.classes if contains_class(ref, c)}
+
+        shortfalls: list[str] = []
+
+        def draw_validation(order: list[str], taken: set[str], limit: int | None = None) -> list[str]:
+            """At least ``session.validation`` samples of ``order`` (minus ``taken``) containing each class, at most
+            ``limit`` in all (the rarest classes' first)."""
+            cands = {c: [r for r in order if r not in taken and contains_class(r, c)] for c in session.classes}
+            chosen, _ = select_k_shot(cands, classes_in, session.validation)
+            chosen = chosen[:limit]
+            counts = {c: sum(contains_class(r, c) for r in chosen) for c in session.classes}
+            for c in session.classes:
+                if counts[c] < session.validation:
+                    shortfalls.append(
+                        f"class {c} ({protocol.class_name(c)}) is in only {counts[c]} validation sample(s), fewer "
+                        f"than validation={session.validation} (the training pool has no more to spare); lower "
+                        "'validation' or add data"
+                    )
+            return chosen
+
+        # --- labelled training samples (and validation samples)
         pool = [_ref(src.name, r) for _, src in srcs for r in src.train_pool if r not in src.excluded]
         pool_order = ordered(pool, used_train)
+        validation: list[str] | None = None
         if session.shots is None:
-            train = [r for r in pool_order if any(contains_class(r, c) for c in session.classes)]
+            eligible = [r for r in pool_order if any(contains_class(r, c) for c in session.classes)]
+            held: set[str] = set()
+            if session.validation:  # first, at most half the eligible samples (a small copy keeps training data)
+                validation = draw_validation(pool_order, set(), limit=len(eligible) // 2)
+                held = set(validation)
+            train = [r for r in eligible if r not in held]
             if session.train is not None:
                 train = train[: session.train]
             if not train:
@@ -135,9 +170,7 @@ def plan_sessions(
                 )
         else:
             candidates = {c: [r for r in pool_order if contains_class(r, c)] for c in session.classes}
-            train, counts = select_k_shot(
-                candidates, lambda r: {c for c in session.classes if contains_class(r, c)}, session.shots
-            )
+            train, counts = select_k_shot(candidates, classes_in, session.shots)
             for c in session.classes:
                 if counts[c] < session.shots:
                     fail(
@@ -162,18 +195,15 @@ def plan_sessions(
             )
         # --- unlabelled pool
         unlabelled: list[str] | None = None
-        shortfalls: list[str] = []
         if session.unlabelled or session.unlabelled_per_class:
-            taken = set(train)
+            taken = set(train) | set(validation or ())
             rest = [r for r in pool if r not in taken]
             rest += [_ref(src.name, r) for _, src in srcs for r in src.label_free if r not in src.excluded]
             rest_order = ordered(rest, used_train)
             unlabelled = []
             if session.unlabelled_per_class:
                 cands = {c: [r for r in rest_order if contains_class(r, c)] for c in session.classes}
-                unlabelled, counts = select_k_shot(
-                    cands, lambda r: {c for c in session.classes if contains_class(r, c)}, session.unlabelled_per_class
-                )
+                unlabelled, counts = select_k_shot(cands, classes_in, session.unlabelled_per_class)
                 for c in session.classes:
                     if counts[c] < session.unlabelled_per_class:
                         shortfalls.append(
@@ -192,9 +222,11 @@ def plan_sessions(
                     f"{', '.join(src.name for _, src in srcs)} has samples left beyond the labelled shots; "
                     "add unlabelled data (e.g. imagesTs/) or set unlabelled: 0"
                 )
-            for s in shortfalls:
-                echo(f"[data] warning: session {t} ({session.name}): {s}")
-        for ref in train + (unlabelled or []):
+        if session.validation and session.shots is not None:  # after the shots and the pool, which stay those of V = 0
+            validation = draw_validation(pool_order, set(train) | set(unlabelled or ()))
+        for s in shortfalls:
+            echo(f"[data] warning: session {t} ({session.name}): {s}")
+        for ref in train + (validation or []) + (unlabelled or []):
             d, rid = split_ref(ref)
             used_train[d].add(rid)
         for ref in test:
@@ -208,6 +240,7 @@ def plan_sessions(
                 sorted(test),
                 sorted(unlabelled) if unlabelled is not None else None,
                 shortfalls,
+                sorted(validation) if validation is not None else None,
             )
         )
     return plans
@@ -218,7 +251,7 @@ def _names(protocol: Protocol, classes: Iterable[int]) -> str:
 
 
 def session_summary(protocol: Protocol, plans: Sequence[SessionPlan]) -> list[dict]:
-    """Per session: classes and labelled / unlabelled / test counts (for ``jascl data check``)."""
+    """Per session: classes and labelled / unlabelled / validation / test counts (for ``jascl data check``)."""
     rows = []
     for s, p in zip(protocol.sessions, plans):
         rows.append(
@@ -230,6 +263,7 @@ def session_summary(protocol: Protocol, plans: Sequence[SessionPlan]) -> list[di
                 "shots": "all" if s.shots is None else s.shots,
                 "labelled": len(p.train),
                 "unlabelled": len(p.unlabelled) if p.unlabelled is not None else 0,
+                "validation": len(p.validation) if p.validation is not None else 0,
                 "test": len(p.test),
             }
         )
