@@ -42,9 +42,7 @@ def toy_ss(tmp_path_factory):
     data = load_sessions(protocol, root / "cache", echo=lambda *a: None)
     ensure_base(protocol, config, data, root / "base", progress=False, echo=lambda *a: None)
     keyed = create_method("jascl", config)  # the JASCL family's shared base, trained once for all of them
-    ensure_base(
-        protocol, config, data, root / f"base-{keyed.base_key}", False, lambda *a: None, keyed.base_method()
-    )
+    ensure_base(protocol, config, data, root / f"base-{keyed.base_key}", False, lambda *a: None, keyed.base_method())
     return protocol, config, root
 
 

@@ -187,9 +187,7 @@ def jascl(o: JasclOptions, config: RunConfig) -> Method:
 @_family("jascl-no-unlabelled", "comparison: JASCL ignoring unlabelled pools (GAS + prototype replay)")
 def jascl_no_unlabelled(o: JasclOptions, config: RunConfig) -> Method:
     """GAS + prototype replay, labelled data only."""
-    return Method(
-        "jascl-no-unlabelled", [*_base(o), _gas(o), _replay(o)], "GAS + prototype replay, labelled data only"
-    )
+    return Method("jascl-no-unlabelled", [*_base(o), _gas(o), _replay(o)], "GAS + prototype replay, labelled data only")
 
 
 @_family("jascl-conf", "comparison: JASCL with a confidence-only mean teacher (no prototype check)")

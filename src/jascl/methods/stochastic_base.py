@@ -75,7 +75,9 @@ class LearnedWeightNoise(nn.Module):
 
 def attach_learned_noise(layer: nn.Module, offset: float = OFFSET) -> LearnedWeightNoise:
     """Put the learned noise on ``layer.weight``; returns the parametrization (holds ``s``)."""
-    noise = LearnedWeightNoise(layer.weight.shape, offset).to(layer.weight.device)
+    weight = layer.weight
+    assert isinstance(weight, torch.Tensor)
+    noise = LearnedWeightNoise(weight.shape, offset).to(weight.device)
     parametrize.register_parametrization(layer, "weight", noise)
     return noise
 
