@@ -109,6 +109,13 @@ def test_reproduce_on_a_stand_in_measures_every_cell_from_the_runs(tmp_path):
     csv = (out / "reproduce.csv").read_text().splitlines()
     assert csv[0].startswith("table,row,column,method,published,measured_mean")
     assert len(csv) == 1 + 6
+    # jascl report on the reproduce folder: the table first, then the job's compare folder
+    from jascl.results.html import write_report
+
+    paths = write_report([out], tmp_path / "report", samples=0, echo=lambda *a: None)
+    md = paths["markdown"].read_text()
+    assert md.index("## Published beside measured (jascl reproduce)") < md.index("## Summary")
+    assert "| Future | 0.500 | not registered |" in md and "Not measured: not registered: not-yet" in md
     # a rerun reuses every finished session: the same numbers
     again = run_reproduce(
         table, [3], out, stand_in=True, protocols=[proto], echo=lambda *a: None, progress=False,

@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         "runs",
         nargs="+",
         metavar="RUN_DIR",
-        help="run folder(s) (jascl run --out) or multi-seed folder(s) (jascl compare --out)",
+        help="run folder(s) (jascl run --out), multi-seed folder(s) (jascl compare --out) or jascl reproduce folders",
     )
     report.add_argument("--out", default=None, help="output folder (default RUN_DIR/report)")
     report.add_argument(

@@ -42,6 +42,7 @@ from jascl.fileio import atomic_write_text
 from jascl.paper.tables import Cell, PaperTable
 from jascl.results.records import RunResults
 from jascl.results.report import md_table
+from jascl.results.reproduce_table import PERCENT_METRICS, not_measured, reproduce_table, reproduce_title
 
 #: training hours per session on one GPU, from the paper's compute table ("Computational analysis for
 #: Session 1", JASCL column): Med JASCL-Disjoint 4h 06m (U-Net), Med Semi-Supervised-JASCL 5h 18m
@@ -53,9 +54,6 @@ HOURS_PER_SESSION = {"med": 4.1, "med-ss": 5.3, "natural": 1.72}
 METHOD_ONLY_PREFIXES = ("method_args.", "gas.", "pas.", "components.")
 
 SESSION_METRICS = ("dice", "miou")
-#: metrics published in percent whatever the table's scale: Total Drop, and the PAS retention (the share of
-#: unlabelled pixels whose pseudo-label passes both filters, jascl's pseudo-label ``coverage``)
-PERCENT_METRICS = ("total_drop", "retention")
 STATUS_PLANNED = "planned"
 
 
@@ -458,59 +456,6 @@ def measure(plan: Plan, results: Mapping[str, Mapping[int, RunResults]]) -> dict
     }
 
 
-def _fmt(value: float | None, metric: str, scale: float) -> str:
-    """Printed like the paper: percentages with one decimal, mIoU (scale 100) with two, fractions with three."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "—"
-    if metric in PERCENT_METRICS:
-        return f"{value:.1f}"
-    return f"{value:.2f}" if scale != 1 else f"{value:.3f}"
-
-
-def _fmt_delta(value: float | None, metric: str, scale: float) -> str:
-    text = _fmt(value, metric, scale)
-    if text == "—" or text.startswith("-"):
-        return text
-    return "0" if float(text) == 0 else f"+{text}"
-
-
-def reproduce_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Rows of the paper; per paper column three columns: paper, measured (± std over seeds), Δ."""
-    scale = float(summary.get("scale", 1))
-    n = len(summary.get("seeds", []))
-    columns: list[str] = list(dict.fromkeys(c["column"] for c in summary["cells"]))
-    header = ["Row"]
-    for col in columns:
-        header += [f"{col} paper", f"{col} jascl", f"{col} Δ"]
-    rows: dict[str, list[str]] = {}
-    for c in summary["cells"]:
-        metric = str(c.get("metric") or summary["metric"])
-        row = rows.setdefault(c["row"], [c["row"]] + [""] * (3 * len(columns)))
-        i = 1 + 3 * columns.index(c["column"])
-        row[i] = _fmt(c["published"], metric, scale)
-        if c["status"] == "measured":
-            text = _fmt(c["measured"], metric, scale)
-            row[i + 1] = text + (f" ± {_fmt(c['std'], metric, scale)}" if n > 1 else "")
-            row[i + 2] = _fmt_delta(c["delta"], metric, scale)
-        else:
-            row[i + 1] = c["status"]
-    return header, list(rows.values())
-
-
-def reproduce_title(summary: Mapping[str, Any]) -> str:
-    seeds = summary.get("seeds", [])
-    where = (
-        f"measured on the stand-in benchmark {summary['stand_in']} (the published numbers are a reference, "
-        "not a target)"
-        if summary.get("stand_in")
-        else "measured on the table's protocol"
-    )
-    seed_text = (
-        f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''} ({', '.join(map(str, seeds))})" if seeds else "no seeds"
-    )
-    return f"{summary['table']}: {summary['caption']} · {where} · mean ± std over {seed_text}"
-
-
 def write_reproduce(summary: Mapping[str, Any], out: str | Path) -> dict[str, Path]:
     """Write ``reproduce.md`` (the side-by-side table, skipped cells with reasons, the table's notes),
     ``reproduce.csv`` (one row per cell) and ``reproduce.json``."""
@@ -518,13 +463,9 @@ def write_reproduce(summary: Mapping[str, Any], out: str | Path) -> dict[str, Pa
     out.mkdir(parents=True, exist_ok=True)
     header, rows = reproduce_table(summary)
     lines = [f"**{reproduce_title(summary)}**", "", md_table(header, rows)]
-    reasons: dict[str, list[str]] = {}
-    for c in summary["cells"]:
-        if c["status"] not in ("measured", STATUS_PLANNED) and c["reason"]:
-            reasons.setdefault(f"{c['status']}: {c['reason']}", []).append(c["row"])
+    reasons = not_measured(summary)
     if reasons:
-        lines += ["", "Not measured:", ""]
-        lines += [f"- {r} ({', '.join(dict.fromkeys(rows_))})" for r, rows_ in reasons.items()]
+        lines += ["", "Not measured:", ""] + [f"- {r}" for r in reasons]
     if summary.get("notes"):
         lines += ["", "Notes on the paper's table:", ""] + [f"- {n}" for n in summary["notes"]]
     paths = {"md": out / "reproduce.md", "csv": out / "reproduce.csv", "json": out / "reproduce.json"}

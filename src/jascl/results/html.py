@@ -42,7 +42,7 @@ from pathlib import Path
 from jascl import __version__
 from jascl.errors import ConfigError
 from jascl.fileio import atomic_write_bytes, atomic_write_text
-from jascl.results.blocks import ReportBlock
+from jascl.results.blocks import ReportBlock, _table, _text
 from jascl.results.overlays import qualitative_section
 from jascl.results.report import md_table
 from jascl.results.runs import TOTAL_DROP_ROW, RunInput, open_run
@@ -62,6 +62,7 @@ __all__ = ["SECTIONS", "build_part", "render", "write_report"]
 
 #: section ids and titles of every report part, in order
 SECTIONS: dict[str, str] = {
+    "reproduce": "Published beside measured (jascl reproduce)",
     "summary": "Summary: all-class mean per session",
     "sessions": "Per-session results",
     "curves": "All-class mean per session",
@@ -72,6 +73,33 @@ SECTIONS: dict[str, str] = {
     "versions": "Versions",
     "manifest": "Split manifest",
 }
+
+
+def reproduce_section(path: Path) -> list[ReportBlock]:
+    """The ``jascl reproduce`` table of ``reproduce.json``: published, measured, Δ; what was not measured; notes."""
+    from jascl.results.reproduce_table import not_measured, reproduce_table, reproduce_title
+
+    summary = _read_reproduce(path)
+    header, rows = reproduce_table(summary)
+    blocks = [_text(reproduce_title(summary)), _table("reproduce", header, rows)]
+    reasons = not_measured(summary)
+    if reasons:
+        blocks.append(_text("Not measured: " + "; ".join(reasons)))
+    if summary.get("notes"):
+        blocks.append(_text("Notes on the paper's table: " + " ".join(summary["notes"])))
+    return blocks
+
+
+def _read_reproduce(path: Path) -> dict:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
+            raise ValueError("no 'cells' list")
+        return data
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a jascl reproduce summary ({exc})") from None
 
 
 def build_part(
@@ -218,13 +246,29 @@ def write_report(
     """
     if not run_dirs:
         raise ConfigError("report: give at least one run folder")
-    runs = [open_run(p) for p in run_dirs]
+    # a jascl reproduce folder: its table first, then each of its jobs (compare folders) as a part
+    leading: dict[int, tuple[str, list[ReportBlock]]] = {}
+    folders: list[Path] = []
+    for given in run_dirs:
+        folder = Path(given)
+        if (folder / "reproduce.json").is_file():
+            jobs = sorted(p for p in folder.iterdir() if p.is_dir() and any(p.glob("seed-*/results.json")))
+            if not jobs:
+                raise ConfigError(f"{folder}: a jascl reproduce folder without finished jobs; rerun jascl reproduce")
+            leading[len(folders)] = ("reproduce", reproduce_section(folder / "reproduce.json"))
+            folders += jobs
+        else:
+            folders.append(folder)
+    runs = [open_run(p) for p in folders]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     parts = []
     for i, run in enumerate(runs):
         echo(f"[report] {run.path}: {len(run.methods())} methods, {len(run.seeds)} seed(s)")
-        parts.append((run, build_part(run, i, samples, device, cache_dir, echo)))
+        sections = build_part(run, i, samples, device, cache_dir, echo)
+        if i in leading:
+            sections.insert(0, leading[i])
+        parts.append((run, sections))
     figures: dict[str, str] = {}
     for _, sections in parts:
         for _, blocks in sections:
