@@ -18,7 +18,7 @@ import yaml
 
 from jascl.errors import ConfigError
 
-FREEZE_POLICIES = ("all_but_classifier", "none")
+FREEZE_POLICIES = ("all_but_classifier", "encoder", "none")
 EVAL_MODES = ("sliding-window", "authors")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "poly")
@@ -49,7 +49,9 @@ class RunConfig:
         momentum, weight_decay, nesterov: SGD options (authors: 0.9, 1e-4, True); weight_decay
             also applies to Adam/AdamW.
         lambda_ce / lambda_dice: weights of MONAI's DiceCE loss terms.
-        freeze_incremental: "all_but_classifier" (paper's medical setting) or "none" (natural).
+        freeze_incremental: "all_but_classifier" (paper's medical setting), "none" (natural) or "encoder"
+            (partially frozen: the backbone's encoder frozen, its decoder and the classifier trained; the
+            paper's frozen / partially frozen / unfrozen study).
         patch_size: training crop (None = whole image/volume); also the sliding-window ROI.
         augment: random flips during training (MONAI transforms).
         eval_mode: "sliding-window" (whole images/volumes) or "authors" (one

@@ -47,6 +47,44 @@ from jascl.protocols.schema import IGNORE_INDEX, Protocol
 log = logging.getLogger("jascl")
 
 
+def encoder_modules(backbone: nn.Module) -> list[nn.Module]:
+    """The backbone's modules outside its decoder (``Backbone.decoder_prefixes``): what ``freeze_incremental:
+    encoder`` freezes (the paper's "partially frozen" backbones: encoder frozen, decoder trained).
+
+    Whole subtrees whose module path is not under a decoder prefix; a module holding some decoder
+    modules is split into its children.
+    """
+    prefixes = backbone.decoder_prefixes() if hasattr(backbone, "decoder_prefixes") else None
+    if not prefixes:
+        from jascl.errors import ConfigError
+
+        raise ConfigError(
+            f"freeze_incremental=encoder: backbone {type(backbone).__name__} does not name its decoder "
+            "(Backbone.decoder_prefix); use all_but_classifier or none"
+        )
+
+    def under_decoder(path: str) -> bool:
+        return any((path + ".").startswith(p) or path.startswith(p) for p in prefixes)
+
+    def holds_decoder(path: str) -> bool:
+        return any(p.startswith(path + ".") for p in prefixes)
+
+    out: list[nn.Module] = []
+
+    def visit(module: nn.Module, path: str) -> None:
+        for name, child in module.named_children():
+            child_path = f"{path}{name}"
+            if under_decoder(child_path):
+                continue
+            if holds_decoder(child_path):
+                visit(child, child_path + ".")
+            else:
+                out.append(child)
+
+    visit(backbone, "")
+    return out
+
+
 class _TrainForward(nn.Module):
     """``forward_features`` as a module returning a tuple, the form DistributedDataParallel wraps."""
 
@@ -242,6 +280,8 @@ class ContinualTrainer:
         frozen = list(model.backbone.frozen_modules())  # e.g. SAM's image encoder, frozen in every session
         if t > 0 and state.freeze_incremental == "all_but_classifier":
             frozen = [model.backbone]
+        elif t > 0 and state.freeze_incremental == "encoder":  # partially frozen: the decoder and classifier train
+            frozen += encoder_modules(model.backbone)
         for module in frozen:
             for p in module.parameters():
                 p.requires_grad_(False)
