@@ -54,7 +54,8 @@ def encoder_modules(backbone: nn.Module) -> list[nn.Module]:
     Whole subtrees whose module path is not under a decoder prefix; a module holding some decoder
     modules is split into its children.
     """
-    prefixes = backbone.decoder_prefixes() if hasattr(backbone, "decoder_prefixes") else None
+    get_prefixes = getattr(backbone, "decoder_prefixes", None)
+    prefixes = get_prefixes() if callable(get_prefixes) else None
     if not prefixes:
         from jascl.errors import ConfigError
 
