@@ -396,7 +396,7 @@ def test_paper_protocol_facts():
         "surgery": (3, 10, 50),
         "surgery-cil": (3, 10, 50),
         "surgery-dil": (2, 4, 50),
-        "surgery-cdil": (3, 9, 50),
+        "surgery-cdil": (3, 10, 50),
         "natural-cil": (2, 13, 10),
         "natural-dil": (2, 10, 10),
         "natural-cdil": (3, 18, 10),
@@ -425,6 +425,7 @@ def test_paper_protocol_facts():
         "natural-dil": [189, 3],
         "natural-ss": [189, 3, 3, 3],
         "surgery": [154, 4, 15],
+        "surgery-cdil": [154, 4, 15],
     }
     for name in expected:
         p = get_protocol(name)
