@@ -49,9 +49,15 @@ def test_plan_of_a_settings_table_makes_one_job_per_setting_and_refuses_unknown_
     noisy = get_table("tab:noise_results")
     refused = plan_table(noisy, stand_in=True, methods=["jascl", "uad-ce"], protocols=["synthetic-2d-ss"])
     reasons = {p.cell.row: (p.status, p.reason) for p in refused.cells}
-    assert reasons["JASCL (no noise)"][0] == "planned"
-    status, reason = reasons["JASCL (moderate noise)"]
-    assert status == "not supported" and "unlabelled_noise" in reason
+    assert {s for s, _ in reasons.values()} == {"planned"}
+    # the noise schedule is a protocol key: one job per schedule, the protocol's pools degraded
+    assert sorted(j.noise or "none" for j in refused.jobs.values()) == ["heavy", "moderate", "none"]
+    # extra unlabelled data from other sources is not implemented: refused with the key named
+    extra = plan_table(get_table("tab:unlabeled_effect"), methods=["jascl"], protocols=["med-ss", "med-disjoint"])
+    status = {p.cell.row: (p.status, p.reason) for p in extra.cells}
+    assert status["JASCL (15 unlabeled samples)"][0] == "planned"
+    assert status["JASCL (42 unlabeled samples)"][0] == "not supported"
+    assert "unlabelled_extra" in status["JASCL (42 unlabeled samples)"][1]
 
 
 def _toy_table(tmp_path):

@@ -65,3 +65,61 @@ def degrade_pool(split: Split, schedule: str, seed: int, fraction: float = DEGRA
     for i in sorted(chosen):
         images[i] = degrade(torch.from_numpy(images[i]), rng, schedule).numpy()
     return Split(images, split.labels, split.ids)
+
+
+class DegradedSamples:
+    """A lazy split's images with the noise schedule applied to a seeded ``fraction`` of them, sample by sample.
+
+    For protocols on datasets, whose unlabelled pools are read lazily (never held in memory as one
+    array): sample ``i``, when chosen, is degraded with its own generator seeded by ``(seed, i)``, so
+    the result does not depend on the order samples are read in. (The synthetic pools use
+    :func:`degrade_pool`, one generator over the pool, as before.) Indexing, slicing, ``len``,
+    ``shape``, ``ndim`` and ``dtype`` behave like the wrapped images.
+    """
+
+    def __init__(self, images, schedule: str, seed: int, fraction: float = DEGRADED_FRACTION) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown noise schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
+        self.images = images
+        self.schedule = schedule
+        self.seed = seed
+        n = len(images)
+        rng = np.random.default_rng([seed, 4099])
+        self.chosen = frozenset(int(i) for i in rng.choice(n, size=int(round(fraction * n)), replace=False))
+        self.shape = images.shape
+        self.ndim = images.ndim
+        self.dtype = np.dtype(np.float32)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def _one(self, i: int) -> np.ndarray:
+        image = np.asarray(self.images[i], dtype=np.float32)
+        if i not in self.chosen:
+            return image
+        rng = np.random.default_rng([self.seed, 4099, i])
+        return degrade(torch.from_numpy(image), rng, self.schedule).numpy()
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            items = [self._one(i) for i in range(*index.indices(len(self)))]
+            if items and all(a.shape == items[0].shape for a in items):
+                return np.stack(items)
+            return items
+        if isinstance(index, (int, np.integer)):
+            i = int(index) + (len(self) if int(index) < 0 else 0)
+            if not 0 <= i < len(self):
+                raise IndexError(index)
+            return self._one(i)
+        raise TypeError(f"lazy splits take an integer or a slice, not {type(index).__name__}")
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self._one(i)
+
+
+def degrade_lazy_pool(split: Split, schedule: str, seed: int) -> Split:
+    """``split`` (a lazy unlabelled pool of a dataset protocol) with its images degraded on access."""
+    if schedule == "none" or len(split) == 0:
+        return split
+    return Split(DegradedSamples(split.images, schedule, seed), split.labels, split.ids)  # type: ignore[arg-type]

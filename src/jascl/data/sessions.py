@@ -16,10 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from jascl import distributed
-from jascl.data.noise import degrade_pool
+from jascl.data.noise import degrade_lazy_pool, degrade_pool
 from jascl.data.synthetic import load_or_generate
 from jascl.data.types import SessionData
-from jascl.errors import ConfigError, DataError
+from jascl.errors import DataError
 from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import Protocol
 
@@ -44,11 +44,6 @@ def load_sessions(
     if protocol.uses_datasets:
         from jascl.data.real import load_real
 
-        if protocol.unlabelled_noise != "none":
-            raise ConfigError(
-                f"{protocol.path}: unlabelled_noise is implemented for synthetic protocols only; "
-                "remove it from this protocol"
-            )
         data, _ = load_real(
             protocol,
             roots,
@@ -58,7 +53,7 @@ def load_sessions(
             roots_file,
             unlabelled_crop=list(patch_size) if patch_size is not None else None,
         )
-        return data
+        return apply_unlabelled_noise(protocol, data)
     data = load_or_generate(protocol, cache_dir, progress=lambda msg: echo(f"[data] {msg}"))
     if split_manifest is not None:
         _check_synthetic_manifest(protocol, data, split_manifest)
@@ -91,12 +86,15 @@ def _check_synthetic_manifest(protocol: Protocol, data: Sequence[SessionData], p
 
 
 def apply_unlabelled_noise(protocol: Protocol, data: Sequence[SessionData]) -> list[SessionData]:
-    """``data`` with the protocol's ``unlabelled_noise`` applied to every unlabelled pool (synthetic protocols)."""
+    """``data`` with the protocol's ``unlabelled_noise`` applied to every unlabelled pool: in memory for synthetic
+    pools (:func:`~jascl.data.noise.degrade_pool`), on access for the lazy pools of dataset protocols
+    (:class:`~jascl.data.noise.DegradedSamples`); the same 70 % of each pool, the paper's schedules."""
     if protocol.unlabelled_noise == "none":
         return list(data)
+    degrade = degrade_lazy_pool if protocol.uses_datasets else degrade_pool
     return [
         dataclasses.replace(
-            d, unlabelled=degrade_pool(d.unlabelled, protocol.unlabelled_noise, protocol.seed + d.session.index)
+            d, unlabelled=degrade(d.unlabelled, protocol.unlabelled_noise, protocol.seed + d.session.index)
         )
         if d.unlabelled is not None
         else d

@@ -78,6 +78,7 @@ class Job:
     overrides: tuple[str, ...]
     shots: int | None
     methods: list[str] = dataclasses.field(default_factory=list)
+    noise: str | None = None
 
     def describe(self) -> str:
         parts = [self.protocol]
@@ -85,6 +86,8 @@ class Job:
             parts.append(f"first {self.sessions} sessions")
         if self.shots is not None:
             parts.append(f"K={self.shots}")
+        if self.noise:
+            parts.append(f"unlabelled_noise={self.noise}")
         parts.extend(self.overrides)
         return ", ".join(parts)
 
@@ -180,6 +183,10 @@ def plan_table(
                 continue
             sessions = None if sessions is None or sessions >= available else sessions
         shots = settings.pop("shots", None)
+        noise = settings.pop("unlabelled_noise", None)  # a protocol key: the pools' noise schedule
+        if noise is not None and noise not in ("none", "moderate", "heavy"):
+            p.status, p.reason = "not supported", f"unlabelled_noise={noise}: one of none, moderate, heavy"
+            continue
         overrides = [_override_text(k, v) for k, v in sorted(settings.items())]
         if cell.backbone and not stand_in:
             overrides.append(f"backbone={cell.backbone}")
@@ -200,6 +207,7 @@ def plan_table(
             *overrides,
             *([f"first{sessions}"] if sessions else []),
             *([f"K{shots}"] if shots else []),
+            *([f"noise-{noise}"] if noise else []),
         ]
         name = _slug("_".join(parts))
         job = jobs.get(name)
@@ -210,6 +218,7 @@ def plan_table(
                 sessions=sessions,
                 overrides=tuple(overrides),
                 shots=None if shots is None else int(shots),
+                noise=noise,
             )
         if cell.method not in job.methods:
             job.methods.append(cell.method)
@@ -339,6 +348,8 @@ def _job_protocol(job: Job):
         )
     if job.shots is not None:
         protocol = with_shots(protocol, job.shots)
+    if job.noise is not None:
+        protocol = dataclasses.replace(protocol, unlabelled_noise=job.noise)
     return protocol
 
 
@@ -363,7 +374,9 @@ def run_plan(
         owner = first_with_base.setdefault(base_key(job), job)
         if owner is not job:
             for seed in seeds:
-                _share_base(out / owner.key / f"seed-{seed}" / "base", out / job.key / f"seed-{seed}" / "base")
+                source = out / owner.key / f"seed-{seed}"
+                for base in sorted(source.glob("base*")) if source.is_dir() else []:  # base, base-<key>
+                    _share_base(base, out / job.key / f"seed-{seed}" / base.name)
         protocol = _job_protocol(job)
         config = resolve_config(protocol.training, protocol.path, None, [*job.overrides, *overrides])
         run_compare(protocol, config, job.methods, seeds, out / job.key, echo=echo, **compare_kwargs)
