@@ -60,3 +60,55 @@ def test_recorded_gradient_sets_elementwise_scale():
     clean_weight(layer).grad = None
     layer(x).sum().backward()
     assert torch.allclose(clean_weight(layer).grad, x.sum(0).expand(2, 3))
+
+
+def test_authors_float32_order_zeroes_the_first_step():
+    from jascl.methods.gas import gas_noise_scale_authors
+
+    zero = torch.zeros(2, 3)
+    # eq. 1 literally: (1 + 1e8 - 1e8) / (1 + 0) = 1; the authors' float32: (1 + 1e8) rounds to 1e8, minus 1e8 = 0
+    assert torch.equal(gas_noise_scale(zero), torch.ones(2, 3))
+    assert torch.equal(gas_noise_scale_authors(zero), torch.zeros(2, 3))
+    # elsewhere both agree to float32 rounding: G = [0, 1] -> G^-1 = [1e8, ~1] -> [1e8 / 1e8, 1 / 1e8]
+    g = torch.tensor([0.0, 1.0])
+    assert torch.allclose(gas_noise_scale_authors(g), gas_noise_scale(g), rtol=1e-6, atol=1e-12)
+    assert gas_noise_scale_authors(g).tolist() == pytest.approx([1.0, 1e-8], rel=1e-6)
+
+
+def test_authors_variant_carries_the_old_rows_buffer_into_the_next_session():
+    from types import SimpleNamespace
+
+    from jascl.methods.gas import GASNoise
+    from jascl.methods.gas_plugin import GASPlugin, carried_buffer
+
+    carried = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    out = carried_buffer(carried, torch.zeros(4, 3))
+    assert out.tolist() == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    assert carried_buffer(carried, torch.zeros(4, 5)).abs().sum() == 0  # another shape: nothing carried
+
+    plugin = GASPlugin(variant="authors")
+    layer = PixelClassifier(3, 2)
+    state = SimpleNamespace(
+        model=SimpleNamespace(resolve_layer=lambda name: layer),
+        session=SimpleNamespace(index=1),
+        config=SimpleNamespace(freeze_incremental="all_but_classifier"),
+    )
+    plugin.before_session(state)
+    noise = next(p for p in layer.parametrizations["weight"] if isinstance(p, GASNoise))
+    assert torch.equal(noise.scale(), torch.zeros(2, 3))  # first step of the first GAS session: no noise
+    noise.set_sq_grad(carried)
+    plugin.after_session(state)
+    assert torch.equal(plugin.carried, carried) and torch.equal(plugin.extra_state()["carried_sq_grad"], carried)
+    # session 2: two more classes; the old rows start from the carried gradient, the new ones from zero
+    layer2 = PixelClassifier(3, 4)
+    state.model = SimpleNamespace(resolve_layer=lambda name: layer2)
+    fresh = GASPlugin(variant="authors")
+    fresh.load_extra_state(plugin.extra_state())  # as when session 1 is reused from its checkpoint
+    fresh.before_session(state)
+    noise2 = next(p for p in layer2.parametrizations["weight"] if isinstance(p, GASNoise))
+    assert torch.equal(noise2.sq_grad[:2], carried) and noise2.sq_grad[2:].abs().sum() == 0
+    from jascl.methods.gas import gas_noise_scale_authors
+
+    assert torch.equal(noise2.scale(), gas_noise_scale_authors(noise2.sq_grad))
+    # the new rows' G^-1 = 1e8 is the maximum: scale 1; the old rows' (G = 1..6, G^-1 <= 1) about 1e-8
+    assert torch.equal(noise2.scale()[2:], torch.ones(2, 3)) and noise2.scale()[:2].max() < 1e-7

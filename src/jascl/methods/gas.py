@@ -30,7 +30,10 @@ Notes on the authors' code (``ProbabilisticClassifier``):
       rows start with small noise and new rows with scale 1 (both found by
       running their code and this one on identical tensors). jascl follows eq. 1
       (the paper is the specification); the difference concerns the first step
-      of each session. The authors' variant is not offered as an option yet.
+      of each session. ``method_args.jascl.gas.variant=authors`` gives the
+      authors' behaviour: their float32 operation order
+      (:func:`gas_noise_scale_authors`) and the old rows' buffer carried into the
+      next session (:class:`jascl.methods.gas_plugin.GASPlugin`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,19 @@ def gas_noise_scale(sq_grad: torch.Tensor, eps: float = 1e-8, out: torch.Tensor 
     return torch.div(numerator, (hi - lo) + 1.0, out=out)
 
 
+def gas_noise_scale_authors(sq_grad: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Eq. 1 as the authors' code evaluates it: in float32, ``((1 + G^-1) - min) / (1 + (max - min))``.
+
+    ``1 + G^-1`` is rounded before ``min`` is subtracted, so entries whose G^-1 is large (G near 0,
+    e.g. the zero buffer of a session's first step: G^-1 = 1e8, where float32 spacing is 8) lose the
+    1 and get scale 0 instead of eq. 1's 1; elsewhere it agrees with :func:`gas_noise_scale` to float32
+    rounding. Returns float32.
+    """
+    inv = 1.0 / (sq_grad.float() + eps)
+    lo, hi = torch.aminmax(inv)
+    return ((1.0 + inv) - lo) / (1.0 + (hi - lo))
+
+
 class GASNoise(nn.Module):
     """Parametrization W -> W + G~^-1 * N(0, sigma^2), active only in training mode.
 
@@ -73,26 +89,35 @@ class GASNoise(nn.Module):
     #: sampled during Monte-Carlo evaluation (:func:`jascl.evaluation.evaluator.monte_carlo`)
     monte_carlo = True
 
-    def __init__(self, shape: torch.Size, eps: float = 1e-8, sigma2: float = 1.0) -> None:
+    def __init__(self, shape: torch.Size, eps: float = 1e-8, sigma2: float = 1.0, variant: str = "paper") -> None:
         super().__init__()
+        if variant not in ("paper", "authors"):
+            raise ValueError(f"GAS variant must be 'paper' or 'authors', got {variant!r}")
         self.eps = eps
+        self.variant = variant
         self.sigma = sigma2**0.5
         self.register_buffer("sq_grad", torch.zeros(shape), persistent=False)
         # G~^-1 of the stored gradient, kept up to date by set_sq_grad: the weight is read several
         # times per step (labelled, unlabelled and replay forwards) but the gradient changes once
-        self.register_buffer("noise_scale", gas_noise_scale(self.sq_grad, eps), persistent=False)
+        self.register_buffer("noise_scale", self._scale_of(self.sq_grad), persistent=False)
+
+    def _scale_of(self, sq_grad: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.variant == "paper":
+            return gas_noise_scale(sq_grad, self.eps, out=out)
+        scale = gas_noise_scale_authors(sq_grad, self.eps)
+        return scale if out is None else out.copy_(scale)
 
     @torch.no_grad()
     def set_sq_grad(self, sq_grad: torch.Tensor) -> None:
         """Store the squared gradient G and its noise scale."""
         self.sq_grad.copy_(sq_grad)
-        gas_noise_scale(self.sq_grad, self.eps, out=self.noise_scale)
+        self._scale_of(self.sq_grad, out=self.noise_scale)
 
     @torch.no_grad()
     def set_grad(self, grad: torch.Tensor) -> None:
         """Store G = grad^2 (squared in place into the buffer) and its noise scale."""
         torch.square(grad, out=self.sq_grad)
-        gas_noise_scale(self.sq_grad, self.eps, out=self.noise_scale)
+        self._scale_of(self.sq_grad, out=self.noise_scale)
 
     def scale(self) -> torch.Tensor:
         return self.noise_scale
@@ -106,11 +131,11 @@ class GASNoise(nn.Module):
         return weight + self.noise_scale.to(weight.dtype) * noise
 
 
-def attach_gas(layer: nn.Module, eps: float = 1e-8, sigma2: float = 1.0) -> GASNoise:
+def attach_gas(layer: nn.Module, eps: float = 1e-8, sigma2: float = 1.0, variant: str = "paper") -> GASNoise:
     """Put GAS on ``layer.weight``; returns the parametrization (holds the gradient buffer)."""
     if is_gas_attached(layer):
         raise ValueError("GAS is already attached to this layer")
-    noise = GASNoise(layer.weight.shape, eps, sigma2).to(layer.weight.device)
+    noise = GASNoise(layer.weight.shape, eps, sigma2, variant).to(layer.weight.device)
     parametrize.register_parametrization(layer, "weight", noise)
     return noise
 

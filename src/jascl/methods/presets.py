@@ -33,12 +33,15 @@ class GASOptions:
         eps: stabiliser of the inverse gradient.
         sigma2: variance of the Gaussian noise.
         in_base: also perturb in session 0 (the authors apply GAS in incremental sessions only).
+        variant: "paper" (eq. 1 as printed, computed in float64) or "authors" (their float32 evaluation,
+            which makes a session's first step noise-free, and the old rows' gradient buffer carried over).
     """
 
     layer: str = "classifier"
     eps: float = option(1e-8, gt=0)
     sigma2: float = option(1.0, ge=0)
     in_base: bool = False
+    variant: str = option("paper", choices=("paper", "authors"))
 
 
 @dataclass
@@ -134,7 +137,9 @@ def _base(o: JasclOptions) -> list[Plugin]:
 
 
 def _gas(o: JasclOptions) -> GASPlugin:
-    return GASPlugin(layer=o.gas.layer, eps=o.gas.eps, sigma2=o.gas.sigma2, in_base=o.gas.in_base)
+    return GASPlugin(
+        layer=o.gas.layer, eps=o.gas.eps, sigma2=o.gas.sigma2, in_base=o.gas.in_base, variant=o.gas.variant
+    )
 
 
 def _replay(o: JasclOptions) -> PrototypeReplayPlugin:
