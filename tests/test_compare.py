@@ -61,7 +61,7 @@ def test_run_compare_two_seeds_shares_base_and_writes_tables(toy_protocol, toy_c
     summary = run_compare(
         toy_protocol,
         toy_config,
-        ["vanilla", "jascl-no-unlabelled"],
+        ["vanilla", "lwf"],
         [3, 4],
         tmp_path / "cmp",
         cache_dir=tmp_path / "cache",
@@ -71,7 +71,7 @@ def test_run_compare_two_seeds_shares_base_and_writes_tables(toy_protocol, toy_c
     for seed in (3, 4):
         run = json.loads((tmp_path / "cmp" / f"seed-{seed}" / "results.json").read_text())
         assert run["seed"] == seed
-        a, b = (run["methods"][m]["sessions"][0]["all"] for m in ("vanilla", "jascl-no-unlabelled"))
+        a, b = (run["methods"][m]["sessions"][0]["all"] for m in ("vanilla", "lwf"))
         assert a == b  # one shared base model per seed
     v = summary["methods"]["vanilla"]
     per_seed = [
@@ -83,7 +83,7 @@ def test_run_compare_two_seeds_shares_base_and_writes_tables(toy_protocol, toy_c
     assert v["sessions"][1]["all"][0] == pytest.approx(sum(per_seed) / 2)
     assert per_seed[0] != per_seed[1]  # the seeds really differ
     md = (tmp_path / "cmp" / "compare.md").read_text()
-    assert "mean ± std over 2 seeds (3, 4)" in md and "| jascl-no-unlabelled |" in md
+    assert "mean ± std over 2 seeds (3, 4)" in md and "| lwf |" in md
     csv_lines = (tmp_path / "cmp" / "compare.csv").read_text().splitlines()
     assert csv_lines[0].startswith("method,session,name,all_mean")
     assert len(csv_lines) == 1 + 2 * (2 + 1)
@@ -91,7 +91,7 @@ def test_run_compare_two_seeds_shares_base_and_writes_tables(toy_protocol, toy_c
     again = run_compare(
         toy_protocol,
         toy_config,
-        ["vanilla", "jascl-no-unlabelled"],
+        ["vanilla", "lwf"],
         [3, 4],
         tmp_path / "cmp",
         cache_dir=tmp_path / "cache",
