@@ -11,7 +11,7 @@ from jascl.protocols import get_protocol
 def test_one_constraint_each_on_the_common_base():
     base = get_protocol("synthetic-2d").sessions[0]
     sessions = {k: get_protocol(f"constraint-{k}").sessions for k in ("none", "ci", "fs", "di")}
-    for k, (s0, s1) in sessions.items():
+    for k, (s0, _) in sessions.items():
         assert s0 == base, k  # the common base model's session
     # (domains, new classes, recurring classes, shots = None for fully labelled) of the constrained session
     assert {k: (s[1].domains, s[1].new_classes, s[1].recurring_classes, s[1].shots) for k, s in sessions.items()} == {

@@ -172,3 +172,27 @@ def test_read_options_defaults_overrides_and_one_line_errors():
         with pytest.raises(ConfigError) as info:
             read_options(_Opts, resolve_config(overrides=[override]), "ewc")
         assert str(info.value) == message
+
+
+def test_method_options_compare_nested_keys_and_allow_an_untrained_folder(tmp_path):
+    from jascl.engine.config import RunConfig
+    from jascl.experiments.runner import check_method_options
+
+    folder = tmp_path / "jascl"
+    check_method_options(folder, "jascl", RunConfig())
+    saved = json.loads((folder / "options.json").read_text())
+    # a nested option the file lacks (added later) matches its default; the file gains it
+    del saved["gas"]["variant"]
+    (folder / "options.json").write_text(json.dumps(saved))
+    (folder / "s1-inc").mkdir()
+    (folder / "s1-inc" / "metrics.json").write_text("{}")
+    check_method_options(folder, "jascl", RunConfig())
+    assert json.loads((folder / "options.json").read_text())["gas"]["variant"] == "paper"
+    # a changed nested option of a trained folder is named by its full path
+    changed = RunConfig(method_args={"jascl": {"pas": {"anchors": "per-sample"}}})
+    with pytest.raises(ConfigError, match=r"method_args.jascl.pas.anchors='mean' \(now 'per-sample'\)"):
+        check_method_options(folder, "jascl", changed)
+    # a folder whose file was written but no session trained (a run stopped early) takes the new options
+    (folder / "s1-inc" / "metrics.json").unlink()
+    check_method_options(folder, "jascl", changed)
+    assert json.loads((folder / "options.json").read_text())["pas"]["anchors"] == "per-sample"

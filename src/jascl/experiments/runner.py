@@ -198,8 +198,10 @@ def check_method_options(folder: Path, name: str, config: RunConfig) -> None:
     The method's resolved options (defaults updated from ``method_args``) are kept in
     ``folder/options.json``; on a later run into the same folder they must be equal, so that a compare
     folder never silently mixes sessions trained with ``--set method_args.<m>.x=1`` and without it. An
-    option the file lacks (added to the method later) matches its default value. A folder that has no
-    file yet (written before jascl kept one, or not yet trained) gets the current options. Methods the
+    option the file lacks (added to the method later, at any depth: ``gas.variant``) matches its default
+    value. A folder that has no file yet (written before jascl kept one), or no finished session (its
+    file was written when a run started and stopped before training the method), gets the current
+    options. Methods the
     registry does not know (an ablation built from a preset) are not checked here; their settings are in
     ``method_args.jascl``, which :func:`check_reusable` compares.
 
@@ -213,20 +215,22 @@ def check_method_options(folder: Path, name: str, config: RunConfig) -> None:
         return
     path = folder / OPTIONS_FILE
     if path.exists():
-        before = json.loads(path.read_text())
-        defaults = resolved_options(name, RunConfig()) or {}
+        before = _flat(json.loads(path.read_text()))
+        defaults = _flat(resolved_options(name, RunConfig()) or {})
+        flat_now = _flat(now)
         key = METHODS.info(name).options_key
         changed = [
-            f"method_args.{key}.{k}={before.get(k, defaults.get(k))!r} (now {now[k]!r})"
-            for k in sorted(now)
-            if before.get(k, defaults.get(k)) != now[k]
+            f"method_args.{key}.{k}={before.get(k, defaults.get(k))!r} (now {flat_now[k]!r})"
+            for k in sorted(flat_now)
+            if before.get(k, defaults.get(k)) != flat_now[k]
         ]
-        if changed:
+        trained = any(folder.glob("s*/metrics.json")) or any(folder.glob("s*/progress.safetensors"))
+        if changed and trained:
             raise ConfigError(
                 f"{folder}: its sessions were trained with {', '.join(changed)}; use a new --out, set the "
                 f"options back to resume, or delete {folder} to retrain {name}"
             )
-        if set(now) - set(before) and distributed.is_main():
+        if (changed or set(flat_now) - set(before)) and distributed.is_main():
             atomic_write_text(path, json.dumps(now, indent=2, sort_keys=True) + "\n")
     elif distributed.is_main():
         folder.mkdir(parents=True, exist_ok=True)
