@@ -200,7 +200,7 @@ def test_jascl_options_are_checked_under_their_new_name(override, key, reason):
         ("backbone_args=[1]", "backbone_args", "must be a mapping"),
         ("patch_size=32", "patch_size", "list of positive integers"),
         ("patch_size=[32, 0]", "patch_size", "list of positive integers"),
-        ("freeze_incremental=half", "freeze_incremental", "all_but_classifier, none"),
+        ("freeze_incremental=half", "freeze_incremental", "all_but_classifier, encoder, none"),
         ("eval_mode=x", "eval_mode", "sliding-window, authors"),
         ("classifier=x", "classifier", "'cosine' or 'linear'"),
         ("epochs_base=-1", "epochs_base", "must be >= 0"),

@@ -106,6 +106,7 @@ def test_vanilla_changes_nothing_but_the_loss(toy_protocol, toy_config, tmp_path
 
 
 def test_runner_shares_base_writes_outputs_and_resumes(toy_protocol, toy_config, tmp_path):
+    toy_config.method_args = {"jascl": {"base": "shared"}}  # JASCL on the vanilla base: one base for both
     out = tmp_path / "run"
     messages = []
     results = run_benchmark(
@@ -324,10 +325,10 @@ def test_ablate_flag_maps_to_component_switches():
 
     cfg = resolve_config(protocol.training, protocol.path, None, overrides)
     method = create_method("jascl", cfg)
-    assert [p.name for p in method.plugins] == ["cons"]
+    assert [p.name for p in method.plugins] == ["stochastic-base", "cons"]  # session 0 stays the authors'
     # the spelling of earlier versions switches the same components
     old = resolve_config(protocol.training, protocol.path, None, ["jascl.gas=false", "jascl.replay=false"])
-    assert [p.name for p in create_method("jascl", old).plugins] == ["cons"]
+    assert [p.name for p in create_method("jascl", old).plugins] == ["stochastic-base", "cons"]
 
 
 def test_other_backbone_drops_protocol_backbone_args_and_bad_args_are_config_errors():

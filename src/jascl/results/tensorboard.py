@@ -183,7 +183,10 @@ class TensorBoardPlugin(Plugin):
 
     def session_restored(self, state: LoopState) -> None:
         t, name = state.session.index, state.session.name
-        candidates = [self.run_dir / state.method_name / f"s{t}-{name}"] + ([self.run_dir / "base"] if t == 0 else [])
+        # the folder the session was restored from (the shared base, a keyed base such as JASCL's, or the
+        # method's own finished session), then the usual places
+        candidates = [*([state.out_dir] if state.out_dir is not None else [])]
+        candidates += [self.run_dir / state.method_name / f"s{t}-{name}"] + ([self.run_dir / "base"] if t == 0 else [])
         for folder in candidates:
             path = folder / "metrics.json"
             if path.is_file():
