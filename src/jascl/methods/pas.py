@@ -12,6 +12,11 @@ MSE between two hard, filtered label maps cast to float (no gradient reaches
 the student), and their prototypes are looked up by position in a
 concatenated dict. Here the loss is the paper's (soft, differentiable in the
 student) and prototypes are looked up by class id (:func:`prototype_matrix`).
+In their medical semi-supervised code the stored prototypes have shape
+(D, 1, 1, 1), so after concatenation ``prototypes[c]`` is a single number and
+the similarity becomes ``sign(x) * cos(f, 1)``: the prototype is never
+consulted there (the natural-image code stores (1, D, 1, 1) and is not
+affected). jascl keeps (D,) vectors per class and never reproduces that.
 """
 
 from __future__ import annotations
