@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jascl.engine.loop import encoder_modules
 from jascl.errors import ConfigError
 from jascl.experiments.runner import run_benchmark
 from jascl.networks import create_segmenter
+from jascl.networks.base import encoder_modules
 
 
 def _names(backbone, modules):

@@ -9,9 +9,10 @@ import yaml
 
 from conftest import toy_protocol_dict
 from jascl.cli import main
-from jascl.experiments.reproduce import plan_table, reproduce_table, run_reproduce
+from jascl.experiments.reproduce import plan_table, run_reproduce
 from jascl.paper.tables import get_table, parse_table
 from jascl.results.records import RunResults
+from jascl.results.reproduce_table import reproduce_table
 
 
 def _no_check(protocol, overrides):

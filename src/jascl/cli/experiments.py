@@ -161,7 +161,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         if not args.list:
             console.print("give a table label to reproduce it, e.g. jascl reproduce tab_set1_part --stand-in --dry-run")
         return 0
-    from jascl.experiments.reproduce import describe_plan, plan_table, reproduce_table, reproduce_title, run_reproduce
+    from jascl.experiments.reproduce import describe_plan, plan_table, run_reproduce
+    from jascl.results.reproduce_table import reproduce_table, reproduce_title
 
     table = get_table(args.table)
     seeds = parse_seeds(args.seeds, 1024)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from monai.transforms import GaussianSmooth, SobelGradients
 
-from jascl.data.types import Split
+from jascl.data.types import LazySequence, Split
 
 SCHEDULES: dict[str, dict] = {
     "moderate": {"blur": (0.5, 1.5), "contrast": 0.15, "noise": 0.02},
@@ -67,7 +67,7 @@ def degrade_pool(split: Split, schedule: str, seed: int, fraction: float = DEGRA
     return Split(images, split.labels, split.ids)
 
 
-class DegradedSamples:
+class DegradedSamples(LazySequence):
     """A lazy split's images with the noise schedule applied to a seeded ``fraction`` of them, sample by sample.
 
     For protocols on datasets, whose unlabelled pools are read lazily (never held in memory as one
@@ -99,23 +99,6 @@ class DegradedSamples:
             return image
         rng = np.random.default_rng([self.seed, 4099, i])
         return degrade(torch.from_numpy(image), rng, self.schedule).numpy()
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            items = [self._one(i) for i in range(*index.indices(len(self)))]
-            if items and all(a.shape == items[0].shape for a in items):
-                return np.stack(items)
-            return items
-        if isinstance(index, (int, np.integer)):
-            i = int(index) + (len(self) if int(index) < 0 else 0)
-            if not 0 <= i < len(self):
-                raise IndexError(index)
-            return self._one(i)
-        raise TypeError(f"lazy splits take an integer or a slice, not {type(index).__name__}")
-
-    def __iter__(self):
-        for i in range(len(self)):
-            yield self._one(i)
 
 
 def degrade_lazy_pool(split: Split, schedule: str, seed: int) -> Split:

@@ -14,6 +14,37 @@ import numpy as np
 from jascl.protocols.schema import SessionSpec
 
 
+class LazySequence:
+    """Array-like indexing for samples produced one at a time (subclasses give ``__len__`` and ``_one``):
+    an integer (negative counts from the end) gives one sample, a slice a stacked array when the shapes
+    agree (else a list), iteration yields every sample."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _one(self, index: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            items = [self._one(i) for i in range(*index.indices(len(self)))]
+            if items and all(a.shape == items[0].shape for a in items):
+                return np.stack(items)
+            return items
+        if isinstance(index, (int, np.integer)):
+            i = int(index)
+            if i < 0:
+                i += len(self)
+            if not 0 <= i < len(self):
+                raise IndexError(index)
+            return self._one(i)
+        raise TypeError(f"lazy splits take an integer or a slice, not {type(index).__name__}")
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self._one(i)
+
+
 @dataclass
 class Split:
     """One split of a session.

@@ -43,6 +43,7 @@ from jascl.networks.base import eval_mode
 from jascl.protocols.schema import Protocol
 
 if TYPE_CHECKING:
+    from jascl.engine.config import RunConfig
     from jascl.engine.state import LoopState
 
 log = logging.getLogger("jascl")
@@ -118,6 +119,17 @@ class StorePrototypes(Plugin):
         state.prototypes.add(state.session.index, state.compute_prototypes([0, *state.session.classes]))
 
 
+def evaluation_options(cfg: RunConfig) -> dict:
+    """The evaluator's keywords that come from the run configuration (mode, window and batch sizes)."""
+    return {
+        "mode": cfg.eval_mode,
+        "roi": cfg.patch_size,
+        "batch_size": cfg.batch_size,
+        "sw_batch_size": cfg.sw_batch_size,
+        "overlap": cfg.sw_overlap,
+    }
+
+
 def session_record(protocol: Protocol, t: int, result: EvalResult, background_in_mean: bool = False) -> dict:
     """The record of session ``t``: all / old / new / HM (of old and new) / base means of the protocol's metric,
     per-class scores. ``background_in_mean`` counts class 0 in ``all`` (``RunConfig.background_in_mean``)."""
@@ -182,11 +194,7 @@ class Evaluation(Plugin):
                 [d.test for d in self.data[: t + 1]],
                 state.seen,
                 state.device,
-                mode=cfg.eval_mode,
-                roi=cfg.patch_size,
-                batch_size=cfg.batch_size,
-                sw_batch_size=cfg.sw_batch_size,
-                overlap=cfg.sw_overlap,
+                **evaluation_options(cfg),
                 mc_samples=cfg.eval_mc_samples,
                 seed=state.seed + t,
                 before_split=before_split,
@@ -282,11 +290,7 @@ class ModelSelection(Plugin):
                 splits,
                 state.seen,
                 state.device,
-                mode=cfg.eval_mode,
-                roi=cfg.patch_size,
-                batch_size=cfg.batch_size,
-                sw_batch_size=cfg.sw_batch_size,
-                overlap=cfg.sw_overlap,
+                **evaluation_options(cfg),
                 mc_samples=0,
                 seed=state.seed + t,
             )

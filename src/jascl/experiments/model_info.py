@@ -164,6 +164,25 @@ def _measure_cuda_memory(
     return int(torch.cuda.max_memory_allocated())
 
 
+def _input_of(
+    name: str,
+    spatial_dims: int | None,
+    in_channels: int | None,
+    num_classes: int | None,
+    spatial_size: tuple[int, ...] | None,
+    backbone_args: dict | None,
+) -> tuple[int, int, int, tuple[int, ...], dict]:
+    """The model and input, each ``None`` replaced by the backbone's paper-like default (:data:`DEFAULTS`)."""
+    d = defaults_for(name)
+    spatial_dims = d.spatial_dims if spatial_dims is None else spatial_dims
+    in_channels = d.in_channels if in_channels is None else in_channels
+    num_classes = d.num_classes if num_classes is None else num_classes
+    backbone_args = dict(d.backbone_args if backbone_args is None else backbone_args)
+    if spatial_size is None:
+        spatial_size = d.spatial_size if len(d.spatial_size) == spatial_dims else (d.spatial_size[-1],) * spatial_dims
+    return spatial_dims, in_channels, num_classes, tuple(spatial_size), backbone_args
+
+
 def _timed_step(
     model: nn.Module, x: torch.Tensor, labels: torch.Tensor, with_jascl: bool, num_prototypes: int
 ) -> float:
@@ -201,13 +220,9 @@ def step_times(
 
     if steps < 1:
         raise ConfigError(f"--time {steps}: give the number of steps to time (>= 1)")
-    d = defaults_for(name)
-    spatial_dims = d.spatial_dims if spatial_dims is None else spatial_dims
-    in_channels = d.in_channels if in_channels is None else in_channels
-    num_classes = d.num_classes if num_classes is None else num_classes
-    backbone_args = dict(d.backbone_args if backbone_args is None else backbone_args)
-    if spatial_size is None:
-        spatial_size = d.spatial_size if len(d.spatial_size) == spatial_dims else (d.spatial_size[-1],) * spatial_dims
+    spatial_dims, in_channels, num_classes, spatial_size, backbone_args = _input_of(
+        name, spatial_dims, in_channels, num_classes, spatial_size, backbone_args
+    )
     where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if where.type not in ("cuda", "cpu"):
         raise ConfigError(f"--time-device {device}: timing needs a real device, cuda or cpu")
@@ -269,13 +284,9 @@ def model_info(
 
     if name not in BACKBONES:
         BACKBONES.get(name)  # raises the ConfigError listing the known names
-    d = defaults_for(name)
-    spatial_dims = d.spatial_dims if spatial_dims is None else spatial_dims
-    in_channels = d.in_channels if in_channels is None else in_channels
-    num_classes = d.num_classes if num_classes is None else num_classes
-    backbone_args = dict(d.backbone_args if backbone_args is None else backbone_args)
-    if spatial_size is None:
-        spatial_size = d.spatial_size if len(d.spatial_size) == spatial_dims else (d.spatial_size[-1],) * spatial_dims
+    spatial_dims, in_channels, num_classes, spatial_size, backbone_args = _input_of(
+        name, spatial_dims, in_channels, num_classes, spatial_size, backbone_args
+    )
     spatial_size = tuple(int(s) for s in spatial_size)
     if len(spatial_size) != spatial_dims:
         raise ConfigError(

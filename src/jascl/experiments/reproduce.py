@@ -29,7 +29,6 @@ Folder layout::
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -38,11 +37,9 @@ from typing import Any
 
 from jascl.errors import ConfigError, JasclError
 from jascl.experiments.compare import mean_std
-from jascl.fileio import atomic_write_text
 from jascl.paper.tables import Cell, PaperTable
 from jascl.results.records import RunResults
-from jascl.results.report import md_table
-from jascl.results.reproduce_table import PERCENT_METRICS, not_measured, reproduce_table, reproduce_title
+from jascl.results.reproduce_table import PERCENT_METRICS, write_reproduce
 
 #: training hours per session on one GPU, from the paper's compute table ("Computational analysis for
 #: Session 1", JASCL column): Med JASCL-Disjoint 4h 06m (U-Net), Med Semi-Supervised-JASCL 5h 18m
@@ -467,44 +464,6 @@ def measure(plan: Plan, results: Mapping[str, Mapping[int, RunResults]]) -> dict
         "notes": list(t.notes),
         "cells": cells,
     }
-
-
-def write_reproduce(summary: Mapping[str, Any], out: str | Path) -> dict[str, Path]:
-    """Write ``reproduce.md`` (the side-by-side table, skipped cells with reasons, the table's notes),
-    ``reproduce.csv`` (one row per cell) and ``reproduce.json``."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    header, rows = reproduce_table(summary)
-    lines = [f"**{reproduce_title(summary)}**", "", md_table(header, rows)]
-    reasons = not_measured(summary)
-    if reasons:
-        lines += ["", "Not measured:", ""] + [f"- {r}" for r in reasons]
-    if summary.get("notes"):
-        lines += ["", "Notes on the paper's table:", ""] + [f"- {n}" for n in summary["notes"]]
-    paths = {"md": out / "reproduce.md", "csv": out / "reproduce.csv", "json": out / "reproduce.json"}
-    atomic_write_text(paths["md"], "\n".join(lines) + "\n")
-    csv = ["table,row,column,method,published,measured_mean,measured_std,delta,status,per_seed"]
-    for c in summary["cells"]:
-
-        def num(v: Any) -> str:
-            return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.6g}"
-
-        fields = [
-            summary["table"],
-            c["row"],
-            c["column"],
-            c["method"] or "",
-            num(c["published"]),
-            num(c["measured"]),
-            num(c["std"]),
-            num(c["delta"]),
-            c["status"],
-            ";".join(num(v) for v in c["values"]),
-        ]
-        csv.append(",".join('"' + f.replace('"', '""') + '"' if ("," in f or '"' in f) else f for f in fields))
-    atomic_write_text(paths["csv"], "\n".join(csv) + "\n")
-    atomic_write_text(paths["json"], json.dumps(summary, indent=1, default=float))
-    return paths
 
 
 def run_reproduce(

@@ -179,6 +179,11 @@ def jascl(o: JasclOptions, config: RunConfig) -> Method:
 
     ``components`` switches each part off for ablations; ``jascl methods jascl`` lists every option.
     """
+    return Method("jascl", _jascl_plugins(o), "gradient-adaptive stabilization + prototype replay + PAS")
+
+
+def _jascl_plugins(o: JasclOptions) -> list[Plugin]:
+    """The session-0 plugin (unless ``base=shared``) and the components ``o.components`` switches on."""
     plugins: list[Plugin] = _base(o)
     if o.components.gas:
         plugins.append(_gas(o))
@@ -186,7 +191,7 @@ def jascl(o: JasclOptions, config: RunConfig) -> Method:
         plugins.append(_replay(o))
     if o.components.pas:
         plugins.append(_mean_teacher(o, "pas"))
-    return Method("jascl", plugins, "gradient-adaptive stabilization + prototype replay + PAS")
+    return plugins
 
 
 @_family("jascl-no-unlabelled", "comparison: JASCL ignoring unlabelled pools (GAS + prototype replay)")
@@ -244,12 +249,4 @@ def jascl_anchors(o: JasclOptions, config: RunConfig) -> Method:
     pas = o.pas
     if pas.anchors == "mean" and not pas.normalize_pixels:  # the literal defaults: switch to the variant
         pas = dataclasses.replace(pas, anchors="per-sample", normalize_pixels=True)
-    v = dataclasses.replace(o, pas=pas)
-    plugins: list[Plugin] = _base(v)
-    if v.components.gas:
-        plugins.append(_gas(v))
-    if v.components.replay:
-        plugins.append(_replay(v))
-    if v.components.pas:
-        plugins.append(_mean_teacher(v, "pas"))
-    return Method("jascl-anchors", plugins, "JASCL with per-sample PAS anchors")
+    return Method("jascl-anchors", _jascl_plugins(dataclasses.replace(o, pas=pas)), "JASCL with per-sample PAS anchors")

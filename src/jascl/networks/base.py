@@ -162,3 +162,40 @@ def create_segmenter(
             "fix them with --set backbone_args={...}"
         ) from None
     return Segmenter(backbone, num_classes, cosine=cosine, temperature=temperature)
+
+
+def encoder_modules(backbone: nn.Module) -> list[nn.Module]:
+    """The backbone's modules outside its decoder (``Backbone.decoder_prefixes``): what ``freeze_incremental:
+    encoder`` freezes (the paper's "partially frozen" backbones: encoder frozen, decoder trained).
+
+    Whole subtrees whose module path is not under a decoder prefix; a module holding some decoder
+    modules is split into its children.
+    """
+    get_prefixes = getattr(backbone, "decoder_prefixes", None)
+    prefixes = get_prefixes() if callable(get_prefixes) else None
+    if not prefixes:
+        raise ConfigError(
+            f"freeze_incremental=encoder: backbone {type(backbone).__name__} does not name its decoder "
+            "(Backbone.decoder_prefix); use all_but_classifier or none"
+        )
+
+    def under_decoder(path: str) -> bool:
+        return any((path + ".").startswith(p) or path.startswith(p) for p in prefixes)
+
+    def holds_decoder(path: str) -> bool:
+        return any(p.startswith(path + ".") for p in prefixes)
+
+    out: list[nn.Module] = []
+
+    def visit(module: nn.Module, path: str) -> None:
+        for name, child in module.named_children():
+            child_path = f"{path}{name}"
+            if under_decoder(child_path):
+                continue
+            if holds_decoder(child_path):
+                visit(child, child_path + ".")
+            else:
+                out.append(child)
+
+    visit(backbone, "")
+    return out

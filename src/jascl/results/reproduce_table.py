@@ -3,8 +3,14 @@ and the report: one row per paper row, per paper column the paper's value, jascl
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+from jascl.fileio import atomic_write_text
+from jascl.results.report import md_table
 
 #: metrics published in percent whatever the table's scale: Total Drop, and the PAS retention (the share of
 #: unlabelled pixels whose pseudo-label passes both filters, jascl's pseudo-label ``coverage``)
@@ -71,3 +77,41 @@ def not_measured(summary: Mapping[str, Any]) -> list[str]:
         if c["status"] not in ("measured", "planned") and c.get("reason"):
             reasons.setdefault(f"{c['status']}: {c['reason']}", []).append(c["row"])
     return [f"{r} ({', '.join(dict.fromkeys(rows))})" for r, rows in reasons.items()]
+
+
+def write_reproduce(summary: Mapping[str, Any], out: str | Path) -> dict[str, Path]:
+    """Write ``reproduce.md`` (the side-by-side table, skipped cells with reasons, the table's notes),
+    ``reproduce.csv`` (one row per cell) and ``reproduce.json``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    header, rows = reproduce_table(summary)
+    lines = [f"**{reproduce_title(summary)}**", "", md_table(header, rows)]
+    reasons = not_measured(summary)
+    if reasons:
+        lines += ["", "Not measured:", ""] + [f"- {r}" for r in reasons]
+    if summary.get("notes"):
+        lines += ["", "Notes on the paper's table:", ""] + [f"- {n}" for n in summary["notes"]]
+    paths = {"md": out / "reproduce.md", "csv": out / "reproduce.csv", "json": out / "reproduce.json"}
+    atomic_write_text(paths["md"], "\n".join(lines) + "\n")
+    csv = ["table,row,column,method,published,measured_mean,measured_std,delta,status,per_seed"]
+    for c in summary["cells"]:
+
+        def num(v: Any) -> str:
+            return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.6g}"
+
+        fields = [
+            summary["table"],
+            c["row"],
+            c["column"],
+            c["method"] or "",
+            num(c["published"]),
+            num(c["measured"]),
+            num(c["std"]),
+            num(c["delta"]),
+            c["status"],
+            ";".join(num(v) for v in c["values"]),
+        ]
+        csv.append(",".join('"' + f.replace('"', '""') + '"' if ("," in f or '"' in f) else f for f in fields))
+    atomic_write_text(paths["csv"], "\n".join(csv) + "\n")
+    atomic_write_text(paths["json"], json.dumps(summary, indent=1, default=float))
+    return paths

@@ -13,7 +13,7 @@ import numpy as np
 from jascl.data.cache import cached
 from jascl.data.real.selection import split_ref
 from jascl.data.real.sources import PREPROCESS_VERSION, DatasetSource
-from jascl.data.types import Split
+from jascl.data.types import LazySequence, Split
 from jascl.errors import DataError
 from jascl.protocols.schema import IGNORE_INDEX, Protocol
 
@@ -234,7 +234,7 @@ def random_crop(
     return np.ascontiguousarray(image[(slice(None),) + tuple(box)]), np.ascontiguousarray(label[box])
 
 
-class LazySamples:
+class LazySamples(LazySequence):
     """Array-like view of a split's images (``part="image"``) or labels (``part="label"``).
 
     See the module docstring for what it supports (indexing, slicing, ``ndim``, ``shape``).
@@ -264,25 +264,6 @@ class LazySamples:
     def _one(self, index: int) -> np.ndarray:
         image, label = self.backend.get(index, self.part)
         return image if self.part == "image" else label
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            items = [self._one(i) for i in range(*index.indices(len(self)))]
-            if items and all(a.shape == items[0].shape for a in items):
-                return np.stack(items)
-            return items
-        if isinstance(index, (int, np.integer)):
-            i = int(index)
-            if i < 0:
-                i += len(self)
-            if not 0 <= i < len(self):
-                raise IndexError(index)
-            return self._one(i)
-        raise TypeError(f"lazy splits take an integer or a slice, not {type(index).__name__}")
-
-    def __iter__(self):
-        for i in range(len(self)):
-            yield self._one(i)
 
     def __array__(self, dtype=None):
         raise TypeError("a lazy split is not held in memory as one array; index it sample by sample")
