@@ -206,7 +206,13 @@ class ContinualTrainer:
 
     @torch.no_grad()
     def compute_prototypes(
-        self, model: Segmenter, t: int, classes: list[int], normalize_pixels: bool = False, per_sample: bool = False
+        self,
+        model: Segmenter,
+        t: int,
+        classes: list[int],
+        normalize_pixels: bool = False,
+        per_sample: bool = False,
+        complement: bool = False,
     ) -> dict[int, torch.Tensor]:
         """Eq. 2 prototypes of ``classes`` from session ``t``'s labelled data (eval mode, no GAS noise).
 
@@ -214,9 +220,10 @@ class ContinualTrainer:
         sums (and per-sample prototypes) are gathered, so every rank gets those of the whole set.
         ``normalize_pixels``: see :func:`jascl.engine.prototypes.per_sample_prototypes`.
         ``per_sample``: return every sample's prototype, (N_c, D) per class, instead of their mean (D,).
+        ``complement``: prototypes of each class's complement (the authors' per-class background).
         The train/eval mode of every module is restored afterwards.
         """
-        acc = PrototypeAccumulator(classes, normalize_pixels, keep_samples=per_sample)
+        acc = PrototypeAccumulator(classes, normalize_pixels, keep_samples=per_sample, complement=complement)
         dataset = self._labelled_dataset(t, augment=False, crop=False)
         # whole samples: batch them only when they all have one size (real datasets vary)
         uniform = getattr(self.data[t].train.images, "uniform", True)

@@ -8,6 +8,13 @@ Background (class 0) gets a prototype like any other class.
 Prototypes are kept per (session, class) so that a class taught in several
 domains keeps one anchor per domain, and a session's background has its own.
 They are looked up by class id, never by position, and stored as safetensors.
+
+The *complement* of class c (``complement=True``) is eq. 2 applied to the pixels
+of c's samples that are not c (every other class and background, ignore pixels
+excluded), over the samples that contain both c and something else: the
+per-class background prototype of the authors' replay store
+(``methods/utils.py:get_prototype(..., background=True)``), used by
+:class:`jascl.methods.replay.PrototypeReplayPlugin` with ``background="per-class"``.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from jascl.errors import CheckpointError
 from jascl.fileio import atomic_write
+from jascl.protocols.schema import IGNORE_INDEX
 
 
 def align_labels(labels: torch.Tensor, spatial: Sequence[int]) -> torch.Tensor:
@@ -33,7 +41,11 @@ def align_labels(labels: torch.Tensor, spatial: Sequence[int]) -> torch.Tensor:
 
 
 def per_sample_prototypes(
-    features: torch.Tensor, labels: torch.Tensor, classes: list[int], normalize_pixels: bool = False
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    classes: list[int],
+    normalize_pixels: bool = False,
+    complement: bool = False,
 ) -> dict[int, list[torch.Tensor]]:
     """Per-sample normalised prototypes p_c^(i)/|p_c^(i)| (the summands of eq. 2).
 
@@ -49,6 +61,9 @@ def per_sample_prototypes(
             normalising each image's mean; here each per-sample mean is still
             normalised (eq. 2's p_c^(i)/|p_c^(i)|), so the two agree within one
             image and differ when a class spans several.
+        complement: for class c, average the pixels of c's samples that are *not* c
+            (ignore pixels excluded) instead of those that are; a sample counts when it
+            has both (the module docstring's per-class background).
 
     Returns:
         class id -> list of (D,) unit vectors, one per sample containing the class.
@@ -62,18 +77,27 @@ def per_sample_prototypes(
     for b in range(features.shape[0]):
         for c in classes:
             mask = lab[b] == c
+            if complement and mask.any():
+                mask = (lab[b] != c) & (lab[b] != IGNORE_INDEX)
+            elif complement:
+                continue
             if mask.any():
                 out[c].append(F.normalize(flat[b][:, mask].mean(dim=1), dim=0))
     return out
 
 
 def class_prototypes(
-    features: torch.Tensor, labels: torch.Tensor, classes: list[int], normalize_pixels: bool = False
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    classes: list[int],
+    normalize_pixels: bool = False,
+    complement: bool = False,
 ) -> dict[int, torch.Tensor]:
-    """Eq. 2 on one batch: P_c = mean over samples containing c of the normalised per-sample means."""
+    """Eq. 2 on one batch: P_c = mean over samples containing c of the normalised per-sample means
+    (of c's complement with ``complement``)."""
     return {
         c: torch.stack(v).mean(0)
-        for c, v in per_sample_prototypes(features, labels, classes, normalize_pixels).items()
+        for c, v in per_sample_prototypes(features, labels, classes, normalize_pixels, complement).items()
         if v
     }
 
@@ -81,19 +105,25 @@ def class_prototypes(
 class PrototypeAccumulator:
     """Streams eq. 2 over many batches (sums of normalised per-sample prototypes and counts).
 
-    ``keep_samples``: also keep every per-sample prototype, for :meth:`samples`.
+    ``keep_samples``: also keep every per-sample prototype, for :meth:`samples`;
+    ``complement``: prototypes of each class's complement (see :func:`per_sample_prototypes`).
     """
 
-    def __init__(self, classes: list[int], normalize_pixels: bool = False, keep_samples: bool = False) -> None:
+    def __init__(
+        self, classes: list[int], normalize_pixels: bool = False, keep_samples: bool = False, complement: bool = False
+    ) -> None:
         self.classes = classes
         self.normalize_pixels = normalize_pixels
+        self.complement = complement
         self.sums: dict[int, torch.Tensor] = {}
         self.counts: dict[int, int] = {c: 0 for c in classes}
         self.vectors: dict[int, list[torch.Tensor]] | None = {c: [] for c in classes} if keep_samples else None
 
     @torch.no_grad()
     def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
-        for c, vectors in per_sample_prototypes(features.float(), labels, self.classes, self.normalize_pixels).items():
+        for c, vectors in per_sample_prototypes(
+            features.float(), labels, self.classes, self.normalize_pixels, self.complement
+        ).items():
             if vectors:
                 s = torch.stack(vectors).sum(0).cpu()
                 self.sums[c] = self.sums[c] + s if c in self.sums else s

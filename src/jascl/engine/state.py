@@ -38,7 +38,7 @@ class LoopState:
         new_model: builds a fresh model of the same architecture with K classes (e.g. a teacher).
         compute_prototypes: eq. 2 prototypes of the given classes from the session's labelled
             data with the current model (training modes are restored afterwards); keyword
-            ``normalize_pixels`` as in :func:`jascl.engine.prototypes.per_sample_prototypes`.
+            ``normalize_pixels`` and ``complement`` as in :func:`jascl.engine.prototypes.per_sample_prototypes`.
         losses: named loss terms of the current iteration; the loop sums them.
         output: the model output of the current training iteration.
         batch: the current batch (``image`` (B, C, *spatial), ``label`` (B, *spatial) global ids).

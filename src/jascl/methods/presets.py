@@ -51,10 +51,14 @@ class ReplayOptions:
     Attributes:
         weight: loss weight of L_proto.
         reduction: "sum" (authors) or "mean" over the replayed prototypes.
+        background: "per-class" (default, the authors' store: each class's prototype with the
+            prototype of its complement, target background) or "session" (one background
+            prototype per session; see :mod:`jascl.methods.replay`).
     """
 
     weight: float = option(0.1, ge=0)
     reduction: str = option("sum", choices=("sum", "mean"))
+    background: str = option("per-class", choices=("per-class", "session"))
 
 
 @dataclass
@@ -143,7 +147,7 @@ def _gas(o: JasclOptions) -> GASPlugin:
 
 
 def _replay(o: JasclOptions) -> PrototypeReplayPlugin:
-    return PrototypeReplayPlugin(weight=o.replay.weight, reduction=o.replay.reduction)
+    return PrototypeReplayPlugin(weight=o.replay.weight, reduction=o.replay.reduction, background=o.replay.background)
 
 
 def _mean_teacher(o: JasclOptions, filter: str) -> MeanTeacherPlugin:
