@@ -179,10 +179,17 @@ def test_layer_aliases_resolve_to_weighted_layers(name, dims, in_ch, size, kwarg
 
 @pytest.mark.parametrize("name,dims,in_ch,size,kwargs", CASES)
 def test_frozen_modules_are_frozen(name, dims, in_ch, size, kwargs):
+    """Only SAM freezes a module by itself: its encoder, in every session with train_encoder="never"
+    (trained in session 0 by default: tests/test_sam_training.py)."""
+    if name == "sam-vitb":
+        kwargs = {**kwargs, "train_encoder": "never"}
     model, _ = _build(name, dims, in_ch, size, kwargs)
     frozen = model.backbone.frozen_modules()
+    assert frozen == model.backbone.frozen_modules(0)
     if name == "sam-vitb":
-        assert frozen and frozen[0] is model.backbone.encoder
+        assert len(frozen) == 1 and frozen[0] is model.backbone.encoder
+    else:
+        assert frozen == []
     model.train()
     for module in frozen:
         assert not module.training

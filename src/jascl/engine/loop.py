@@ -246,7 +246,7 @@ class ContinualTrainer:
         model, t = state.model, state.session.index
         for p in model.parameters():
             p.requires_grad_(True)
-        frozen = list(model.backbone.frozen_modules())  # e.g. SAM's image encoder, frozen in every session
+        frozen = list(model.backbone.frozen_modules(t))  # e.g. SAM's image encoder after session 0
         if t > 0 and state.freeze_incremental == "all_but_classifier":
             frozen = [model.backbone]
         elif t > 0 and state.freeze_incremental == "encoder":  # partially frozen: the decoder and classifier train

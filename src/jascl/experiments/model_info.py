@@ -6,7 +6,9 @@ for any registered backbone.
 
 How each number is obtained:
     * Parameters: ``sum(p.numel())`` over the segmenter (backbone + classifier);
-      "trainable" counts only ``requires_grad`` ones (SAM's encoder is frozen).
+      "trainable" counts only ``requires_grad`` ones. Like the paper's table (Session 1), the
+      model is set up as in an incremental session: what the backbone freezes from session 1 on
+      (SAM's image encoder, which trains in the base session) is frozen.
       GAS adds a buffer, not parameters, so JASCL never changes this count.
     * FLOPs: :class:`torch.utils.flop_counter.FlopCounterMode` over one forward
       of one image (with JASCL plus the classifier applied to the replayed
@@ -44,6 +46,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +54,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from jascl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from jascl.networks.base import Segmenter
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,13 @@ DEFAULTS: dict[str, InfoDefaults] = {
     "sam-vitb": InfoDefaults(2, 3, (1024, 1024), 20, {}),
 }
 FALLBACK = InfoDefaults(2, 1, (256, 256), 21, {})
+
+
+def _as_in_session_1(model: Segmenter) -> Segmenter:
+    """``model`` with what its backbone freezes in incremental sessions frozen (SAM's encoder), in train mode."""
+    for module in model.backbone.frozen_modules(1):
+        module.requires_grad_(False)
+    return model.train()
 
 
 def defaults_for(name: str) -> InfoDefaults:
@@ -229,8 +242,10 @@ def step_times(
     models = []
     for jascl in (False, True):
         torch.manual_seed(0)
-        m = create_segmenter(
-            name, spatial_dims=spatial_dims, in_channels=in_channels, num_classes=num_classes, **backbone_args
+        m = _as_in_session_1(
+            create_segmenter(
+                name, spatial_dims=spatial_dims, in_channels=in_channels, num_classes=num_classes, **backbone_args
+            )
         ).to(where)
         if jascl:
             attach_gas(m.classifier)
@@ -294,8 +309,10 @@ def model_info(
         )
     device = device or ("cuda" if torch.cuda.is_available() else "meta")
 
-    model = create_segmenter(
-        name, spatial_dims=spatial_dims, in_channels=in_channels, num_classes=num_classes, **backbone_args
+    model = _as_in_session_1(
+        create_segmenter(
+            name, spatial_dims=spatial_dims, in_channels=in_channels, num_classes=num_classes, **backbone_args
+        )
     )
     model.backbone.check_input_size(spatial_size, "spatial_size")
     params = sum(p.numel() for p in model.parameters())

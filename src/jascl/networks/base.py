@@ -38,20 +38,20 @@ class Backbone(nn.Module):
         """The decoder's module-path prefixes below the backbone (None: unknown for this backbone)."""
         return tuple(self.decoder_prefix) or None
 
-    def frozen_modules(self) -> list[nn.Module]:
-        """Modules that stay frozen in every session, the base session included.
+    def frozen_modules(self, session: int = 1) -> list[nn.Module]:
+        """Modules frozen in session ``session`` whatever the freezing policy (default: an incremental session).
 
-        A pretrained foundation encoder (SAM's image encoder) is one. Subclasses
-        set ``requires_grad=False`` on these modules' parameters themselves; the
-        list tells the trainer's freezing policy never to unfreeze them, and
-        :meth:`train` keeps them in eval mode. Default: none.
+        A pretrained foundation encoder (SAM's image encoder) is one, in every session or from
+        session 1 on. The trainer's freezing policy never unfreezes them in that session, and
+        :meth:`train` keeps them in eval mode while all their parameters are frozen. Default: none.
         """
         return []
 
     def train(self, mode: bool = True) -> Backbone:
         super().train(mode)
         for module in self.frozen_modules():
-            module.train(False)  # frozen means frozen: no dropout, no running-statistics updates
+            if not any(p.requires_grad for p in module.parameters()):
+                module.train(False)  # frozen means frozen: no dropout, no running-statistics updates
         return self
 
     def check_input_size(self, size: tuple[int, ...], what: str) -> None:

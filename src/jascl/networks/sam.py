@@ -1,4 +1,4 @@
-"""SAM ViT-B image encoder (segment-anything), frozen, with a light trainable decoder."""
+"""SAM ViT-B image encoder (segment-anything), trained in the base session then frozen, with a light decoder."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from torch import nn
 
 from jascl.errors import ConfigError
 from jascl.networks.base import BACKBONES, Backbone
+
+#: when SAM's image encoder trains: the base session only, never, or in every session
+TRAIN_ENCODER = ("base", "never", "always")
 
 
 def _import_sam():
@@ -25,7 +28,7 @@ def _import_sam():
 
 
 class SAMBackbone(Backbone):
-    """SAM's ViT image encoder, frozen in every session, plus a light decoder.
+    """SAM's ViT image encoder, trained in the base session and frozen after it, plus a light decoder.
 
     Following the Natural-JASCL SAM setup (a linear decoder on frozen
     vision-foundation-model features, Kerssies et al. 2024), the encoder's
@@ -46,9 +49,17 @@ class SAMBackbone(Backbone):
           load the SAM ViT-B image-encoder weights from a local file with
           :func:`jascl.networks.weights.load_backbone_weights` (keys
           ``encoder.*``, or a SAM checkpoint's ``image_encoder.*`` keys).
-        * Its parameters have ``requires_grad=False`` and it stays in eval
-          mode (:meth:`frozen_modules`), so GAS belongs on the classifier or the
-          projection, not on the "encoder" alias.
+        * ``train_encoder`` says when the encoder trains. "base" (default): in the
+          base session only, as the paper's configuration table says of every
+          JASCL model ("Base Frozen: No"; Natural-JASCL (SAM): incremental
+          sessions frozen "all but last"). "never": frozen in every session (a
+          linear probe of the pretrained features, the Kerssies et al. setup and
+          jascl's behaviour before 2026-11-27). "always": trainable in every session
+          unless the freezing policy freezes it. A frozen encoder has
+          ``requires_grad=False`` and stays in eval mode (:meth:`frozen_modules`), so
+          GAS in incremental sessions belongs on the classifier or the projection,
+          not on the "encoder" alias. Training the encoder at 1024x1024 takes far more
+          memory than the probe (activations of 12 ViT blocks; see ``jascl model-info``).
         * Inputs of any multiple of 16 are accepted: the absolute position
           embedding is resized (bicubic) to the token grid; the global
           attention's relative positions are interpolated by SAM itself.
@@ -65,6 +76,7 @@ class SAMBackbone(Backbone):
         out_chans: SAM neck channels (used only with ``use_neck``).
         proj_channels: channels of the trainable projection, or None for none.
         use_neck: apply SAM's neck (conv 1x1 + LN + conv 3x3 + LN) before the projection.
+        train_encoder: "base", "never" or "always" (see above).
     """
 
     decoder_prefix = ("decoder.",)
@@ -84,8 +96,13 @@ class SAMBackbone(Backbone):
         out_chans: int = 256,
         proj_channels: int | None = 256,
         use_neck: bool = False,
+        train_encoder: str = "base",
     ) -> None:
         super().__init__()
+        if train_encoder not in TRAIN_ENCODER:
+            raise ConfigError(
+                f"backbone 'sam-vitb': train_encoder={train_encoder!r}, expected one of {', '.join(TRAIN_ENCODER)}"
+            )
         if spatial_dims != 2:
             raise ConfigError(f"backbone 'sam-vitb' is 2D only, got spatial_dims={spatial_dims}")
         if in_channels not in (1, 3):
@@ -94,6 +111,7 @@ class SAMBackbone(Backbone):
         self.spatial_dims = 2
         self.in_channels = in_channels
         self.use_neck = use_neck
+        self.train_encoder = train_encoder
         self.encoder = ImageEncoderViT(
             img_size=img_size,
             patch_size=16,
@@ -114,7 +132,7 @@ class SAMBackbone(Backbone):
         )
         if not use_neck:
             self.encoder.neck = nn.Identity()  # unused; keeps the parameter count honest
-        self.encoder.requires_grad_(False)
+        self.encoder.requires_grad_(train_encoder != "never")
         channels = out_chans if use_neck else embed_dim
         self.decoder: nn.Module
         if proj_channels:
@@ -128,8 +146,10 @@ class SAMBackbone(Backbone):
             self.layer_aliases["decoder"] = "decoder.0"
         self.train()
 
-    def frozen_modules(self) -> list[nn.Module]:
-        return [self.encoder]
+    def frozen_modules(self, session: int = 1) -> list[nn.Module]:
+        if self.train_encoder == "never" or (self.train_encoder == "base" and session > 0):
+            return [self.encoder]
+        return []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[1] == 1:
@@ -150,6 +170,9 @@ class SAMBackbone(Backbone):
         return self.decoder(features)
 
 
-@BACKBONES.register("sam-vitb", doc="SAM ViT-B image encoder (frozen) + light 1x1 decoder, 2D, features at 1/16")
+@BACKBONES.register(
+    "sam-vitb",
+    doc="SAM ViT-B image encoder (trained in session 0, then frozen) + light 1x1 decoder, 2D, features at 1/16",
+)
 def sam_vitb(spatial_dims: int = 2, in_channels: int = 3, **kwargs) -> Backbone:
     return SAMBackbone(spatial_dims=spatial_dims, in_channels=in_channels, **kwargs)

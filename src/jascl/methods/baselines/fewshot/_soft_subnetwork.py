@@ -252,7 +252,7 @@ def detach_all(attached: dict[str, tuple[nn.Module, SoftSubnetwork]]) -> dict[st
 def masked_layers(model: nn.Module) -> dict[str, nn.Module]:
     """Backbone modules with their own ``weight`` parameter of rank >= 2 (convolutions, linear layers), by path.
 
-    Modules the backbone keeps frozen in every session (``frozen_modules``) are left out.
+    Modules the backbone freezes in incremental sessions (``frozen_modules``, e.g. SAM's encoder) are left out.
     """
     backbone = model.backbone
     frozen = {id(p) for m in backbone.frozen_modules() for p in m.parameters()}

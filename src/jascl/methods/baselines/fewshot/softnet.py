@@ -48,7 +48,7 @@ Masked weights: every backbone module's own ``weight`` parameter of rank >= 2
 backbone), put behind a :mod:`torch.nn.utils.parametrize` parametrization, so no
 backbone is rewritten. Norm layers, biases (rank 1) and the pixel classifier
 are not masked (the official ResNet masks convolutions only, ``mask_fc=False``);
-weights of modules a backbone keeps frozen in every session (SAM's image
+weights of modules a backbone freezes in incremental sessions (SAM's image
 encoder) are left alone.
 
 State: during a session the scores, the fixed draws and the raw weights live in

@@ -17,7 +17,7 @@ log = logging.getLogger("jascl")
 
 
 def always_frozen(model: nn.Module) -> set[int]:
-    """ids of parameters frozen in every session (e.g. SAM's image encoder)."""
+    """ids of parameters the backbone freezes in incremental sessions (e.g. SAM's image encoder)."""
     backbone = getattr(model, "backbone", None)
     frozen = backbone.frozen_modules() if backbone is not None else []
     return {id(p) for m in frozen for p in m.parameters()}
