@@ -4,6 +4,7 @@ submits only the cells that are missing."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import shutil
 
@@ -12,6 +13,7 @@ import pytest
 from jascl.errors import ConfigError
 from jascl.experiments.compare import run_compare
 from jascl.experiments.launcher import Launcher, parse_launcher
+from jascl.methods import METHODS
 
 
 def test_launcher_options_parse_and_refuse_bad_keys():
@@ -29,6 +31,16 @@ def test_launcher_options_parse_and_refuse_bad_keys():
     ):
         with pytest.raises(ConfigError, match=message):
             parse_launcher(kind, opts)
+    # --devices N: N processes per cell job; the local GPU pool hands each job N GPUs
+    assert parse_launcher("local", ["gpus=0,1,2,3"], 2).slots == 2
+    assert parse_launcher("local", [], 2).devices == 2 and parse_launcher("local", [], 2).slots == 1
+    for kind, opts, devices, message in (
+        ("local", ["gpus=0"], 2, "--devices 2 with --launcher-opt gpus=0: each job needs 2 GPUs"),
+        ("local", [], 0, "--devices 0: must be >= 1"),
+        (None, [], 2, "--devices 2 on a compare: give --launcher local or slurm"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_launcher(kind, opts, devices)
 
 
 def _scores(folder):
@@ -78,3 +90,54 @@ def test_slurm_executor_gets_the_options(tmp_path, monkeypatch):
     params = lau.executor(tmp_path / "logs")._executor.parameters
     assert params["partition"] == "gpu" and params["time"] == 600 and params["array_parallelism"] == 8
     assert params["gpus_per_node"] == 2 and params["mem"] == "64GB" and params["cpus_per_task"] == 8
+    assert params["ntasks_per_node"] == 1
+    # --devices 4: four tasks (processes) per job and, unless gpus_per_job says otherwise, four GPUs
+    params = parse_launcher("slurm", [], 4).executor(tmp_path / "logs")._executor.parameters
+    assert params["ntasks_per_node"] == 4 and params["gpus_per_node"] == 4
+    params = parse_launcher("slurm", ["gpus_per_job=0"], 4).executor(tmp_path / "logs")._executor.parameters
+    assert params["ntasks_per_node"] == 4 and params["gpus_per_node"] == 0
+
+
+PROBE = """
+import json, os
+from jascl import distributed
+from jascl.methods import METHODS, Method, Plugin
+
+
+class WorldProbe(Plugin):
+    name = "world-probe"
+
+    def before_session(self, state):
+        path = os.path.join(os.environ["JASCL_PROBE_DIR"], f"rank{distributed.rank()}-s{state.session.index}.json")
+        with open(path, "w") as f:
+            json.dump({"world": distributed.world_size(), "device": str(state.device)}, f)
+
+
+@METHODS.register("world-probe", doc="test: records the process group each session trains in")
+def world_probe(config):
+    return Method("world-probe", [WorldProbe()], "test probe")
+"""
+
+
+@pytest.mark.slow
+def test_local_launcher_trains_each_cell_with_n_processes(toy_protocol, toy_config, tmp_path, monkeypatch):
+    probe = tmp_path / "probe_method.py"
+    probe.write_text(PROBE)
+    monkeypatch.setattr(METHODS, "_entries", dict(METHODS._entries))  # the probe is forgotten afterwards
+    spec = importlib.util.spec_from_file_location("probe_method", probe)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # this process trains the shared base
+    (tmp_path / "probe").mkdir()
+    monkeypatch.setenv("JASCL_PROBE_DIR", str(tmp_path / "probe"))
+    config = dataclasses.replace(toy_config, threads=1, device="cpu")
+    messages: list[str] = []
+    summary = run_compare(
+        toy_protocol, config, ["world-probe"], [3], tmp_path / "jobs", cache_dir=tmp_path / "cache",
+        progress=False, echo=messages.append, imports=[str(probe)],
+        launcher=Launcher("local", devices=2, poll_s=0.2),
+    )  # fmt: skip
+    assert any(m.endswith(", 2 processes") and "submitted world-probe seed 3" in m for m in messages)
+    # session 0 is the shared base, trained once in this process; session 1 ran in a group of two gloo ranks
+    assert sorted(f.name for f in (tmp_path / "probe").iterdir()) == ["rank0-s1.json", "rank1-s1.json"]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / "probe" / f"rank{rank}-s1.json").read_text()) == {"world": 2, "device": "cpu"}
+    assert len(summary["methods"]["world-probe"]["sessions"]) == 2

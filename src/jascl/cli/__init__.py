@@ -38,6 +38,14 @@ def add_launcher_arguments(p: argparse.ArgumentParser) -> None:
         help="launcher option, repeatable: parallel, gpus (local, e.g. 0,1,2,3), time_min, partition, account, "
         "qos, constraint, gpus_per_job, cpus_per_job, mem_gb",
     )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --launcher: train every cell with N processes (DistributedDataParallel; one GPU each, or gloo "
+        "processes on CPU); the shared base trains once with one",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -189,7 +189,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                 cache_dir=args.cache_dir,
                 progress=not args.no_progress,
                 imports=recorded_imports(args.imports),
-                launcher=parse_launcher(args.launcher, args.launcher_opt),
+                launcher=parse_launcher(args.launcher, args.launcher_opt, args.devices),
                 **_data_args(args),
             )
     except Stopped as exc:

@@ -217,7 +217,11 @@ def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -
                 echo=_echo(console),
                 **_data_args(args),
                 imports=recorded_imports(args.imports),
-                launcher=parse_launcher(getattr(args, "launcher", None), getattr(args, "launcher_opt", [])),
+                launcher=parse_launcher(
+                    getattr(args, "launcher", None),
+                    getattr(args, "launcher_opt", []),
+                    args.devices if hasattr(args, "launcher") else None,  # jascl run's own --devices is torchrun's
+                ),
             )
     except Stopped as exc:
         console.print(f"{exc}; rerun the same command to continue in {out}")

@@ -16,6 +16,14 @@ A cell that fails leaves its finished sessions and its last checkpoint; the erro
 and its log, and rerunning the command submits only the cells that are still missing. Job logs go to
 ``<out>/launcher/`` (submitit's folder). SLURM options: ``partition``, ``time_min``, ``gpus_per_job``,
 ``cpus_per_job``, ``mem_gb``, ``account``, ``qos``, ``constraint`` (see ``docs/distributed.md``).
+
+``devices`` > 1 (``--devices N``) trains every cell with N processes and DistributedDataParallel, as
+``jascl run --devices N`` does: the job has N tasks (submitit's ``tasks_per_node``), each task exports
+the torch.distributed environment submitit describes (``submitit.helpers.TorchDistributedEnvironment``:
+rank, world size, master address and port) and joins the process group through
+:func:`jascl.distributed.init` (NCCL on GPUs, gloo on CPU). Locally each job takes N GPUs of ``gpus``
+(or runs N CPU processes when none are given); on SLURM it asks for N GPUs unless ``gpus_per_job`` says
+otherwise. The shared base still trains once, in this process, with one device.
 """
 
 from __future__ import annotations
@@ -41,21 +49,24 @@ class Launcher:
         kind: ``"local"`` (processes on this machine) or ``"slurm"``.
         parallel: jobs at a time (local: default 1 per GPU in ``gpus``, else 1; SLURM: the array's parallelism,
             0 = no limit).
-        gpus: local only: the GPU ids to spread the jobs over, one GPU per job (empty: no GPU).
+        gpus: local only: the GPU ids to spread the jobs over, ``devices`` GPUs per job (empty: no GPU).
+        devices: processes per cell job (DistributedDataParallel when > 1; one GPU each where there are GPUs).
         time_min: a job's time limit in minutes.
-        partition, account, qos, constraint, gpus_per_job, cpus_per_job, mem_gb: SLURM resources.
+        partition, account, qos, constraint, gpus_per_job, cpus_per_job, mem_gb: SLURM resources
+            (``gpus_per_job`` None: ``devices``; ``cpus_per_job`` per process).
         poll_s: seconds between checks of the running jobs.
     """
 
     kind: str = "local"
     parallel: int = 0
     gpus: tuple[int, ...] = ()
+    devices: int = 1
     time_min: int = 24 * 60
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
     constraint: str | None = None
-    gpus_per_job: int = 1
+    gpus_per_job: int | None = None
     cpus_per_job: int = 8
     mem_gb: int | None = None
     poll_s: float = 2.0
@@ -63,15 +74,22 @@ class Launcher:
     def __post_init__(self) -> None:
         if self.kind not in LAUNCHERS:
             raise ConfigError(f"--launcher {self.kind}: choose local or slurm")
-        if self.parallel < 0 or self.time_min < 1 or self.gpus_per_job < 0 or self.cpus_per_job < 1:
+        if self.parallel < 0 or self.time_min < 1 or (self.gpus_per_job or 0) < 0 or self.cpus_per_job < 1:
             raise ConfigError("--launcher-opt: parallel >= 0, time_min >= 1, gpus_per_job >= 0, cpus_per_job >= 1")
+        if self.devices < 1:
+            raise ConfigError(f"--devices {self.devices}: must be >= 1")
+        if self.kind == "local" and self.gpus and len(self.gpus) < self.devices:
+            raise ConfigError(
+                f"--devices {self.devices} with --launcher-opt gpus={','.join(map(str, self.gpus))}: "
+                f"each job needs {self.devices} GPUs; give at least that many ids"
+            )
 
     @property
     def slots(self) -> int:
         """How many jobs this process keeps running at once (SLURM: all of them, the scheduler queues)."""
         if self.kind == "slurm":
             return 10**9 if self.parallel == 0 else self.parallel
-        return self.parallel or max(1, len(self.gpus))
+        return self.parallel or max(1, len(self.gpus) // self.devices)
 
     def executor(self, folder: Path) -> Any:
         """A submitit executor for this launcher, logging into ``folder``."""
@@ -81,7 +99,7 @@ class Launcher:
             raise ConfigError("--launcher needs submitit: pip install submitit") from None
         if self.kind == "local":
             local = submitit.LocalExecutor(folder=str(folder))
-            local.update_parameters(timeout_min=self.time_min)
+            local.update_parameters(timeout_min=self.time_min, tasks_per_node=self.devices)
             return local
         try:
             ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
@@ -91,8 +109,8 @@ class Launcher:
             ) from None
         params: dict[str, Any] = {
             "timeout_min": self.time_min,
-            "gpus_per_node": self.gpus_per_job,
-            "tasks_per_node": 1,
+            "gpus_per_node": self.devices if self.gpus_per_job is None else self.gpus_per_job,
+            "tasks_per_node": self.devices,
             "cpus_per_task": self.cpus_per_job,
             "slurm_array_parallelism": self.parallel or 256,
         }
@@ -110,8 +128,9 @@ _INT_KEYS = {"parallel", "time_min", "gpus_per_job", "cpus_per_job", "mem_gb"}
 _STR_KEYS = {"partition", "account", "qos", "constraint"}
 
 
-def parse_launcher(kind: str | None, options: Sequence[str] = ()) -> Launcher | None:
-    """``--launcher KIND`` and ``--launcher-opt KEY=VALUE`` (repeatable) as a :class:`Launcher`; None without one.
+def parse_launcher(kind: str | None, options: Sequence[str] = (), devices: int | None = None) -> Launcher | None:
+    """``--launcher KIND``, ``--launcher-opt KEY=VALUE`` (repeatable) and ``--devices N`` as a :class:`Launcher`;
+    None without one.
 
     Keys: ``parallel``, ``gpus`` (comma-separated ids, local), ``time_min``, and for SLURM ``partition``,
     ``account``, ``qos``, ``constraint``, ``gpus_per_job``, ``cpus_per_job``, ``mem_gb``.
@@ -119,8 +138,15 @@ def parse_launcher(kind: str | None, options: Sequence[str] = ()) -> Launcher | 
     if kind is None:
         if options:
             raise ConfigError("--launcher-opt needs --launcher local or --launcher slurm")
+        if devices is not None:
+            raise ConfigError(
+                f"--devices {devices} on a compare: give --launcher local or slurm (N processes per cell job), "
+                "or train one run with jascl run --devices N"
+            )
         return None
     values: dict[str, Any] = {"kind": kind}
+    if devices is not None:
+        values["devices"] = devices
     for item in options:
         key, sep, value = item.partition("=")
         key = key.strip()
@@ -148,9 +174,18 @@ def cell_finished(folder: Path, method: str, protocol: Protocol) -> bool:
 
 
 def _train_cell(
-    protocol: Protocol, config: RunConfig, method: str, folder: str, kwargs: Mapping[str, Any], gpu: int | None
+    protocol: Protocol,
+    config: RunConfig,
+    method: str,
+    folder: str,
+    kwargs: Mapping[str, Any],
+    gpus: Sequence[int] = (),
+    devices: int = 1,
 ) -> str:
-    """One job: ``method``'s sessions on ``protocol`` into the prepared run folder ``folder``."""
+    """One job (each of its ``devices`` tasks): ``method``'s sessions on ``protocol`` into the prepared run folder.
+
+    ``gpus``: the local launcher's share of the GPUs (CUDA_VISIBLE_DEVICES; rank r takes the r-th).
+    """
     import importlib
     import importlib.util
     import os
@@ -168,9 +203,21 @@ def _train_cell(
             spec.loader.exec_module(module)
         else:
             importlib.import_module(name)
-    if gpu is not None:  # the local launcher's share of the GPUs
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    run_benchmark(protocol, config, [method], folder, progress=False, stage="cell", **kwargs)
+    if gpus:  # the local launcher's share of the GPUs
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    if devices == 1:
+        run_benchmark(protocol, config, [method], folder, progress=False, stage="cell", **kwargs)
+        return method
+    from submitit.helpers import TorchDistributedEnvironment
+
+    from jascl import distributed
+
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)  # RANK, WORLD_SIZE, MASTER_*, LOCAL_RANK
+    config = dataclasses.replace(config, device=distributed.init(config.device))
+    try:
+        run_benchmark(protocol, config, [method], folder, progress=False, stage="cell", **kwargs)
+    finally:
+        distributed.shutdown()
     return method
 
 
@@ -193,7 +240,7 @@ def run_cells(
     folder.mkdir(parents=True, exist_ok=True)
     executor = launcher.executor(folder)
     pending = list(cells)
-    running: list[tuple[Any, str, int | None]] = []
+    running: list[tuple[Any, str, list[int]]] = []
     failed: list[str] = []
     first_log = ""
     free_gpus = list(launcher.gpus)
@@ -203,19 +250,22 @@ def run_cells(
         while pending or running:
             while pending and len(running) < launcher.slots:
                 protocol, method, run_dir = pending.pop(0)
-                gpu = free_gpus.pop(0) if (launcher.kind == "local" and free_gpus) else None
-                job = executor.submit(_train_cell, protocol, config, method, str(run_dir), dict(kwargs), gpu)
+                share = free_gpus[: launcher.devices] if launcher.kind == "local" else []
+                del free_gpus[: len(share)]
+                job = executor.submit(
+                    _train_cell, protocol, config, method, str(run_dir), dict(kwargs), share, launcher.devices
+                )
                 label = f"{method} seed {protocol.seed}"
-                echo(f"[launcher] submitted {label}: job {job.job_id}")
-                running.append((job, label, gpu))
+                processes = f", {launcher.devices} processes" if launcher.devices > 1 else ""
+                echo(f"[launcher] submitted {label}: job {job.job_id}{processes}")
+                running.append((job, label, share))
             time.sleep(launcher.poll_s if running else 0)
             still = []
-            for job, label, gpu in running:
+            for job, label, share in running:
                 if not job.done():
-                    still.append((job, label, gpu))
+                    still.append((job, label, share))
                     continue
-                if gpu is not None:
-                    free_gpus.append(gpu)
+                free_gpus.extend(share)
                 done += 1
                 exc = job.exception()
                 if exc is None:
