@@ -9,7 +9,7 @@ import yaml
 
 from conftest import toy_protocol_dict
 from jascl.cli import main
-from jascl.experiments.reproduce import plan_table, run_reproduce
+from jascl.experiments.reproduce import _job_protocol, base_key, plan_table, run_reproduce
 from jascl.paper.tables import get_table, parse_table
 from jascl.results.records import RunResults
 from jascl.results.reproduce_table import reproduce_table
@@ -53,12 +53,65 @@ def test_plan_of_a_settings_table_makes_one_job_per_setting_and_refuses_unknown_
     assert {s for s, _ in reasons.values()} == {"planned"}
     # the noise schedule is a protocol key: one job per schedule, the protocol's pools degraded
     assert sorted(j.noise or "none" for j in refused.jobs.values()) == ["heavy", "moderate", "none"]
-    # extra unlabelled data from other sources is not implemented: refused with the key named
+    # extra unlabelled data from the earlier sessions' sources: a protocol key, resolved into session 4's
+    # unlabelled_sources (42 = 11 + 11 + 10 + 10 over TS, AMOS, BCV, MOTS; MOTS's 10 over its three tasks)
     extra = plan_table(get_table("tab:unlabeled_effect"), methods=["jascl"], protocols=["med-ss", "med-disjoint"])
-    status = {p.cell.row: (p.status, p.reason) for p in extra.cells}
-    assert status["JASCL (15 unlabeled samples)"][0] == "planned"
-    assert status["JASCL (42 unlabeled samples)"][0] == "not supported"
-    assert "unlabelled_extra" in status["JASCL (42 unlabeled samples)"][1]
+    status = {p.cell.row: (p.status, p.job) for p in extra.cells}
+    assert {s for s, _ in status.values()} == {"planned"}
+    job = extra.jobs[status["JASCL (42 unlabeled samples)"][1]]
+    assert job.key == "med-ss_backbone=unet3d-authors_eval_mode=authors_first5_s4extra42"
+    assert job.unlabelled_extra == (4, 42) and job.overrides == ("backbone=unet3d-authors", "eval_mode=authors")
+    assert job.borrowed == (
+        ("ts", 11), ("amos", 11), ("bcv", 10), ("mots_hepaticvessel", 4), ("mots_colon", 3), ("mots_lung", 3)
+    )  # fmt: skip
+    assert base_key(job) == base_key(extra.jobs[status["JASCL (15 unlabeled samples)"][1]])  # one session-0 base
+    protocol = _job_protocol(job)
+    assert protocol.name == "med-ss-first5-s4extra42" and len(protocol.sessions) == 5
+    assert protocol.sessions[4].unlabelled == 15 and protocol.sessions[4].unlabelled_extra == 42
+    # the stand-in has sessions 0-3 only, so the table's session-4 cells are not in it
+    stand = plan_table(get_table("tab:unlabeled_effect"), stand_in=True, methods=["jascl"])
+    assert {p.status for p in stand.cells} == {"not in stand-in"}
+
+
+def test_unlabelled_extra_on_the_stand_in_borrows_from_the_earlier_domains_and_reaches_the_run(tmp_path):
+    table = parse_table(
+        {
+            "label": "toy_extra", "caption": "c", "line": 1, "kind": "settings", "metric": "dice",
+            "protocol": "med-ss", "method": "jascl", "stand_in": "synthetic-2d-ss",
+            "columns": [{"name": "Session 3", "session": 3}],
+            "rows": [{"name": "more", "set": {"unlabelled_extra": 42}, "values": [None]},
+                     {"name": "bad", "set": {"unlabelled_extra": -1}, "values": [None]}],
+        },
+        "toy_extra.yaml",
+    )  # fmt: skip
+    plan = plan_table(table, stand_in=True, methods=["jascl"], protocols=["synthetic-2d-ss"], check_config=_no_check)
+    (job,) = plan.jobs.values()
+    assert job.borrowed == (("ct", 14), ("mri", 14), ("us", 14)) and job.unlabelled_extra == (3, 42)
+    bad = [p for p in plan.cells if p.cell.row == "bad"][0]
+    assert bad.status == "not supported" and "non-negative" in bad.reason
+    # through a run: the toy stand-in's session 1 borrows 3 images of domain a, listed in the run's manifest
+    proto = tmp_path / "toy.yaml"
+    proto.write_text(yaml.safe_dump(toy_protocol_dict(2)))
+    toy = parse_table(
+        {
+            "label": "toy_extra", "caption": "c", "line": 1, "kind": "settings", "metric": "dice",
+            "protocol": "med-ss", "method": "jascl-no-unlabelled", "stand_in": str(proto),
+            "columns": [{"name": "Session 1", "session": 1}],
+            "rows": [{"name": "more", "set": {"unlabelled_extra": 3}, "values": [0.2]}],
+        },
+        "toy_extra.yaml",
+    )  # fmt: skip
+    out = tmp_path / "rep"
+    summary = run_reproduce(
+        toy, [3], out, stand_in=True, protocols=[str(proto)], echo=lambda *a: None, progress=False,
+        cache_dir=tmp_path / "cache",
+    )  # fmt: skip
+    assert summary["cells"][0]["status"] == "measured"
+    manifest = json.loads((out / "toy_s1extra3" / "seed-3" / "manifest.json").read_text())
+    assert manifest["protocol"] == "toy-2d-s1extra3"
+    ids = [f"s1-inc/extra-a/{i:05d}" for i in range(3)]
+    assert manifest["sessions"][1]["unlabelled"] == ids
+    assert manifest["sessions"][1]["unlabelled_sources"] == [{"domain": "a", "ids": ids}]
 
 
 def _toy_table(tmp_path):

@@ -41,7 +41,9 @@ def cmd_protocols(args: argparse.Namespace) -> int:
                 "all"
                 if s.shots is None and s.train is None
                 else (f"<= {s.num_labelled}" if s.sources else str(s.num_labelled)),
-                str(s.unlabelled) + (f" + {s.unlabelled_per_class}/class" if s.unlabelled_per_class else ""),
+                str(s.unlabelled)
+                + (f" + {s.unlabelled_per_class}/class" if s.unlabelled_per_class else "")
+                + "".join(f" + {u.count} {u.name}" for u in s.unlabelled_sources if u.count),
                 str(s.validation),
                 "all" if s.test is None else str(s.test),
             )

@@ -2,8 +2,9 @@
 
 A protocol (synthetic or on local copies of public datasets), its roots and an
 optional split manifest become one :class:`~jascl.data.types.SessionData` per
-session: labelled K-shot ``train``, ``test``, the unlabelled pool with the
-protocol's noise schedule and the ``validation`` samples of model selection. The
+session: labelled K-shot ``train``, ``test``, the unlabelled pool (with the samples
+borrowed from other sources, ``unlabelled_sources``) with the protocol's noise
+schedule and the ``validation`` samples of model selection. The
 K-shot manifest of what was chosen is written by :func:`write_manifest` and
 checked across ranks by :func:`check_same_samples`.
 """

@@ -15,7 +15,10 @@ training label policy of :mod:`jascl.data.datasets` hides untaught classes):
   the session's classes. K-shot sessions: K images per taught class, each with
   one or two instances of that class.
 * ``unlabelled``: pool images of the session's domain (ground truth kept hidden,
-  for measuring pseudo-label quality only).
+  for measuring pseudo-label quality only), then the samples borrowed from earlier
+  sessions' domains (``unlabelled_sources``): fresh renders in that domain with objects
+  of the classes the earlier sessions taught there, ids ``s<t>-<name>/extra-<domain>/<i>``,
+  labels all 255 (images only, no ground truth).
 * ``test``: images with objects of the session's classes only, so every class
   is measured in the domain(s) where it was taught.
 * ``validation`` (``validation`` > 0): that many images per taught class, each with
@@ -46,7 +49,7 @@ from monai.transforms import GaussianSmooth
 from jascl.data.types import SessionData, Split
 from jascl.errors import DataError
 from jascl.fileio import atomic_write
-from jascl.protocols.schema import DomainSpec, Protocol, SessionSpec
+from jascl.protocols.schema import IGNORE_INDEX, DomainSpec, Protocol, SessionSpec
 
 GENERATOR_VERSION = 2
 
@@ -237,12 +240,39 @@ class SyntheticRenderer:
             images.append(image)
             labels.append(label)
             ids.append(f"s{session.index}-{session.name}/{split}/{i:05d}")
+        return self._stack(images, labels, ids)
+
+    def _stack(self, images: list[np.ndarray], labels: list[np.ndarray], ids: list[str]) -> Split:
         shape = (0, self.protocol.in_channels, *self.size)
         return Split(
             np.stack(images) if images else np.zeros(shape, np.float32),
             np.stack(labels) if labels else np.zeros((0, *self.size), np.uint8),
             ids,
         )
+
+    def _borrowed(self, session: SessionSpec) -> Split:
+        """The samples ``session`` borrows from earlier sessions' domains (``unlabelled_sources``).
+
+        Each is a fresh render in the named domain, from its own random stream
+        ``(seed, session, "extra-<domain>", i)``, with 1..n objects of the classes that earlier
+        sessions taught in that domain; the label is all 255 (images only).
+        """
+        images, labels, ids = [], [], []
+        lo, hi = self.spec.objects_per_image
+        for src in session.unlabelled_sources:
+            name = extra_split(str(src.domain))
+            domain = self.protocol.domains[str(src.domain)]
+            taught = sorted(
+                {c for s in self.protocol.sessions[: session.index] if src.domain in s.domains for c in s.classes}
+            )
+            for i in range(src.count):
+                rng = np.random.default_rng([self.protocol.seed, session.index, _stable_int(name), i])
+                objects = [int(c) for c in rng.choice(taught, size=int(rng.integers(lo, hi + 1)))] if taught else []
+                image, _ = self.render(rng, domain, objects)
+                images.append(image)
+                labels.append(np.full(self.size, IGNORE_INDEX, dtype=np.uint8))
+                ids.append(f"s{session.index}-{session.name}/{name}/{i:05d}")
+        return self._stack(images, labels, ids)
 
     def session(self, session: SessionSpec) -> SessionData:
         """Generate all splits of ``session``."""
@@ -255,11 +285,23 @@ class SyntheticRenderer:
         pool_plan: list[int | None] = [None] * session.unlabelled
         pool_plan += [c for c in session.classes for _ in range(session.unlabelled_per_class)]
         unlabelled = self._split(session, "unlabelled", pool_plan, distractors=True) if pool_plan else None
+        if session.unlabelled_extra:
+            borrowed = self._borrowed(session)
+            unlabelled = borrowed if unlabelled is None else _concat(unlabelled, borrowed)
         validation = None
         if session.validation:
             val_plan: list[int | None] = [c for c in session.classes for _ in range(session.validation)]
             validation = self._split(session, "validation", val_plan, distractors=False)
         return SessionData(session, train, test, unlabelled, validation)
+
+
+def extra_split(domain: str) -> str:
+    """The split name (middle part of the ids) of the samples a session borrows from ``domain``."""
+    return f"extra-{domain}"
+
+
+def _concat(a: Split, b: Split) -> Split:
+    return Split(np.concatenate([a.images, b.images]), np.concatenate([a.labels, b.labels]), [*a.ids, *b.ids])
 
 
 # ----------------------------------------------------------------------- caching
@@ -292,6 +334,8 @@ def protocol_digest(protocol: Protocol) -> str:
     }
     if any(s.validation for s in protocol.sessions):  # only then: the caches of earlier protocols stay valid
         payload["validation"] = [s.validation for s in protocol.sessions]
+    if any(s.unlabelled_sources for s in protocol.sessions):  # likewise
+        payload["unlabelled_sources"] = [[(u.domain, u.count) for u in s.unlabelled_sources] for s in protocol.sessions]
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=list).encode()).hexdigest()[:12]
 
 

@@ -20,6 +20,15 @@ epochs and sizes and only the row and column settings of the table (e.g. ``gas.e
 so the whole path is exercised on a laptop; the published numbers are then only a
 reference point, not a target.
 
+Two settings are protocol keys, applied to the job's protocol rather than to the run
+configuration: ``unlabelled_noise`` (the pools' noise schedule) and ``unlabelled_extra: N``
+(table ``tab:unlabeled_effect``): N unlabelled samples borrowed by the column's session from
+the earlier sessions' sources, split evenly over those sessions (remainder to the first) and
+then over each one's sources (:func:`jascl.protocols.variants.with_unlabelled_extra`). In
+``med-ss`` session 4 (BraTS) 42 resolves to ``unlabelled_sources`` TotalSegmentator 11, AMOS 11,
+BCV 10, MOTS 10 (hepatic vessel 4, colon 3, lung 3); on the stand-in ``synthetic-2d-ss`` to the
+earlier sessions' domains (session 3: ct, mri, us, 14 each).
+
 Folder layout::
 
     <out>/<job>/seed-<s>/...      one compare folder per job (see jascl.experiments.compare)
@@ -76,6 +85,9 @@ class Job:
     shots: int | None
     methods: list[str] = dataclasses.field(default_factory=list)
     noise: str | None = None
+    #: ``unlabelled_extra``: (session, samples) borrowed from the earlier sessions' sources, and how they resolve
+    unlabelled_extra: tuple[int, int] | None = None
+    borrowed: tuple[tuple[str, int], ...] = ()
 
     def describe(self) -> str:
         parts = [self.protocol]
@@ -85,6 +97,10 @@ class Job:
             parts.append(f"K={self.shots}")
         if self.noise:
             parts.append(f"unlabelled_noise={self.noise}")
+        if self.unlabelled_extra is not None:
+            session, count = self.unlabelled_extra
+            lent = ", ".join(f"{name} {n}" for name, n in self.borrowed)
+            parts.append(f"session {session} borrows {count} unlabelled ({lent})")
         parts.extend(self.overrides)
         return ", ".join(parts)
 
@@ -184,6 +200,14 @@ def plan_table(
         if noise is not None and noise not in ("none", "moderate", "heavy"):
             p.status, p.reason = "not supported", f"unlabelled_noise={noise}: one of none, moderate, heavy"
             continue
+        extra = settings.pop("unlabelled_extra", None)  # a protocol key: unlabelled samples from earlier sessions
+        borrowed: tuple[tuple[str, int], ...] = ()
+        if extra is not None:
+            try:
+                borrowed = resolve_unlabelled_extra(protocol, cell.session, extra)
+            except JasclError as exc:
+                p.status, p.reason = "not supported", str(exc)
+                continue
         overrides = [_override_text(k, v) for k, v in sorted(settings.items())]
         if cell.backbone and not stand_in:
             overrides.append(f"backbone={cell.backbone}")
@@ -205,6 +229,7 @@ def plan_table(
             *([f"first{sessions}"] if sessions else []),
             *([f"K{shots}"] if shots else []),
             *([f"noise-{noise}"] if noise else []),
+            *([f"s{cell.session}extra{extra}"] if extra is not None else []),
         ]
         name = _slug("_".join(parts))
         job = jobs.get(name)
@@ -216,6 +241,8 @@ def plan_table(
                 overrides=tuple(overrides),
                 shots=None if shots is None else int(shots),
                 noise=noise,
+                unlabelled_extra=None if extra is None else (int(cell.session or 0), int(extra)),
+                borrowed=borrowed,
             )
         if cell.method not in job.methods:
             job.methods.append(cell.method)
@@ -224,6 +251,22 @@ def plan_table(
 
 
 _UNSET = object()
+
+
+def resolve_unlabelled_extra(protocol: str, session: int | None, count: Any) -> tuple[tuple[str, int], ...]:
+    """``unlabelled_extra: count`` in session ``session`` of ``protocol``: (source, samples) pairs it borrows.
+
+    Raises:
+        ConfigError: not a non-negative integer, no session column, or a session with no earlier source.
+    """
+    from jascl.protocols import get_protocol, with_unlabelled_extra
+
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ConfigError(f"unlabelled_extra={count!r}: a non-negative number of unlabelled samples")
+    if session is None:
+        raise ConfigError("unlabelled_extra: the column names no session to add the samples to")
+    resolved = with_unlabelled_extra(get_protocol(protocol), session, count)
+    return tuple((u.name, u.count) for u in resolved.sessions[session].unlabelled_sources)
 
 
 def stand_in_sessions(protocol: str) -> int:
@@ -242,7 +285,9 @@ def _check_config(protocol: str, overrides: Sequence[str]) -> None:
 
 
 def base_key(job: Job) -> tuple:
-    """What a job's session-0 base depends on: jobs with equal keys share one base model."""
+    """What a job's session-0 base depends on: jobs with equal keys share one base model.
+
+    Not the unlabelled pools (``noise``, ``unlabelled_extra``): session 0 has none and its data do not change."""
     return (job.protocol, job.shots, tuple(o for o in job.overrides if not o.startswith(METHOD_ONLY_PREFIXES)))
 
 
@@ -347,6 +392,10 @@ def _job_protocol(job: Job):
         protocol = with_shots(protocol, job.shots)
     if job.noise is not None:
         protocol = dataclasses.replace(protocol, unlabelled_noise=job.noise)
+    if job.unlabelled_extra is not None:
+        from jascl.protocols import with_unlabelled_extra
+
+        protocol = with_unlabelled_extra(protocol, *job.unlabelled_extra)
     return protocol
 
 

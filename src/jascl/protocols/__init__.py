@@ -6,7 +6,8 @@ from pathlib import Path
 
 from jascl.errors import ConfigError
 from jascl.protocols.parse import load_protocol, parse_protocol
-from jascl.protocols.schema import ClassSpec, DomainSpec, Protocol, SessionSpec, SyntheticSpec
+from jascl.protocols.schema import ClassSpec, DomainSpec, Protocol, SessionSpec, SyntheticSpec, UnlabelledSourceSpec
+from jascl.protocols.variants import with_unlabelled_extra
 
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 
@@ -16,10 +17,12 @@ __all__ = [
     "Protocol",
     "SessionSpec",
     "SyntheticSpec",
+    "UnlabelledSourceSpec",
     "builtin_protocols",
     "get_protocol",
     "load_protocol",
     "parse_protocol",
+    "with_unlabelled_extra",
 ]
 
 

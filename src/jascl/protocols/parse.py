@@ -4,7 +4,7 @@ every problem is one line naming the file and the key."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from jascl.protocols.schema import (
     Protocol,
     SessionSpec,
     SyntheticSpec,
+    UnlabelledSourceSpec,
 )
 
 _TOP_KEYS = {
@@ -57,6 +58,7 @@ _SESSION_KEYS = {
     "source",
     "other_classes",
     "sources",
+    "unlabelled_sources",
 }
 
 
@@ -98,6 +100,7 @@ def parse_protocol(data: Any, source: str = "<protocol>", name: str | None = Non
             raise r.fail(f"sessions[{i}].source", "is 'synthetic' but the protocol has no 'synthetic' section")
         introduced.update(s.new_classes)
         sessions.append(s)
+    check_unlabelled_sources(r, sessions)
     never = sorted(class_ids - introduced - {0})
     if never:
         raise r.fail(
@@ -303,6 +306,9 @@ def _parse_session(
         source = r.string(e.get("source", "synthetic"), f"{key}.source")
         sources = ()
     other = r.string(e.get("other_classes", "background"), f"{key}.other_classes", OTHER_CLASS_POLICIES)
+    borrowed = _parse_unlabelled_sources(
+        r, e.get("unlabelled_sources", []), f"{key}.unlabelled_sources", domains, datasets if on_datasets else None
+    )
     return SessionSpec(
         index=i,
         name=name,
@@ -318,7 +324,96 @@ def _parse_session(
         source=source,
         other_classes=other,
         sources=sources,
+        unlabelled_sources=borrowed,
     )
+
+
+def _parse_unlabelled_sources(
+    r: _Reader, raw: Any, key: str, domains: Mapping[str, DomainSpec], datasets: Mapping[str, DatasetSpec] | None
+) -> tuple[UnlabelledSourceSpec, ...]:
+    """``[{dataset: ts, count: 11}, ...]`` (``datasets`` given: a session on datasets) or ``[{domain: ct, count: 14}]``.
+
+    Checks the entries one by one; what depends on the other sessions is :func:`check_unlabelled_sources`.
+    """
+    if raw is None:
+        return ()
+    example = "{dataset: <datasets key>, count: N}" if datasets is not None else "{domain: <domain>, count: N}"
+    if not isinstance(raw, list):
+        raise r.fail(key, f"must be a list of {example} entries (got {raw!r})")
+    out: list[UnlabelledSourceSpec] = []
+    for j, entry in enumerate(raw):
+        ekey = f"{key}[{j}]"
+        e = r.mapping(entry, ekey, {"dataset", "domain", "count"}, required={"count"})
+        count = e["count"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise r.fail(f"{ekey}.count", f"must be a non-negative number of samples (got {count!r}); use 0 or more")
+        if datasets is not None:
+            if "domain" in e or "dataset" not in e:
+                raise r.fail(
+                    ekey,
+                    f"a session on datasets borrows from a dataset entry: {example} (declared: {', '.join(datasets)})",
+                )
+            name = r.string(e["dataset"], f"{ekey}.dataset")
+            if name not in datasets:
+                raise r.fail(
+                    f"{ekey}.dataset",
+                    f"dataset {name!r} is not declared under 'datasets'; name one of {', '.join(datasets)}",
+                )
+            spec = UnlabelledSourceSpec(count, dataset=name)
+        else:
+            if "dataset" in e or "domain" not in e:
+                raise r.fail(ekey, f"a synthetic session borrows rendered samples of a domain: {example}")
+            name = r.string(e["domain"], f"{ekey}.domain")
+            if name not in domains:
+                raise r.fail(
+                    f"{ekey}.domain",
+                    f"domain {name!r} is not declared under 'domains'; name one of {', '.join(domains)}",
+                )
+            spec = UnlabelledSourceSpec(count, domain=name)
+        if any(o.name == name for o in out):
+            raise r.fail(ekey, f"lists {name!r} twice; give one entry with the total count")
+        out.append(spec)
+    return tuple(out)
+
+
+def check_unlabelled_sources(r: _Reader, sessions: Sequence[SessionSpec]) -> None:
+    """The rules of ``unlabelled_sources`` that involve other sessions (:class:`UnlabelledSourceSpec`).
+
+    Raises:
+        ConfigError: one line naming the file, the key and the fix.
+    """
+    for s in sessions:
+        for j, src in enumerate(s.unlabelled_sources):
+            if src.dataset is not None:
+                key = f"sessions[{s.index}].unlabelled_sources[{j}].dataset"
+                if any(o.dataset == src.dataset for o in s.sources):
+                    raise r.fail(
+                        key,
+                        f"dataset {src.dataset!r} is one of the session's own sources; its unlabelled samples come "
+                        "from 'unlabelled' / 'unlabelled_per_class'",
+                    )
+                users = [o.index for o in sessions if any(x.dataset == src.dataset for x in o.sources)]
+                if users and users[0] > s.index:
+                    raise r.fail(
+                        key,
+                        f"dataset {src.dataset!r} is first used by session {users[0]}, after this one; borrow from "
+                        "an earlier session's dataset (or an entry no session uses)",
+                    )
+            else:
+                key = f"sessions[{s.index}].unlabelled_sources[{j}].domain"
+                if src.domain in s.domains:
+                    raise r.fail(
+                        key,
+                        f"domain {src.domain!r} is one of the session's own domains; its unlabelled samples come "
+                        "from 'unlabelled' / 'unlabelled_per_class'",
+                    )
+                earlier = list(dict.fromkeys(d for o in sessions[: s.index] for d in o.domains))
+                if src.domain not in earlier:
+                    raise r.fail(
+                        key,
+                        f"domain {src.domain!r} is not a domain of an earlier session; borrow from one of "
+                        f"{', '.join(earlier) or '(none: the base session cannot borrow)'}",
+                    )
 
 
 def load_protocol(path: str | Path) -> Protocol:

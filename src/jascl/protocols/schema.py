@@ -72,6 +72,9 @@ class SessionSpec:
         unlabelled: size of the unlabelled pool drawn from the session's domain (0 = none).
         unlabelled_per_class: additional unlabelled samples per taught class, each
             showing that class (as in Semi-Supervised Natural-JASCL).
+        unlabelled_sources: unlabelled samples borrowed from *other* sources (the paper's "additional
+            unlabeled CT data" of table ``tab:unlabeled_effect``), joining the session's pool; see
+            :class:`UnlabelledSourceSpec` for the key, its checks and the leakage rules.
         validation: labelled validation samples per taught class (0 = none), for model selection
             (``RunConfig.model_selection``); never among the session's training or test samples.
             Synthetic sessions render this many samples per class; sessions on datasets take, per
@@ -101,6 +104,17 @@ class SessionSpec:
     source: str = "synthetic"
     other_classes: str = "background"
     sources: tuple[SourceSpec, ...] = ()
+    unlabelled_sources: tuple[UnlabelledSourceSpec, ...] = ()
+
+    @property
+    def unlabelled_extra(self) -> int:
+        """Unlabelled samples borrowed from other sources (the sum of ``unlabelled_sources`` counts)."""
+        return sum(s.count for s in self.unlabelled_sources)
+
+    @property
+    def has_unlabelled_pool(self) -> bool:
+        """True when the session asks for any unlabelled data (its own or borrowed)."""
+        return bool(self.unlabelled or self.unlabelled_per_class or self.unlabelled_extra)
 
     @property
     def classes(self) -> tuple[int, ...]:
@@ -130,6 +144,55 @@ class SourceSpec:
 
     dataset: str
     classes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UnlabelledSourceSpec:
+    """Unlabelled samples a session borrows from another source: one entry of ``unlabelled_sources``.
+
+    YAML (a session key)::
+
+        unlabelled_sources: [{dataset: ts, count: 11}, {dataset: amos, count: 11}]   # protocols on datasets
+        unlabelled_sources: [{domain: ct, count: 14}]                                # synthetic protocols
+
+    The samples join the session's unlabelled pool (after its own ``unlabelled`` /
+    ``unlabelled_per_class`` samples): images only, every label pixel 255 (no ground truth, so
+    they are not counted in pseudo-label precision); the protocol's ``unlabelled_noise``
+    degrades them like the rest of the pool; the split manifest lists them in the session's
+    ``unlabelled`` ids and, by source, under ``unlabelled_sources``.
+
+    Rules, checked on load (one line naming the file and the key): exactly one of ``dataset``
+    (a key of the protocol's ``datasets`` section, on protocols on datasets) or ``domain`` (a
+    declared domain, on synthetic protocols); ``count`` a non-negative integer; a source is
+    listed once per session; it is not one of the session's own sources / domains (those fill
+    ``unlabelled``) and not first used by a *later* session (that would show the model a future
+    session's data); a synthetic domain must be a domain of an earlier session.
+
+    Leakage rules (protocols on datasets, :func:`jascl.data.real.plan_sessions`): the samples come
+    from the dataset's training pool and label-free records, never from its test pool, and are
+    never a test or validation sample of any session. The strict reading is used for labelled
+    data: a borrowed sample is never a labelled training sample of *any* session, earlier ones
+    included (the earlier sessions' datasets have far more unlabelled cases than the paper's
+    counts need). Samples another session already has in its unlabelled pool are taken last. A
+    count larger than what is left is an error naming how many are available. Synthetic sources
+    render fresh samples of the domain (their own random streams, objects of the classes the
+    earlier sessions taught in it), so they can be no other split's sample. Either way the draw
+    is a function of (seed, protocol) and leaves every other split of every session unchanged.
+
+    Attributes:
+        count: number of samples borrowed.
+        dataset: dataset entry they come from (protocols on datasets), else None.
+        domain: synthetic domain they are rendered in (synthetic protocols), else None.
+    """
+
+    count: int
+    dataset: str | None = None
+    domain: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The dataset entry or domain named."""
+        return str(self.dataset if self.dataset is not None else self.domain)
 
 
 @dataclass(frozen=True)

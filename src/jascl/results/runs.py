@@ -129,6 +129,9 @@ def protocol_from_resolved(data: Mapping[str, Any]):
     source_cls = getattr(schema, "SourceSpec", None)
     dataset_cls = getattr(schema, "DatasetSpec", None)
     session_nested = {"sources": lambda v: [build(source_cls, s) for s in v]} if source_cls else {}
+    borrowed_cls = getattr(schema, "UnlabelledSourceSpec", None)
+    if borrowed_cls is not None:
+        session_nested["unlabelled_sources"] = lambda v: [build(borrowed_cls, s) for s in v]
     nested = {
         "classes": lambda v: [build(schema.ClassSpec, c) for c in v],
         "domains": lambda v: {k: build(schema.DomainSpec, d) for k, d in v.items()},

@@ -21,7 +21,9 @@ one :class:`~jascl.data.types.SessionData` per session, in four steps, one modul
    (:func:`select_k_shot`), validation samples (``validation`` per class, from the
    training pool, never trained on), test samples containing the session's classes, and
    unlabelled pools (``unlabelled`` in total and/or ``unlabelled_per_class``) from
-   the remaining training samples and label-less records. Samples already used by
+   the remaining training samples and label-less records, plus the samples borrowed from
+   other datasets (``unlabelled_sources``: images only, never a test, validation or labelled
+   sample of any session). Samples already used by
    an earlier session are taken last, so sessions drawing on one dataset get
    disjoint samples where the dataset allows. The plan is the K-shot *manifest*
    (sample ids ``<dataset entry>/<record id>``); a saved manifest can replace the
@@ -58,7 +60,15 @@ from jascl.data.real.manifests import load_manifest, manifest_dict, plans_from_m
 from jascl.data.real.roots import env_var, parse_root_args, read_roots_file, resolve_roots
 from jascl.data.real.selection import SessionPlan, plan_sessions, select_k_shot, session_summary, split_ref
 from jascl.data.real.sources import DatasetSource, open_source
-from jascl.data.real.storage import LazySamples, SampleStore, SplitBackend, label_lut, lazy_split, random_crop
+from jascl.data.real.storage import (
+    LazySamples,
+    SampleStore,
+    SplitBackend,
+    label_lut,
+    lazy_split,
+    no_labels,
+    random_crop,
+)
 from jascl.data.synthetic import default_cache_dir
 from jascl.data.types import SessionData
 from jascl.errors import ConfigError
@@ -123,8 +133,12 @@ def load_real(
         luts = {name: label_lut(protocol, src, session.index) for name, src in sources.items()}
         train = lazy_split(store, plan.train, luts, protocol)
         test = lazy_split(store, plan.test, luts, protocol)
+        # borrowed samples (unlabelled_sources) keep their images only
+        pool_luts = {**luts, **{str(u.dataset): no_labels for u in session.unlabelled_sources}}
         unlabelled = (
-            lazy_split(store, plan.unlabelled, luts, protocol, crop=unlabelled_crop, seed=protocol.seed + session.index)
+            lazy_split(
+                store, plan.unlabelled, pool_luts, protocol, crop=unlabelled_crop, seed=protocol.seed + session.index
+            )
             if plan.unlabelled is not None
             else None
         )
@@ -145,6 +159,7 @@ __all__ = [
     "load_manifest",
     "load_real",
     "manifest_dict",
+    "no_labels",
     "open_source",
     "open_sources",
     "parse_root_args",

@@ -4,6 +4,10 @@
 A session entry lists ``train``, ``test``, ``unlabelled`` (when the session has a pool) and ``validation`` (when it
 has validation samples). Manifests written before validation samples existed have no ``validation`` lists and
 still load: their sessions then have no validation samples (model selection keeps the last epoch, with a warning).
+
+A session that borrows unlabelled samples from other sources (``unlabelled_sources``) lists them among its
+``unlabelled`` ids and again, by source, under ``unlabelled_sources``: ``[{"dataset": "ts", "ids": [...]}, ...]``
+(``"domain"`` on synthetic protocols, whose borrowed ids are ``s<t>-<name>/extra-<domain>/<i>``).
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from typing import Any
 
 from jascl.data.real.selection import SessionPlan, split_ref
 from jascl.data.real.sources import DatasetSource
+from jascl.data.synthetic import extra_split
 from jascl.data.types import SessionData
 from jascl.errors import DataError
-from jascl.protocols.schema import Protocol
+from jascl.protocols.schema import Protocol, SessionSpec
 
 MANIFEST_FORMAT = 2
 
@@ -47,10 +52,38 @@ def manifest_dict(protocol: Protocol, data: Sequence[SessionData], roots: Mappin
             entry["sources"] = [{"dataset": src.dataset, "classes": list(src.classes)} for src in s.sources]
         if d.unlabelled is not None:
             entry["unlabelled"] = list(d.unlabelled.ids)
+        if s.unlabelled_sources:
+            entry["unlabelled_sources"] = borrowed_ids(s, d.unlabelled.ids if d.unlabelled is not None else [])
         if d.validation is not None:
             entry["validation"] = list(d.validation.ids)
         manifest["sessions"].append(entry)
     return manifest
+
+
+def borrowed_ids(session: SessionSpec, ids: Sequence[str]) -> list[dict[str, Any]]:
+    """The pool ids ``session`` borrowed, by source: ``[{"dataset" | "domain": name, "ids": [...]}, ...]``.
+
+    A borrowed sample is known by its id: ``<dataset>/<record id>`` for a dataset entry the session
+    does not read itself, ``s<t>-<name>/extra-<domain>/<i>`` for a synthetic domain.
+    """
+    out: list[dict[str, Any]] = []
+    for src in session.unlabelled_sources:
+        if src.dataset is not None:
+            mine = [i for i in ids if split_ref_or_none(i) == src.dataset]
+            out.append({"dataset": src.dataset, "ids": mine})
+        else:
+            middle = extra_split(str(src.domain))
+            mine = [i for i in ids if i.split("/")[1:2] == [middle]]
+            out.append({"domain": src.domain, "ids": mine})
+    return out
+
+
+def split_ref_or_none(ref: str) -> str | None:
+    """The dataset entry of a sample id ``<dataset>/<record id>`` (None for another kind of id)."""
+    try:
+        return split_ref(ref)[0]
+    except ValueError:
+        return None
 
 
 def load_manifest(path: str | Path, protocol: Protocol) -> dict:
@@ -87,10 +120,22 @@ def load_manifest(path: str | Path, protocol: Protocol) -> dict:
                 f"{p}: sessions[{s.index}] ({s.name}) was selected with shots={entry.get('shots')}, "
                 f"the protocol asks for shots={shots}; {fix}"
             )
-        if (entry.get("unlabelled") is not None) != bool(s.unlabelled or s.unlabelled_per_class):
+        if (entry.get("unlabelled") is not None) != s.has_unlabelled_pool:
             raise DataError(
                 f"{p}: sessions[{s.index}] ({s.name}) unlabelled pool does not match the protocol's "
-                f"(unlabelled={s.unlabelled}, unlabelled_per_class={s.unlabelled_per_class}); {fix}"
+                f"(unlabelled={s.unlabelled}, unlabelled_per_class={s.unlabelled_per_class}, "
+                f"unlabelled_sources={s.unlabelled_extra} samples); {fix}"
+            )
+        asked = {u.name: u.count for u in s.unlabelled_sources if u.count}
+        listed = {
+            str(b.get("dataset", b.get("domain"))): len(b.get("ids") or [])
+            for b in entry.get("unlabelled_sources") or []
+            if isinstance(b, dict) and b.get("ids")
+        }
+        if asked != listed:
+            raise DataError(
+                f"{p}: sessions[{s.index}] ({s.name}) borrows unlabelled samples {listed or 'from no other source'}, "
+                f"the protocol's unlabelled_sources ask for {asked or 'none'}; {fix}"
             )
         validation = entry.get("validation")
         if validation is not None and not isinstance(validation, list):
@@ -106,11 +151,14 @@ def load_manifest(path: str | Path, protocol: Protocol) -> dict:
 def plans_from_manifest(
     manifest: dict, protocol: Protocol, sources: Mapping[str, DatasetSource], source_path: str = "manifest"
 ) -> list[SessionPlan]:
-    """Session plans read from a checked manifest; every id must exist and come from the session's sources."""
+    """Session plans read from a checked manifest; every id must exist and come from the session's sources (or, in
+    the unlabelled pool, from a dataset of its ``unlabelled_sources``: never a test, labelled or validation sample)."""
     plans = []
     test_ids = {ref for e in manifest["sessions"] for ref in e["test"]}
+    labelled_ids = {ref for e in manifest["sessions"] for k in ("train", "validation") for ref in e.get(k) or []}
     for s, entry in zip(protocol.sessions, manifest["sessions"]):
         allowed = {src.dataset for src in s.sources}
+        lenders = {str(u.dataset) for u in s.unlabelled_sources}
         splits = {k: entry.get(k) for k in ("train", "test", "unlabelled", "validation")}
         for split, refs in splits.items():
             for ref in refs or []:
@@ -121,7 +169,13 @@ def plans_from_manifest(
                         f"{source_path}: sessions[{s.index}].{split}: {ref!r} is not a "
                         "'<dataset>/<record id>' sample id; use a manifest of this protocol"
                     ) from None
-                if d not in allowed:
+                if split == "unlabelled" and d in lenders:
+                    if ref in labelled_ids:
+                        raise DataError(
+                            f"{source_path}: sessions[{s.index}].unlabelled: {ref} is borrowed from dataset {d} but is "
+                            "a labelled training or validation sample of a session; use a manifest of this protocol"
+                        )
+                elif d not in allowed:
                     raise DataError(
                         f"{source_path}: sessions[{s.index}].{split}: {ref} comes from dataset {d!r}, "
                         f"not one of the session's sources {sorted(allowed)}; use a manifest of this protocol"
@@ -131,6 +185,11 @@ def plans_from_manifest(
                         f"{source_path}: sessions[{s.index}].{split}: sample {rid!r} is not in dataset "
                         f"{d} at {sources[d].layout.root}; point --root {sources[d].spec.root} at the "
                         "copy the manifest was made on"
+                    )
+                if split == "unlabelled" and d in lenders and rid in sources[d].test_pool:
+                    raise DataError(
+                        f"{source_path}: sessions[{s.index}].unlabelled: {ref} is borrowed from dataset {d}'s test "
+                        "pool; borrowed samples come from its training pool and label-free records"
                     )
                 if split != "test" and ref in test_ids:
                     raise DataError(

@@ -6,10 +6,15 @@ containing each taught class (:func:`select_k_shot`), never among the session's 
 samples: in a K-shot session they are taken after the K shots and the unlabelled pool (which stay those of
 V = 0); in a session with ``shots: all`` they are taken first, at most half of the samples showing its classes,
 and training gets the rest (else an uncapped base session would leave none).
+
+Unlabelled samples borrowed from other datasets (``unlabelled_sources``, :class:`~jascl.protocols.schema.UnlabelledSourceSpec`)
+are drawn after every session's plan (:func:`borrow_unlabelled`), so they change no other split: from the named
+dataset's training pool and label-free records, never a test, validation or labelled training sample of any session.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -243,7 +248,49 @@ def plan_sessions(
                 sorted(validation) if validation is not None else None,
             )
         )
+    borrow_unlabelled(protocol, sources, plans, fail)
     return plans
+
+
+def borrow_unlabelled(
+    protocol: Protocol, sources: Mapping[str, DatasetSource], plans: Sequence[SessionPlan], fail: Callable[[str], None]
+) -> None:
+    """Add every session's ``unlabelled_sources`` samples to its plan's unlabelled pool (in place).
+
+    Eligible samples of dataset ``D``: its training pool and label-free records, without the records
+    ``jascl data check`` excluded and without every session's labelled training, validation and test
+    samples (the strict reading: labelled samples of earlier sessions are not borrowed either). The
+    order is seeded by (seed, session, ``D``), samples in no session's unlabelled pool first; the
+    first ``count`` are taken. Fewer eligible than ``count`` is reported through ``fail`` as one line
+    naming the protocol file, the key and how many are available (the plan keeps what there is).
+    """
+    labelled: set[str] = set()
+    pooled: set[str] = set()
+    for plan in plans:
+        labelled.update(plan.train, plan.test, plan.validation or ())
+        pooled.update(plan.unlabelled or ())
+    for session, plan in zip(protocol.sessions, plans):
+        if not session.unlabelled_extra:
+            continue
+        borrowed: list[str] = []
+        for j, spec in enumerate(session.unlabelled_sources):
+            name = str(spec.dataset)
+            src = sources.get(name)
+            if src is None or not spec.count:  # not open: only in a dry run after the dataset failed to open
+                continue
+            refs = [_ref(name, r) for r in sorted(set(src.train_pool) | set(src.label_free)) if r not in src.excluded]
+            eligible = [r for r in refs if r not in labelled]
+            rng = np.random.default_rng([protocol.seed, session.index, 9931, zlib.crc32(name.encode())])
+            order = sorted((eligible[i] for i in rng.permutation(len(eligible))), key=lambda r: r in pooled)
+            if len(order) < spec.count:
+                fail(
+                    f"{protocol.path}: sessions[{session.index}].unlabelled_sources[{j}].count: {spec.count} "
+                    f"samples asked from dataset {name!r}, only {len(order)} available (its training pool and "
+                    "label-free records less every session's labelled, validation and test samples); lower the "
+                    f"count to at most {len(order)}"
+                )
+            borrowed += order[: spec.count]
+        plan.unlabelled = sorted([*(plan.unlabelled or []), *borrowed])
 
 
 def _names(protocol: Protocol, classes: Iterable[int]) -> str:

@@ -48,6 +48,11 @@ def label_lut(protocol: Protocol, source: DatasetSource, session: int) -> Callab
     return apply
 
 
+def no_labels(label: np.ndarray) -> np.ndarray:
+    """The label map of a borrowed unlabelled sample (``unlabelled_sources``): every pixel 255, images only."""
+    return np.full(np.shape(label), IGNORE_INDEX, dtype=np.uint8)
+
+
 class SampleStore:
     """Decodes, preprocesses and caches samples of the opened sources (one decoded sample kept in memory).
 
