@@ -289,3 +289,13 @@ def test_counters_several_filters_match_one_counter_each():
     assert second.per_class() == {0: (2, 0.5), 2: (1, 1.0), 5: (1, 1.0)}
     with pytest.raises(ValueError, match="2 filter"):
         both.update(valid[0], pred, truth)
+
+
+def test_pool_error_counts_only_pixels_with_a_known_label():
+    from jascl.methods.mean_teacher import pixel_errors
+
+    pred = torch.tensor([[1, 2, 0, 1], [3, 3, 0, 0]])
+    truth = torch.tensor([[1, 0, 0, 255], [255, 255, 255, 255]])  # the second sample: no ground truth
+    # known pixels: 3 (1, 0, 0), of which one is wrong (predicted 2, truth 0)
+    assert pixel_errors(pred, truth).tolist() == [1, 3]
+    assert pixel_errors(pred[1:], truth[1:]).tolist() == [0, 0]

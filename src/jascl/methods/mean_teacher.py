@@ -25,6 +25,7 @@ from jascl.methods.pas import (
     prototype_matrix,
 )
 from jascl.networks.base import eval_mode
+from jascl.protocols.schema import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from jascl.data.types import Split
@@ -32,6 +33,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jascl")
 
+
+
+def pixel_errors(pred: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
+    """(2,) long tensor: wrong predictions and pixels with a known label (``truth`` != 255).
+
+    Pool samples without ground truth (a dataset's label-free cases, samples borrowed from
+    another source) are all 255 and count for neither, so they do not inflate the error.
+    """
+    known = truth != IGNORE_INDEX
+    return torch.stack([((pred != truth) & known).sum(), known.sum()])
 
 class UnlabelledDataset(Dataset):
     """Unlabelled images with their pool index; the hidden ground truth rides along for *measurement only* (never a loss).
@@ -260,15 +271,14 @@ class MeanTeacherPlugin(Plugin):
 
     @torch.no_grad()
     def pool_error(self, state: LoopState, model: torch.nn.Module) -> float:
-        """Pixel error rate of ``model`` on the unlabelled pool (hidden ground truth), GAS noise off."""
+        """Pixel error rate of ``model`` on the unlabelled pool (hidden ground truth where known), GAS noise off."""
         seen = torch.as_tensor(state.seen, device=state.device)
         counts = torch.zeros(2, dtype=torch.long, device=state.device)  # wrong, total
         pool = Subset(UnlabelledDataset(state.data.unlabelled), distributed.shard(range(len(state.data.unlabelled))))
         with eval_mode(model), state.autocast():
             for batch in DataLoader(pool, batch_size=self._loader.batch_sampler.batch_size):
                 pred = seen[model(batch["image"].to(state.device)).argmax(1)]
-                truth = batch["truth"].to(state.device)
-                counts += torch.stack([(pred != truth).sum(), torch.tensor(truth.numel(), device=state.device)])
+                counts += pixel_errors(pred, batch["truth"].to(state.device))
         wrong, total = (int(v) for v in distributed.all_reduce_sum(counts))
         return wrong / total if total else float("nan")
 

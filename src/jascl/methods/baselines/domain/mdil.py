@@ -28,7 +28,7 @@ What is domain-specific here (:func:`domain_specific_keys`), for every backbone:
 * the decoder (:data:`DECODER_PREFIXES`, below the ``backbone.`` prefix):
   ``unet`` ``net.upcat_*``; ``monai-unet`` every up layer of MONAI's nested
   UNet (``net.model.2``, ``net.model.1.submodule.2``, ...) and ``out_norm``;
-  ``unet3d-authors`` ``up.*``; ``medformer`` ``up.*`` and ``map_proj.*``;
+  ``unet3d-authors`` ``up.*``; ``medformer`` ``up.*``;
   ``deeplabv3plus`` ``net.decoder.*``; ``swinunetr`` ``net.decoder1-5``;
   ``sam-vitb`` ``decoder.*`` (the projection); another backbone needs
   ``--set method_args.mdil.decoder=[prefix, ...]``;
