@@ -218,5 +218,9 @@ def test_cli_lists_tables_and_prints_a_plan(capsys):
     # (5 x 3): 57 sessions x 4.1 h x 2 seeds
     assert "about 467 GPU-hours" in out
     assert "share the stochastic-classifier session-0 base: jascl" in out
+    # JASCL's keyed base counted once per base: med-disjoint 1 + 4 sessions x 4.1 h, med-ss 1 + 4 x 5.3 h, and the
+    # med-ss job with borrowed unlabelled data reuses med-ss's base: 4 x 5.3 h; 20.5 + 26.5 + 21.2 = 68.2
+    assert main(["reproduce", "tab:unlabeled_effect", "--dry-run", "--seeds", "1"]) == 0
+    assert "about 68 GPU-hours" in " ".join(capsys.readouterr().out.split())
     assert main(["reproduce", "tab_nope"]) == 2
     assert "no paper table 'tab_nope'" in capsys.readouterr().err

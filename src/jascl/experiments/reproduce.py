@@ -292,8 +292,9 @@ def base_key(job: Job) -> tuple:
 
 
 def estimate_gpu_hours(plan: Plan, seeds: int) -> tuple[float, list[str]]:
-    """GPU-hours of the plan from the paper's compute table (:data:`HOURS_PER_SESSION`), the shared base
-    counted once per base and seed, and the protocols the table gives no time for (not counted)."""
+    """GPU-hours of the plan from the paper's compute table (:data:`HOURS_PER_SESSION`), every shared base
+    (vanilla's, or a family's keyed one) counted once per base and seed, and the protocols the table gives no
+    time for (not counted)."""
     total = 0.0
     unknown: list[str] = []
     bases: set[tuple] = set()
@@ -308,10 +309,11 @@ def estimate_gpu_hours(plan: Plan, seeds: int) -> tuple[float, list[str]]:
         groups = _base_groups(job.methods)
         own_base = len(groups.get("", []))
         shared = len(job.methods) - own_base
-        keyed = [k for k in groups if k not in ("", VANILLA_BASE)]
+        keyed = [(base_key(job), k) for k in groups if k not in ("", VANILLA_BASE)]
+        new_keyed = [k for k in keyed if k not in bases]  # a keyed base (JASCL's) is shared across jobs too
         new_base = VANILLA_BASE in groups and base_key(job) not in bases
-        bases.add(base_key(job))
-        sessions = (1 if new_base else 0) + len(keyed) + shared * (n - 1) + own_base * n
+        bases.update([base_key(job), *keyed])
+        sessions = (1 if new_base else 0) + len(new_keyed) + shared * (n - 1) + own_base * n
         total += sessions * HOURS_PER_SESSION[family] * seeds
     return total, sorted(set(unknown))
 
