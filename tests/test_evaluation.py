@@ -50,6 +50,15 @@ def test_absent_class_is_nan_and_union_of_splits():
 
     res = evaluate(Seq(), [a, b], [0, 1, 2], torch.device("cpu"), batch_size=1)
     assert res.dice[1] == 1.0 and res.dice[0] == 1.0 and math.isnan(res.dice[2])
+    # support: pixels of each class over both splits (class 0: 1 + 3, class 1: 3 + 1), samples containing it
+    assert res.support == {0: 4, 1: 4, 2: 0} and res.samples == {0: 2, 1: 2, 2: 0}
+
+
+def test_support_leaves_ignore_out_and_counts_samples_once():
+    gt = np.array([[[0, 5], [255, 5]], [[0, 0], [255, 0]]], dtype=np.uint8)
+    split = Split(np.zeros((2, 1, 2, 2), np.float32), gt, ["x", "y"])
+    res = evaluate(Oracle(torch.tensor([[[0, 1], [0, 1]], [[0, 0], [0, 0]]]), 2), [split], [0, 5], torch.device("cpu"))
+    assert res.support == {0: 4, 5: 2} and res.samples == {0: 2, 5: 1}
 
 
 def test_authors_mode_soft_dice_on_centred_crop():

@@ -20,7 +20,9 @@ RESULTS = {
         "vanilla": {
             "sessions": [
                 {"session": 0, "name": "base", "all": 0.8, "old": None, "new": 0.8, "base": 0.8, "background": 0.99,
-                 "per_class": {"0": 0.99, "1": 0.8}, "domains": ["ct"], "dice": 0.8},
+                 "per_class": {"0": 0.99, "1": 0.8}, "domains": ["ct"], "written_at": "noon",
+                 "dice": {"0": 0.995, "1": 0.89}, "iou": {"0": 0.99, "1": 0.8}, "support": {"0": 900, "1": 100},
+                 "samples": {"0": 2, "1": 2}},
                 {"session": 1, "name": "mri", "all": 0.5, "old": 0.4, "new": 0.6, "base": 0.4, "background": 0.98,
                  "per_class": {"0": 0.98, "1": 0.4, "2": None}, "domains": ["ct", "mri"],
                  "pseudo_labels": {"filter": "pas", "coverage": 0.25, "precision": None}},
@@ -45,7 +47,11 @@ def test_records_read_every_entry_with_nan_for_missing():
     assert math.isnan(s0.old) and math.isnan(s1.per_class["2"])
     assert s0.per_class == {"0": 0.99, "1": 0.8}
     assert s1.domains == ("ct", "mri")
-    assert s0.extra == {"dice": 0.8} and s0.pseudo_labels is None
+    assert s0.extra == {"written_at": "noon"} and s0.pseudo_labels is None
+    # both metrics and the support behind them; empty for records written before they were saved
+    assert s0.dice == {"0": 0.995, "1": 0.89} and s0.iou == s0.per_class
+    assert s0.support == {"0": 900, "1": 100} and s0.samples == {"0": 2, "1": 2}
+    assert s1.support == {} and s1.dice == {}
     assert s1.pseudo_label_value("coverage") == 0.25
     assert math.isnan(s1.pseudo_label_value("precision")) and math.isnan(s0.pseudo_label_value("coverage"))
     # hm (not in this older record) from old 0.4 and new 0.6: 2 * 0.4 * 0.6 / 1.0 = 0.48
@@ -85,6 +91,8 @@ def test_tables_read_records_and_dicts_alike():
         (("methods", "vanilla", "total_drop"), True, "methods.vanilla.total_drop"),
         (("methods", "vanilla", "sessions"), {"0": {}}, "methods.vanilla.sessions"),
         (("methods", "vanilla", "sessions", 0, "session"), "0", "methods.vanilla.sessions[0].session"),
+        (("methods", "vanilla", "sessions", 0, "support", "1"), -3, "methods.vanilla.sessions[0].support.1"),
+        (("methods", "vanilla", "sessions", 0, "samples", "1"), 1.5, "methods.vanilla.sessions[0].samples.1"),
         (("seed",), "7", "seed"),
         (("methods",), [], "methods"),
     ],

@@ -132,7 +132,8 @@ def evaluation_options(cfg: RunConfig) -> dict:
 
 def session_record(protocol: Protocol, t: int, result: EvalResult, background_in_mean: bool = False) -> dict:
     """The record of session ``t``: all / old / new / HM (of old and new) / base means of the protocol's metric,
-    per-class scores. ``background_in_mean`` counts class 0 in ``all`` (``RunConfig.background_in_mean``)."""
+    per-class scores (both metrics) and their support (pixels / voxels and samples of each class in the test
+    ground truth). ``background_in_mean`` counts class 0 in ``all`` (``RunConfig.background_in_mean``)."""
     seen = protocol.seen_classes(t)
     session = protocol.sessions[t]
     old = [c for c in seen if c != 0 and c not in session.new_classes]
@@ -153,6 +154,8 @@ def session_record(protocol: Protocol, t: int, result: EvalResult, background_in
         "per_class": {str(c): v for c, v in per_class.items()},
         "dice": {str(c): v for c, v in result.dice.items()},
         "iou": {str(c): v for c, v in result.iou.items()},
+        "support": {str(c): v for c, v in result.support.items()},
+        "samples": {str(c): v for c, v in result.samples.items()},
     }
 
 

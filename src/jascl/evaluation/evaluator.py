@@ -40,7 +40,7 @@ import contextlib
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -60,10 +60,17 @@ CONFUSION_CHUNK = 2**22
 
 @dataclass
 class EvalResult:
-    """Per-class scores keyed by global class id (NaN = class absent from the test data)."""
+    """Per-class scores keyed by global class id (NaN = class absent from the test data), and their support.
+
+    ``support``: pixels / voxels of each class in the scored ground truth (ignore excluded; in ``authors``
+    mode, inside the crops); ``samples``: test samples whose scored ground truth contains the class. A
+    score resting on few voxels or one sample is a weak finding; reports show both beside it.
+    """
 
     dice: dict[int, float]
     iou: dict[int, float]
+    support: dict[int, int] = field(default_factory=dict)
+    samples: dict[int, int] = field(default_factory=dict)
 
     def metric(self, name: str) -> dict[int, float]:
         return self.dice if name == "dice" else self.iou
@@ -305,6 +312,17 @@ def _stack(arrays: list[np.ndarray]) -> np.ndarray:
     return np.ascontiguousarray(arrays[0][None]) if len(arrays) == 1 else np.stack(arrays)
 
 
+def _presence(label: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """(K,) 0/1: which of the global class ids ``ids`` occur in ``label`` (counted in chunks: no int64 copy of a
+    whole CT volume)."""
+    flat = label.reshape(-1)
+    found = np.zeros(max(int(ids.max()) + 1, 1), dtype=bool)
+    for start in range(0, flat.size, CONFUSION_CHUNK):
+        counts = np.bincount(flat[start : start + CONFUSION_CHUNK].astype(np.int64), minlength=found.size)
+        found |= counts[: found.size] > 0
+    return found[ids].astype(np.int64)
+
+
 def _update_confusion(
     confusion: ConfusionAccumulator, ids: torch.Tensor, rows: torch.Tensor, target: np.ndarray
 ) -> None:
@@ -374,6 +392,8 @@ def evaluate(
     for row, cid in enumerate(seen):
         lut[cid] = row
     budget = None if max_block_elements is None else max(max_block_elements // (3 if mc_samples > 0 else 1), 1)
+    seen_ids = np.asarray(list(seen), dtype=np.int64)
+    samples = np.zeros(k, dtype=np.int64)
     for index, split in enumerate(splits):
         if before_split is not None:
             before_split(index)
@@ -389,6 +409,8 @@ def evaluate(
                 images = [img[(slice(None),) + tuple(c)] for img, c in zip(images, crops)]
                 labels = [lab[c] for lab, c in zip(labels, crops)]
                 spatial = images[0].shape[1:]
+            for lab in labels:
+                samples += _presence(lab, seen_ids)
             windowed = mode != "authors" and roi is not None and any(r < s for r, s in zip(roi, spatial))
             if windowed:
                 # one sample at a time: MONAI batches windows, not samples, so nothing is lost
@@ -425,7 +447,9 @@ def evaluate(
     bar.close()
     confusion.all_reduce()
     inter, psum, gsum = (distributed.all_reduce_sum(v) for v in (inter, psum, gsum))
+    present = distributed.all_reduce_sum(torch.from_numpy(samples))
     cm = confusion.matrix()
+    support = cm.sum(1)  # rows: ground truth
     iou = iou_from_confusion(cm)
     if mode == "authors":
         smooth = 1e-5
@@ -434,5 +458,8 @@ def evaluate(
     else:
         dice_t = dice_from_confusion(cm)
     return EvalResult(
-        dice={c: float(dice_t[i]) for i, c in enumerate(seen)}, iou={c: float(iou[i]) for i, c in enumerate(seen)}
+        dice={c: float(dice_t[i]) for i, c in enumerate(seen)},
+        iou={c: float(iou[i]) for i, c in enumerate(seen)},
+        support={c: int(support[i]) for i, c in enumerate(seen)},
+        samples={c: int(present[i]) for i, c in enumerate(seen)},
     )

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from jascl.errors import ConfigError
 from jascl.evaluation.metrics import harmonic_mean
+
+T = TypeVar("T")
 
 #: the score splits of every session record, in table order
 SPLITS = ("all", "old", "new", "hm", "base", "background")
@@ -43,6 +45,20 @@ def _score(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{where}: must be a number or null (got {value!r})")
     return float(value)
+
+
+def _count(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{where}: must be a count, an integer >= 0 (got {value!r})")
+    return value
+
+
+#: per-class entries of a session record besides ``per_class``
+_PER_CLASS = ("dice", "iou", "support", "samples")
+
+
+def _per_class(data: Mapping[str, Any], key: str, where: str, read: Callable[[Any, str], T]) -> dict[str, T]:
+    return {str(k): read(v, f"{where}.{key}.{k}") for k, v in _mapping(data.get(key), f"{where}.{key}").items()}
 
 
 def _mapping(value: Any, where: str) -> Mapping[str, Any]:
@@ -64,6 +80,9 @@ class SessionRecord:
         hm: the harmonic mean of old and new (:func:`jascl.evaluation.metrics.harmonic_mean`); computed from
             them for records written before jascl saved it.
         per_class: class id (string) -> score; NaN if the class had no pixels.
+        dice, iou: class id (string) -> each metric's score (empty for records written before both were saved).
+        support: class id (string) -> pixels / voxels of the class in the test ground truth that was scored.
+        samples: class id (string) -> test samples containing the class (both empty for older records).
         domains: the domains evaluated.
         pseudo_labels: the pseudo-label statistics of a semi-supervised method, or None.
         extra: every other entry of the record, unchanged.
@@ -78,6 +97,10 @@ class SessionRecord:
     base: float = math.nan
     background: float = math.nan
     per_class: Mapping[str, float] = field(default_factory=dict)
+    dice: Mapping[str, float] = field(default_factory=dict)
+    iou: Mapping[str, float] = field(default_factory=dict)
+    support: Mapping[str, int] = field(default_factory=dict)
+    samples: Mapping[str, int] = field(default_factory=dict)
     domains: tuple[str, ...] = ()
     pseudo_labels: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -101,7 +124,7 @@ class SessionRecord:
             ConfigError: a value of the wrong type, naming ``where.<key>``.
         """
         data = _mapping(data, where)
-        known = {"session", "name", "per_class", "domains", "pseudo_labels", *SPLITS}
+        known = {"session", "name", "per_class", "domains", "pseudo_labels", *SPLITS, *_PER_CLASS}
         per_class = _mapping(data.get("per_class"), f"{where}.per_class")
         pseudo = data.get("pseudo_labels")
         if pseudo is not None and not isinstance(pseudo, Mapping):
@@ -117,6 +140,10 @@ class SessionRecord:
             name=str(data.get("name") or ""),
             **scores,
             per_class={str(k): _score(v, f"{where}.per_class.{k}") for k, v in per_class.items()},
+            dice=_per_class(data, "dice", where, _score),
+            iou=_per_class(data, "iou", where, _score),
+            support=_per_class(data, "support", where, _count),
+            samples=_per_class(data, "samples", where, _count),
             domains=tuple(str(d) for d in data.get("domains") or ()),
             pseudo_labels=dict(pseudo) if pseudo is not None else None,
             extra={k: v for k, v in data.items() if k not in known},
