@@ -18,7 +18,7 @@ from jascl.experiments.runner import run_benchmark
 from jascl.methods.gas import GASNoise
 from jascl.protocols import parse_protocol
 from jascl.results import plots
-from jascl.results.html import SECTIONS, write_report
+from jascl.results.html import SECTIONS, SectionError, write_report
 from jascl.results.report import MISSING
 from jascl.results.runs import TOTAL_DROP_ROW, fmt_values, open_run, protocol_from_resolved
 from jascl.results.sections import _class_matrix, pseudo_label_section
@@ -305,15 +305,21 @@ def test_pseudo_label_table_and_plot(toy_run, tmp_path):
     assert [b.kind for b in blocks] == ["table", "figure"] and blocks[1].png[:4] == b"\x89PNG"
 
 
-def test_qualitative_section_says_why_when_data_cannot_be_loaded(toy_run, tmp_path):
+def test_a_section_that_cannot_be_built_is_an_error_unless_skipped(toy_run, tmp_path):
     folder = tmp_path / "broken"
     shutil.copytree(toy_run["run"], folder, ignore=shutil.ignore_patterns("tensorboard"))
     (folder / "protocol-resolved.json").unlink()
-    paths = write_report([folder], tmp_path / "out", samples=1, echo=lambda *a: None)
+    with pytest.raises(SectionError) as info:
+        write_report([folder], tmp_path / "out", samples=1, echo=lambda *a: None)
+    assert str(info.value) == (
+        f"report: qualitative: {folder}: neither protocol-resolved.json nor protocol.yaml; "
+        "--skip qualitative leaves the section out"
+    )
+    assert not (tmp_path / "out").exists()  # nothing written
+    paths = write_report([folder], tmp_path / "out", samples=1, echo=lambda *a: None, skip=["qualitative", "config"])
     page = paths["html"].read_text()
     section = page.split('<section id="p0-qualitative">')[1].split("</section>")[0]
-    assert "Qualitative overlays are not available" in section and "protocol-resolved.json" in section
-    assert "data:image/png" not in section
+    assert "Left out (--skip qualitative)." in section and "data:image/png" not in section
     assert _html_tables(page).sections == [f"p0-{sid}" for sid in SECTIONS if sid != "reproduce"]
 
 

@@ -210,7 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("--device", default="cpu", help="where saved models run for the overlays (default cpu)")
     report.add_argument(
-        "--cache-dir", default=None, help="synthetic data cache (default $JASCL_CACHE or ~/.cache/jascl)"
+        "--cache-dir",
+        default=None,
+        help="data cache (default: the run's, recorded in run.json, if it exists; else $JASCL_CACHE or ~/.cache/jascl)",
+    )
+    add_root_arguments(report, recorded=True)
+    report.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        metavar="SECTION[,SECTION]",
+        help="leave report sections out (comma-separated, repeatable), e.g. qualitative or manifest (an unknown "
+        "id lists them all); a section that cannot be produced is otherwise an error: exit 2, nothing written",
     )
     report.set_defaults(func=cmd_report)
 

@@ -113,12 +113,15 @@ def import_modules(names: Sequence[str]) -> None:
             raise ConfigError(f"--import {name}: {type(exc).__name__}: {exc}") from None
 
 
-def add_root_arguments(p: argparse.ArgumentParser) -> None:
+def add_root_arguments(p: argparse.ArgumentParser, recorded: bool = False) -> None:
+    """``--root NAME=PATH`` and ``--roots FILE``; ``recorded``: for commands that read run folders, where the
+    roots recorded at run time come before the environment."""
+    fallback = "the root recorded in the run folder (run.json) while it exists, then " if recorded else ""
     p.add_argument(
         "--root",
         action="append",
         metavar="NAME=PATH",
         help="folder of a dataset root the protocol names (repeat per dataset); "
-        "else a --roots file or the environment variable JASCL_ROOT_<NAME>",
+        f"else a --roots file, {fallback}the environment variable JASCL_ROOT_<NAME>",
     )
     p.add_argument("--roots", default=None, metavar="FILE", help="YAML file of root names to folders (NAME: PATH)")

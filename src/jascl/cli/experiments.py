@@ -70,11 +70,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-
+    """``jascl report``: roots are ``--root`` > ``--roots`` > recorded in the run folder > ``JASCL_ROOT_<NAME>``."""
     if args.samples < 0:
         raise ConfigError(f"--samples {args.samples}: must be >= 0 (0 = no qualitative overlays)")
-    from jascl.results.html import write_report
+    from jascl.data.real import parse_root_args
+    from jascl.results.html import check_skip, write_report
+    from jascl.results.runs import RootOptions
 
+    skip = [s.strip() for item in args.skip for s in item.split(",") if s.strip()]
+    check_skip(skip)
+    roots = RootOptions(parse_root_args(args.root), args.roots)
     out = Path(args.out) if args.out else Path(args.runs[0]) / "report"
     console = _console()
     paths = write_report(
@@ -83,8 +88,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         samples=args.samples,
         device=args.device,
         cache_dir=args.cache_dir,
-        echo=lambda msg: console.print(msg, markup=False),
-    )  # "[report] ..." is not rich markup
+        echo=lambda msg: console.print(msg, markup=False),  # "[report] ..." is not rich markup
+        roots=roots,
+        skip=skip,
+    )
     console.print(f"report written to {paths['html']} (self-contained) and {paths['markdown']} (figures next to it)")
     return 0
 

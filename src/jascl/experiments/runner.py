@@ -4,7 +4,8 @@ Run folder layout::
 
     <out>/run.json             what was run (protocol source, seed, methods, data options): ``--resume`` reads it
     <out>/config.yaml          resolved run configuration
-    <out>/protocol.yaml        the protocol as run (seed included)
+    <out>/protocol.yaml        the protocol file the run started from (a copy)
+    <out>/protocol-resolved.json  the protocol as run (seed and variants applied; see jascl.protocols.resolved)
     <out>/manifest.json        K-shot manifest: sample ids of every split, per session
     <out>/environment.json     versions of jascl, torch, monai, numpy, python, CUDA/cuDNN, device count
     <out>/tensorboard/<method>/  TensorBoard scalars (with ``tensorboard: true``)
@@ -50,6 +51,7 @@ from jascl.evaluation.metrics import per_class_forgetting, total_drop
 from jascl.fileio import atomic_write_text
 from jascl.methods.presets import jascl_options
 from jascl.methods.registry import check_method_args, create_method, resolved_options
+from jascl.protocols.resolved import protocol_from_json, protocol_to_json
 from jascl.protocols.schema import Protocol, SessionSpec
 from jascl.results.report import write_all
 
@@ -172,13 +174,19 @@ def check_reusable(out: Path, config: RunConfig, protocol: Protocol) -> None:
     resolved = out / "protocol-resolved.json"
     if resolved.exists():
         old_p = json.loads(resolved.read_text())
-        new_p = json.loads(json.dumps(dataclasses.asdict(protocol), default=list))
+        new_p = protocol_to_json(protocol)
         # a session key added to jascl later (e.g. validation) holds its default in a folder written before
         defaults = {f.name: f.default for f in dataclasses.fields(SessionSpec) if f.default is not dataclasses.MISSING}
         for entry in old_p.get("sessions") or []:
             if isinstance(entry, dict):
                 for key, value in json.loads(json.dumps(defaults, default=list)).items():
                     entry.setdefault(key, value)
+        # label maps are [native, global] pairs now; a folder written before has objects with string keys
+        datasets = old_p.get("datasets") or {}
+        if any(isinstance(e, dict) and isinstance(e.get("labels"), dict) for e in datasets.values()):
+            pairs = protocol_to_json(protocol_from_json(old_p))["datasets"]
+            for name, entry in datasets.items():
+                entry["labels"] = pairs[name]["labels"]
         changed = sorted(
             k for k in set(old_p) | set(new_p) if k not in ("path", "file") and old_p.get(k) != new_p.get(k)
         )
@@ -265,7 +273,8 @@ def write_run_files(
     atomic_write_text(out / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
     if protocol.file is not None and Path(protocol.file).is_file():
         atomic_write_text(out / "protocol.yaml", Path(protocol.file).read_text())
-    atomic_write_text(out / "protocol-resolved.json", json.dumps(dataclasses.asdict(protocol), indent=1, default=list))
+    # label maps as [native, global] pairs: a JSON object would make native ids names (jascl.protocols.resolved)
+    atomic_write_text(out / "protocol-resolved.json", json.dumps(protocol_to_json(protocol), indent=1))
     resolved_roots = None
     if protocol.uses_datasets and data is not None:
         from jascl.data.real import resolve_roots
@@ -284,6 +293,8 @@ def write_run_files(
         "cache_dir": str(Path(cache_dir).resolve()) if cache_dir is not None else None,
         "roots": {k: str(Path(v).resolve()) for k, v in (roots or {}).items()},
         "roots_file": str(Path(roots_file).resolve()) if roots_file is not None else None,
+        # every root's folder, however it was given (--root, roots file, JASCL_ROOT_<NAME>): what jascl report reads
+        "resolved_roots": {k: str(Path(v).resolve()) for k, v in (resolved_roots or {}).items()},
         "split_manifest": str(Path(split_manifest).resolve()) if split_manifest is not None else None,
         "imports": list(imports),
     }

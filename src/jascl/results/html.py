@@ -24,6 +24,11 @@ Every input folder becomes one part of the report with these sections
 * ``versions``: library versions, devices, seeds and batch sizes;
 * ``manifest``: the K-shot split manifest, summarised.
 
+A section that cannot be produced (data roots that moved, a missing run-folder file, a model that does not
+load) raises :class:`SectionError` and nothing is written, unless its id is in ``skip`` (``--skip``).
+Dataset roots: ``--root`` > ``--roots`` > recorded in the run folder > ``JASCL_ROOT_<NAME>``
+(:func:`jascl.results.runs.run_roots`).
+
 Tables print the numbers of ``results.json`` with the formatting of
 :func:`jascl.results.report.format_score` (IoU ×100 with one decimal, otherwise
 three decimals). The HTML embeds every figure as a base64 PNG and has no external
@@ -36,16 +41,16 @@ import base64
 import datetime
 import html
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from jascl import __version__
-from jascl.errors import ConfigError
+from jascl.errors import ConfigError, JasclError
 from jascl.fileio import atomic_write_bytes, atomic_write_text
 from jascl.results.blocks import ReportBlock, _table, _text
 from jascl.results.overlays import qualitative_section
 from jascl.results.report import md_table
-from jascl.results.runs import TOTAL_DROP_ROW, RunInput, open_run
+from jascl.results.runs import TOTAL_DROP_ROW, RootOptions, RunInput, check_root_names, open_run
 from jascl.results.sections import (
     config_section,
     curves_section,
@@ -57,7 +62,7 @@ from jascl.results.sections import (
     versions_section,
 )
 
-__all__ = ["SECTIONS", "build_part", "render", "write_report"]
+__all__ = ["SECTIONS", "SectionError", "build_part", "render", "write_report"]
 
 
 #: section ids and titles of every report part, in order
@@ -102,6 +107,40 @@ def _read_reproduce(path: Path) -> dict:
         raise ConfigError(f"{path}: not a jascl reproduce summary ({exc})") from None
 
 
+class SectionError(JasclError):
+    """A report section that cannot be produced: one line naming the section and the cause; exit code 2.
+
+    The report is not written (a previous one stays as it was) unless the section is left out
+    with ``--skip SECTION``.
+    """
+
+    def __init__(self, section: str, cause: BaseException) -> None:
+        reason = str(cause) if isinstance(cause, JasclError) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"report: {section}: {reason.strip()}; --skip {section} leaves the section out")
+        self.section = section
+
+
+#: what a section raises when its inputs cannot be read (data, models, run-folder files); any other exception
+#: is a bug and keeps its traceback
+_INPUT_ERRORS = (JasclError, OSError, RuntimeError, ValueError)
+
+
+def _section(sid: str, build: Callable[[], list[ReportBlock]], skip: Collection[str]) -> list[ReportBlock]:
+    if sid in skip:
+        return [_text(f"Left out (--skip {sid}).")]
+    try:
+        return build()
+    except _INPUT_ERRORS as exc:
+        raise SectionError(sid, exc) from exc
+
+
+def check_skip(skip: Collection[str]) -> None:
+    """Refuse a ``--skip`` value that is not a section id of :data:`SECTIONS`."""
+    unknown = [s for s in skip if s not in SECTIONS]
+    if unknown:
+        raise ConfigError(f"--skip {unknown[0]}: not a report section; choose from {', '.join(SECTIONS)}")
+
+
 def build_part(
     run: RunInput,
     index: int,
@@ -109,20 +148,28 @@ def build_part(
     device: str = "cpu",
     cache_dir: str | Path | None = None,
     echo: Callable[[str], None] = print,
+    skip: Collection[str] = (),
 ) -> list[tuple[str, list[ReportBlock]]]:
-    """The sections of one input folder: ``[(section id, blocks), ...]`` in :data:`SECTIONS` order."""
+    """The sections of one input folder: ``[(section id, blocks), ...]`` in :data:`SECTIONS` order.
+
+    Sections named in ``skip`` hold one sentence saying so.
+
+    Raises:
+        SectionError: a section that cannot be produced (not in ``skip``).
+    """
     prefix = f"p{index}"
-    return [
-        ("summary", summary_section(run)),
-        ("sessions", sessions_section(run)),
-        ("curves", curves_section(run, prefix)),
-        ("heatmaps", heatmaps_section(run, prefix)),
-        ("qualitative", qualitative_section(run, prefix, samples, device, cache_dir, echo)),
-        ("pseudo-labels", pseudo_label_section(run, prefix)),
-        ("config", config_section(run)),
-        ("versions", versions_section(run)),
-        ("manifest", manifest_section(run)),
+    builders: list[tuple[str, Callable[[], list[ReportBlock]]]] = [
+        ("summary", lambda: summary_section(run)),
+        ("sessions", lambda: sessions_section(run)),
+        ("curves", lambda: curves_section(run, prefix)),
+        ("heatmaps", lambda: heatmaps_section(run, prefix)),
+        ("qualitative", lambda: qualitative_section(run, prefix, samples, device, cache_dir, echo)),
+        ("pseudo-labels", lambda: pseudo_label_section(run, prefix)),
+        ("config", lambda: config_section(run)),
+        ("versions", lambda: versions_section(run)),
+        ("manifest", lambda: manifest_section(run)),
     ]
+    return [(sid, _section(sid, build, skip)) for sid, build in builders]
 
 
 _CSS = """
@@ -228,24 +275,36 @@ def write_report(
     device: str = "cpu",
     cache_dir: str | Path | None = None,
     echo: Callable[[str], None] = print,
+    roots: RootOptions | None = None,
+    skip: Collection[str] = (),
 ) -> dict[str, Path]:
     """Write ``report.html`` (self-contained) and ``report.md`` (+ its PNG figures) into ``out``.
+
+    Every section is built before anything is written, so a report that fails leaves ``out`` as it was.
 
     Args:
         run_dirs: run folders and/or multi-seed folders; each becomes one part of the report.
         out: output folder (created).
         samples: test samples per session in the qualitative overlays (0 = no overlays).
         device: where the saved models run for the overlays ("cpu", "cuda", ...).
-        cache_dir: synthetic data cache (default ``$JASCL_CACHE`` or ``~/.cache/jascl``).
+        cache_dir: data cache (default: the run's recorded one if it exists, else ``$JASCL_CACHE`` or
+            ``~/.cache/jascl``).
+        roots: dataset roots over those each run recorded (``--root`` / ``--roots``; see
+            :func:`jascl.results.runs.run_roots` for the precedence).
+        skip: section ids (:data:`SECTIONS`) to leave out.
 
     Returns:
         ``{"html": path, "markdown": path}``.
 
     Raises:
-        ConfigError: a folder is not a finished run or multi-seed folder.
+        ConfigError: a folder is not a finished run or multi-seed folder; an unknown ``skip`` section or
+            ``roots`` name.
+        SectionError: a section that cannot be produced and is not in ``skip``.
     """
     if not run_dirs:
         raise ConfigError("report: give at least one run folder")
+    check_skip(skip)
+    roots = roots or RootOptions()
     # a jascl reproduce folder: its table first, then each of its jobs (compare folders) as a part
     leading: dict[int, tuple[str, list[ReportBlock]]] = {}
     folders: list[Path] = []
@@ -255,20 +314,24 @@ def write_report(
             jobs = sorted(p for p in folder.iterdir() if p.is_dir() and any(p.glob("seed-*/results.json")))
             if not jobs:
                 raise ConfigError(f"{folder}: a jascl reproduce folder without finished jobs; rerun jascl reproduce")
-            leading[len(folders)] = ("reproduce", reproduce_section(folder / "reproduce.json"))
+            summary = folder / "reproduce.json"
+            leading[len(folders)] = ("reproduce", _section("reproduce", lambda: reproduce_section(summary), skip))
             folders += jobs
         else:
             folders.append(folder)
     runs = [open_run(p) for p in folders]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    for run in runs:
+        run.roots = roots
+    check_root_names(runs, roots)
     parts = []
     for i, run in enumerate(runs):
         echo(f"[report] {run.path}: {len(run.methods())} methods, {len(run.seeds)} seed(s)")
-        sections = build_part(run, i, samples, device, cache_dir, echo)
+        sections = build_part(run, i, samples, device, cache_dir, echo, skip)
         if i in leading:
             sections.insert(0, leading[i])
         parts.append((run, sections))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     figures: dict[str, str] = {}
     for _, sections in parts:
         for _, blocks in sections:

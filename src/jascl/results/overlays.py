@@ -13,28 +13,23 @@ from jascl.errors import ConfigError
 from jascl.results import plots
 from jascl.results.blocks import ReportBlock, _figure, _text
 from jascl.results.records import RunResults
-from jascl.results.runs import RunInput, _load_protocol, _read_json, _session_folder
+from jascl.results.runs import RootOptions, RunInput, _load_protocol, _read_json, _session_folder, load_run_sessions
 
 
 def qualitative_section(
     run: RunInput, prefix: str, samples: int, device: str, cache_dir: str | Path | None, echo: Callable[[str], None]
 ) -> list[ReportBlock]:
-    """Overlays of a few test samples per session; a sentence instead when the data or models cannot be loaded."""
+    """Overlays of a few test samples per session.
+
+    Raises:
+        JasclError, OSError, RuntimeError: the data or models cannot be loaded (``build_part`` reports it as
+            this section's error).
+    """
     if samples <= 0:
         return [_text("Skipped (--samples 0).")]
     folder = run.runs[0]
     note = [] if not run.multi_seed else [_text(f"Models and data of seed {run.seeds[0]} ({folder}).")]
-    try:
-        return note + _qualitative(folder, run.first, run.methods(), samples, device, cache_dir, prefix, echo)
-    except Exception as exc:  # the report is still useful without pictures; say why they are missing
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        echo(f"[report] qualitative overlays unavailable for {folder}: {reason}")
-        return note + [
-            _text(
-                f"Qualitative overlays are not available: the data or models could not be loaded "
-                f"({type(exc).__name__}: {reason})."
-            )
-        ]
+    return note + _qualitative(folder, run.first, run.methods(), samples, device, cache_dir, prefix, echo, run.roots)
 
 
 def _predict(model, image: np.ndarray, roi: Sequence[int] | None, device) -> np.ndarray:
@@ -60,17 +55,17 @@ def _qualitative(
     cache_dir: str | Path | None,
     prefix: str,
     echo: Callable[[str], None],
+    roots: RootOptions | None = None,
 ) -> list[ReportBlock]:
     import torch
 
-    from jascl.data.sessions import load_sessions
     from jascl.engine.checkpoint import read_session_model
     from jascl.engine.config import resolve_config
 
     protocol = _load_protocol(run, results)
     config = resolve_config(None, "config.yaml", run / "config.yaml")
     config.device = device
-    data = load_sessions(protocol, cache_dir, echo=lambda msg: echo(f"[report] {msg}"))
+    data = load_run_sessions(run, protocol, cache_dir, roots or RootOptions(), echo=lambda msg: echo(f"[report] {msg}"))
     manifest = run / "manifest.json"
     if manifest.is_file():
         listed = {int(s["session"]): s.get("test", []) for s in _read_json(manifest).get("sessions", [])}

@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,19 @@ from jascl.results.report import MISSING, format_score
 TOTAL_DROP_ROW = "Total Drop (%)"
 
 
+@dataclass(frozen=True)
+class RootOptions:
+    """Dataset roots given to ``jascl report``, over those the run recorded (see :func:`run_roots`).
+
+    Attributes:
+        given: root name -> folder (``--root NAME=PATH``).
+        file: a YAML file of root names to folders (``--roots FILE``).
+    """
+
+    given: Mapping[str, str] = field(default_factory=dict)
+    file: str | None = None
+
+
 @dataclass
 class RunInput:
     """One report input: a run folder, or a multi-seed folder of run folders.
@@ -31,6 +45,7 @@ class RunInput:
         seeds: the protocol seed of each run folder.
         results: the ``results.json`` of each run folder, as typed records.
         multi_seed: True for a multi-seed folder.
+        roots: dataset roots given to the report over the recorded ones (protocols on datasets).
     """
 
     path: Path
@@ -38,6 +53,7 @@ class RunInput:
     seeds: list[int]
     results: list[RunResults]
     multi_seed: bool = False
+    roots: RootOptions = field(default_factory=RootOptions)
 
     @property
     def first(self) -> RunResults:
@@ -107,47 +123,21 @@ def open_run(path: str | Path) -> RunInput:
 def protocol_from_resolved(data: Mapping[str, Any]):
     """Rebuild the :class:`~jascl.protocols.schema.Protocol` a run used from its ``protocol-resolved.json``.
 
-    The resolved file holds the protocol as run (seed override applied), which
-    the copied ``protocol.yaml`` does not. JSON turned the dataclasses' tuples
-    into lists; they are turned back (the synthetic data cache key does not
-    depend on the difference). Keys this version does not know are ignored.
+    See :mod:`jascl.protocols.resolved`: tuples come back as tuples, label maps keep their integer native ids
+    (also from run folders written before label maps were stored as pairs); keys this version does not know
+    are ignored.
     """
-    from jascl.protocols import schema
+    from jascl.protocols.resolved import protocol_from_json
 
-    def build(cls, raw: Mapping[str, Any], nested: Mapping[str, Any] | None = None):
-        nested = nested or {}
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {}
-        for key, value in raw.items():
-            if key not in names:
-                continue
-            if key in nested and value is not None:
-                value = nested[key](value)
-            kwargs[key] = tuple(value) if isinstance(value, list) else value
-        return cls(**kwargs)
-
-    source_cls = getattr(schema, "SourceSpec", None)
-    dataset_cls = getattr(schema, "DatasetSpec", None)
-    session_nested = {"sources": lambda v: [build(source_cls, s) for s in v]} if source_cls else {}
-    borrowed_cls = getattr(schema, "UnlabelledSourceSpec", None)
-    if borrowed_cls is not None:
-        session_nested["unlabelled_sources"] = lambda v: [build(borrowed_cls, s) for s in v]
-    nested = {
-        "classes": lambda v: [build(schema.ClassSpec, c) for c in v],
-        "domains": lambda v: {k: build(schema.DomainSpec, d) for k, d in v.items()},
-        "sessions": lambda v: [build(schema.SessionSpec, s, session_nested) for s in v],
-        "synthetic": lambda v: build(schema.SyntheticSpec, v),
-        "training": dict,
-    }
-    if dataset_cls is not None:
-        nested["datasets"] = lambda v: {k: build(dataset_cls, d) for k, d in v.items()}
-    return build(schema.Protocol, data, nested)
+    return protocol_from_json(data)
 
 
 def _load_protocol(run: Path, results: RunResults):
+    """The protocol of run folder ``run``, named after the run folder's own file (``protocol-resolved.json``, else
+    the copied ``protocol.yaml``), so that messages point there and not at the YAML file the run started from."""
     resolved = run / "protocol-resolved.json"
     if resolved.is_file():
-        return protocol_from_resolved(_read_json(resolved))
+        return dataclasses.replace(protocol_from_resolved(_read_json(resolved)), path=str(resolved), file=None)
     copied = run / "protocol.yaml"
     if copied.is_file():
         from jascl.protocols.parse import load_protocol
@@ -155,6 +145,123 @@ def _load_protocol(run: Path, results: RunResults):
         protocol = load_protocol(copied)
         return dataclasses.replace(protocol, seed=protocol.seed if results.seed is None else results.seed)
     raise ConfigError(f"{run}: neither protocol-resolved.json nor protocol.yaml")
+
+
+def recorded_roots(run: Path) -> dict[str, tuple[str, Path]]:
+    """Root name -> (folder, the run-folder file recording it) for the dataset roots a run read its data from.
+
+    ``run.json`` records them (``resolved_roots``: every root, however it was given; run folders written
+    before it have ``roots``, the ``--root`` values only); ``manifest.json`` records the folder of every
+    dataset entry, which covers roots that came from a roots file or ``JASCL_ROOT_<NAME>``.
+    """
+    out: dict[str, tuple[str, Path]] = {}
+    manifest = run / "manifest.json"
+    if manifest.is_file():
+        for entry in (_read_json(manifest).get("datasets") or {}).values():
+            if isinstance(entry, Mapping) and entry.get("root") and entry.get("path"):
+                out[str(entry["root"])] = (str(entry["path"]), manifest)
+    record = run / "run.json"
+    if record.is_file():
+        data = _read_json(record)
+        for key in ("roots", "resolved_roots"):  # the later wins
+            for name, path in (data.get(key) or {}).items():
+                out[str(name)] = (str(path), record)
+    return out
+
+
+def run_roots(run: Path, protocol, options: RootOptions, environ: Mapping[str, str] | None = None) -> dict[str, Path]:
+    """Folder of every dataset root the run's protocol names, for a report of run folder ``run``.
+
+    Precedence: ``--root NAME=PATH`` > ``--roots FILE`` > the folder recorded at run time (``run.json``,
+    else ``manifest.json``), if it still exists > the environment variable ``JASCL_ROOT_<NAME>``. Names the
+    protocol does not use are ignored here (:func:`check_root_names` refuses those no input uses).
+
+    Raises:
+        DataError: a root that is set nowhere, or whose folder does not exist; one line naming where the
+            folder came from and the fix (``--root NAME=PATH``).
+    """
+    from jascl.data.real import env_var, read_roots_file
+    from jascl.data.real.roots import root_names
+    from jascl.errors import DataError
+
+    environ = os.environ if environ is None else environ
+    from_file = read_roots_file(options.file) if options.file else {}
+    recorded = recorded_roots(run)
+    out: dict[str, Path] = {}
+    for name in sorted(root_names(protocol)):
+        env = environ.get(env_var(name))
+        if name in options.given:
+            path, where = options.given[name], f"given with --root {name}=..."
+        elif name in from_file:
+            path, where = from_file[name], f"given in the roots file {options.file}"
+        elif name in recorded and (Path(recorded[name][0]).expanduser().is_dir() or not env):
+            path, where = recorded[name][0], f"recorded in {recorded[name][1]}"
+        elif env:  # the data moved (or was never recorded), and the environment says where it is now
+            path, where = env, f"from {env_var(name)}"
+            if name in recorded:
+                where += f" (the folder recorded in {recorded[name][1]}, {recorded[name][0]}, does not exist either)"
+        else:
+            raise DataError(
+                f"dataset root {name!r} is recorded in neither {run / 'run.json'} nor {run / 'manifest.json'}; "
+                f"give --root {name}=PATH (or set {env_var(name)})"
+            )
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            raise DataError(f"dataset root {name!r} not found at {folder} {where}; give --root {name}=PATH")
+        out[name] = folder
+    return out
+
+
+def check_root_names(runs: Sequence[RunInput], options: RootOptions) -> None:
+    """Refuse a ``--root`` name that no input's protocol uses (a typo), in one line naming the roots they use.
+
+    Inputs whose protocol cannot be read are passed over (the sections that need it say why).
+    """
+    from jascl.data.real import read_roots_file
+    from jascl.data.real.roots import root_names
+
+    if options.file is not None:
+        read_roots_file(options.file)  # a missing or malformed file fails before any section is built
+    if not options.given:
+        return
+    used: set[str] = set()
+    for run in runs:
+        try:
+            used |= set(root_names(_load_protocol(run.runs[0], run.first)))
+        except ConfigError:
+            continue
+    unknown = sorted(set(options.given) - used)
+    if unknown:
+        raise ConfigError(
+            f"--root {unknown[0]}=...: no input's protocol has a dataset root of that name "
+            f"(their roots: {', '.join(sorted(used)) or 'none'})"
+        )
+
+
+def load_run_sessions(
+    run: Path, protocol, cache_dir: str | Path | None, roots: RootOptions, echo: Callable[[str], None]
+) -> list:
+    """The sessions' data of run folder ``run``, as the run saw them.
+
+    Synthetic protocols are regenerated (or read from the cache); protocols on datasets read the
+    dataset roots of :func:`run_roots` and the samples listed in the run's ``manifest.json``.
+    ``cache_dir`` None: the cache the run recorded in ``run.json`` if it still exists, else the default.
+    """
+    from jascl.data.sessions import load_sessions
+
+    if cache_dir is None and (run / "run.json").is_file():
+        recorded = _read_json(run / "run.json").get("cache_dir")
+        cache_dir = recorded if recorded and Path(recorded).is_dir() else None
+    if not protocol.uses_datasets:
+        return load_sessions(protocol, cache_dir, echo=echo)
+    manifest = run / "manifest.json"
+    return load_sessions(
+        protocol,
+        cache_dir,
+        echo,
+        roots=run_roots(run, protocol, roots),
+        split_manifest=manifest if manifest.is_file() else None,
+    )
 
 
 def _values(records_per_seed: Sequence[Sequence[SessionRecord]], t: int, split: str) -> list[float]:

@@ -7,12 +7,13 @@ import dataclasses
 import hashlib
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import yaml
 
 from jascl import __version__
-from jascl.errors import ConfigError
+from jascl.errors import DataError
 from jascl.results import plots
 from jascl.results.blocks import ReportBlock, _figure, _safe, _table, _text
 from jascl.results.records import SPLITS
@@ -232,10 +233,7 @@ def config_section(run: RunInput) -> list[ReportBlock]:
     else:
         text = "(config.yaml not found)"
     blocks.append(ReportBlock("pre", text=text))
-    try:
-        protocol = _load_protocol(folder, run.first)
-    except ConfigError as exc:
-        return blocks + [_text(f"Protocol not available: {exc}")]
+    protocol = _load_protocol(folder, run.first)  # ConfigError: the section cannot be produced
     blocks.append(
         _text(
             f"Protocol {protocol.name} ({protocol.spatial_dims}D, metric {protocol.metric}, "
@@ -243,20 +241,27 @@ def config_section(run: RunInput) -> list[ReportBlock]:
         )
     )
     cls = lambda ids: ", ".join(f"{c} {protocol.class_name(c)}" for c in ids) or "—"  # noqa: E731
-    rows = [
-        [
-            str(s.index),
-            s.name,
-            ", ".join(s.domains),
-            cls(s.new_classes),
-            cls(s.recurring_classes),
-            "all" if s.shots is None else str(s.shots),
-            str(s.num_labelled),
-            str(s.unlabelled),
-            str(s.test),
-        ]
-        for s in protocol.sessions
-    ]
+    manifest = folder / "manifest.json"
+    used = _split_sizes(manifest)
+    rows = []
+    for s in protocol.sessions:
+        sizes = used.get(s.index) if used is not None else None
+        requested = {
+            "train": s.train if s.shots is None else s.num_labelled,
+            "unlabelled": s.unlabelled + s.unlabelled_per_class * len(s.classes) + s.unlabelled_extra,
+            "test": s.test,
+        }
+        rows.append(
+            [
+                str(s.index),
+                s.name,
+                ", ".join(s.domains),
+                cls(s.new_classes),
+                cls(s.recurring_classes),
+                "all" if s.shots is None else str(s.shots),
+                *[_size_cell(sizes, key, value) for key, value in requested.items()],
+            ]
+        )
     blocks.append(
         _table(
             "protocol",
@@ -264,7 +269,40 @@ def config_section(run: RunInput) -> list[ReportBlock]:
             rows,
         )
     )
+    seed = f" of seed {run.seeds[0]}" if run.multi_seed else ""
+    blocks.append(
+        _text(
+            f"Labelled / Unlabelled / Test: the samples the run used ({manifest.name}{seed}), the protocol's "
+            "value in parentheses where it differs. K shots guarantee at least K labelled samples showing each "
+            "taught class (one sample can show several); on datasets a session's train and test sizes are caps, "
+            "none meaning every eligible sample."
+            if used is not None
+            else f"Labelled / Unlabelled / Test: the protocol's values ({manifest} not found; all = every eligible "
+            "sample)."
+        )
+    )
     return blocks
+
+
+def _split_sizes(manifest: Path) -> dict[int, dict[str, int]] | None:
+    """Per session index, how many samples each split of a run's ``manifest.json`` lists (None without one)."""
+    if not manifest.is_file():
+        return None
+    sizes: dict[int, dict[str, int]] = {}
+    for entry in _read_json(manifest).get("sessions", []):
+        sizes[int(entry["session"])] = {k: len(entry.get(k) or []) for k in ("train", "unlabelled", "test")}
+    return sizes
+
+
+def _size_cell(sizes: dict[str, int] | None, key: str, requested: int | None) -> str:
+    """A split's size as used, with the protocol's ``requested`` value beside it where it differs.
+
+    ``requested`` None: every eligible sample (datasets' optional caps), shown as "all" without a manifest.
+    """
+    if sizes is None:
+        return "all" if requested is None else str(requested)
+    used = sizes[key]
+    return str(used) if requested is None or requested == used else f"{used} (protocol: {requested})"
 
 
 def versions_section(run: RunInput) -> list[ReportBlock]:
@@ -313,13 +351,16 @@ def versions_section(run: RunInput) -> list[ReportBlock]:
 
 
 def manifest_section(run: RunInput) -> list[ReportBlock]:
-    """Split sizes and the first labelled sample ids per session, with the manifest's hash, per seed."""
+    """Split sizes and the first labelled sample ids per session, with the manifest's hash, per seed.
+
+    Raises:
+        DataError: a run folder without ``manifest.json`` (every run writes it before training).
+    """
     blocks = []
     for folder, seed in zip(run.runs, run.seeds):
         path = folder / "manifest.json"
         if not path.is_file():
-            blocks.append(_text(f"{path}: not found."))
-            continue
+            raise DataError(f"{path} not found (a run writes it before training); is {folder} a jascl run folder?")
         raw = path.read_bytes()
         manifest = json.loads(raw)
         rows = []
