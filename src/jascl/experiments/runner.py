@@ -32,14 +32,13 @@ import dataclasses
 import json
 import logging
 import math
-import platform
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import yaml
 from tqdm.auto import tqdm
 
-from jascl import __version__, distributed
+from jascl import distributed
 from jascl.data.sessions import apply_unlabelled_noise, check_same_samples, load_sessions, write_manifest
 from jascl.data.types import SessionData
 from jascl.engine.config import RunConfig, translate_legacy
@@ -48,6 +47,7 @@ from jascl.engine.plugin import Method, Plugin
 from jascl.engine.prototypes import PrototypeStore
 from jascl.errors import ConfigError, JasclError
 from jascl.evaluation.metrics import per_class_forgetting, total_drop
+from jascl.experiments.provenance import environment
 from jascl.fileio import atomic_write_text
 from jascl.methods.presets import jascl_options
 from jascl.methods.registry import check_method_args, create_method, resolved_options
@@ -56,30 +56,6 @@ from jascl.protocols.schema import Protocol, SessionSpec
 from jascl.results.report import write_all
 
 log = logging.getLogger("jascl")
-
-
-def _environment() -> dict:
-    """Versions and devices of the machine that ran: library versions, CUDA/cuDNN if any, GPU count and names."""
-    import monai
-    import numpy
-    import torch
-
-    cuda = torch.cuda.is_available()
-    env = {
-        "jascl": __version__,
-        "torch": torch.__version__,
-        "monai": monai.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "numpy": numpy.__version__,
-        "cuda": torch.version.cuda if cuda else None,
-        "torch_built_with_cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if cuda else None,
-        "device_count": torch.cuda.device_count() if cuda else 0,
-    }
-    if cuda:
-        env["devices"] = [torch.cuda.get_device_name(i) for i in range(env["device_count"])]
-    return env
 
 
 def _method_summary(protocol: Protocol, records: list[dict]) -> dict:
@@ -284,7 +260,7 @@ def write_run_files(
         except JasclError:  # data passed in directly: the roots are provenance only
             resolved_roots = None
     write_manifest(protocol, data, out / "manifest.json", resolved_roots)
-    atomic_write_text(out / "environment.json", json.dumps(_environment(), indent=1))
+    atomic_write_text(out / "environment.json", json.dumps(environment(), indent=1))
     record = {
         "protocol": protocol.name,
         "protocol_file": "protocol.yaml" if (out / "protocol.yaml").exists() else None,
