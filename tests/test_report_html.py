@@ -151,8 +151,8 @@ def test_report_has_every_section_and_is_self_contained(toy_run):
     headings = [line[3:] for line in md.splitlines() if line.startswith("## ")]
     # every section but the reproduce table, which only a jascl reproduce folder has
     assert headings == [title for sid, title in SECTIONS.items() if sid != "reproduce"]
-    # figures: curves, one heat map per method, one overlay per session; all embedded, none fetched
-    assert page.count('src="data:image/png;base64,') == 1 + 2 + 2
+    # figures: curves, one heat map per method, losses, one overlay per session; all embedded, none fetched
+    assert page.count('src="data:image/png;base64,') == 1 + 2 + 1 + 2
     assert "http://" not in page and "https://" not in page and "<link" not in page and "<script" not in page
     linked = [line.split("](")[1].rstrip(")") for line in md.splitlines() if line.startswith("![")]
     assert sorted(linked) == sorted(
@@ -160,6 +160,7 @@ def test_report_has_every_section_and_is_self_contained(toy_run):
             "p0-curves.png",
             "p0-heatmap-vanilla.png",
             "p0-heatmap-jascl.png",
+            "p0-losses.png",
             "p0-qualitative-s0.png",
             "p0-qualitative-s1.png",
         ]
@@ -323,6 +324,21 @@ def test_a_section_that_cannot_be_built_is_an_error_unless_skipped(toy_run, tmp_
     assert _html_tables(page).sections == [f"p0-{sid}" for sid in SECTIONS if sid != "reproduce"]
 
 
+def test_loss_curves_have_one_point_per_trained_epoch(toy_run):
+    from jascl.results.losses import TOTAL, loss_series, parse_log
+
+    run = open_run(toy_run["run"])
+    parsed = [parse_log((toy_run["run"] / "log.txt").read_text().splitlines())]
+    config = toy_run["config"]
+    # session 0 from the lines of the shared base model each method starts from (jascl's is keyed)
+    for method, base in zip(METHODS, ["base", "base-stochastic-classifier"]):
+        assert (toy_run["run"] / base / "metrics.json").is_file()
+        sessions = loss_series(run, method, parsed)
+        assert [label for label, _ in sessions] == [f"S0 base · shared model {base}", "S1 inc"]
+        assert [len(series[TOTAL]) for _, series in sessions] == [config.epochs_base, config.epochs_incremental]
+    assert "read from " + str(toy_run["run"] / "log.txt") in toy_run["html"]
+
+
 def test_protocol_round_trips_through_resolved_json(toy_protocol):
     import dataclasses
 
@@ -340,8 +356,9 @@ def test_display_slice_picks_the_slice_with_most_foreground():
     label[0, 0, 1] = 1
     label[:2, :2, 4] = 2
     view, where = plots.display_slice(volume, label)
-    assert where == "slice 4/6" and np.array_equal(view, volume[..., 4])
-    assert plots.display_slice(volume, np.zeros_like(label))[1] == "slice 3/6"  # no foreground: middle
+    assert where == "slice 4/6 along array axis 2" and np.array_equal(view, volume[..., 4])
+    # no foreground: the middle slice
+    assert plots.display_slice(volume, np.zeros_like(label))[1] == "slice 3/6 along array axis 2"
     image = np.ones((5, 5))
     assert plots.display_slice(image)[0] is image
 

@@ -16,6 +16,7 @@ Every input folder becomes one part of the report with these sections
   falls / S_0);
 * ``curves``: line plot of the all-class (and base-class) mean per session per method;
 * ``heatmaps``: per-class score by session, one heat map per method (forgetting at a glance);
+* ``losses``: training loss per epoch per method, the sessions in order (from each run's ``log.txt``);
 * ``qualitative``: input, ground truth and each method's prediction for a few test
   samples of every session (the model after that session, and after the last one);
 * ``pseudo-labels``: coverage and precision of the kept pseudo-labels per session
@@ -48,6 +49,7 @@ from jascl import __version__
 from jascl.errors import ConfigError, JasclError
 from jascl.fileio import atomic_write_bytes, atomic_write_text
 from jascl.results.blocks import ReportBlock, _table, _text
+from jascl.results.losses import losses_section
 from jascl.results.overlays import qualitative_section
 from jascl.results.report import md_table
 from jascl.results.runs import TOTAL_DROP_ROW, RootOptions, RunInput, check_root_names, open_run
@@ -72,6 +74,7 @@ SECTIONS: dict[str, str] = {
     "sessions": "Per-session results",
     "curves": "All-class mean per session",
     "heatmaps": "Per-class score by session",
+    "losses": "Training loss per epoch",
     "qualitative": "Qualitative results",
     "pseudo-labels": "Pseudo-labels (semi-supervised)",
     "config": "Configuration",
@@ -163,6 +166,7 @@ def build_part(
         ("sessions", lambda: sessions_section(run)),
         ("curves", lambda: curves_section(run, prefix)),
         ("heatmaps", lambda: heatmaps_section(run, prefix)),
+        ("losses", lambda: losses_section(run, prefix)),
         ("qualitative", lambda: qualitative_section(run, prefix, samples, device, cache_dir, echo)),
         ("pseudo-labels", lambda: pseudo_label_section(run, prefix)),
         ("config", lambda: config_section(run)),

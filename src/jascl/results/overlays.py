@@ -17,9 +17,18 @@ from jascl.results.runs import RootOptions, RunInput, _load_protocol, _read_json
 
 
 def qualitative_section(
-    run: RunInput, prefix: str, samples: int, device: str, cache_dir: str | Path | None, echo: Callable[[str], None]
+    run: RunInput,
+    prefix: str,
+    samples: int,
+    device: str,
+    cache_dir: str | Path | None,
+    echo: Callable[[str], None],
+    slices: int = 1,
 ) -> list[ReportBlock]:
     """Overlays of a few test samples per session.
+
+    ``slices``: of a volume, the slices shown per sample (:func:`jascl.results.plots.choose_slices`: the axial
+    slice with the most ground-truth foreground first, then slices spread over the foreground's extent).
 
     Raises:
         JasclError, OSError, RuntimeError: the data or models cannot be loaded (``build_part`` reports it as
@@ -29,7 +38,9 @@ def qualitative_section(
         return [_text("Skipped (--samples 0).")]
     folder = run.runs[0]
     note = [] if not run.multi_seed else [_text(f"Models and data of seed {run.seeds[0]} ({folder}).")]
-    return note + _qualitative(folder, run.first, run.methods(), samples, device, cache_dir, prefix, echo, run.roots)
+    return note + _qualitative(
+        folder, run.first, run.methods(), samples, device, cache_dir, prefix, echo, run.roots, max(1, slices)
+    )
 
 
 def _predict(model, image: np.ndarray, roi: Sequence[int] | None, device) -> np.ndarray:
@@ -56,6 +67,7 @@ def _qualitative(
     prefix: str,
     echo: Callable[[str], None],
     roots: RootOptions | None = None,
+    slices: int = 1,
 ) -> list[ReportBlock]:
     import torch
 
@@ -100,29 +112,68 @@ def _qualitative(
                 columns.append(f"{m} after S{last[m]}")
         rows = []
         for i in picks:
-            truth = test.labels[i]
-            image, where = plots.display_slice(test.images[i][0], truth)
-            row: dict[str, Any] = {
-                "image": image,
-                "label": f"{test.ids[i]} {where}".strip(),
-                "ground truth": plots.display_slice(truth, truth)[0],
-            }
+            truth = np.asarray(test.labels[i])
+            image = np.asarray(test.images[i][0])
+            preds = {}
             for m in methods:
                 for s in sorted({t, last[m]}):
-                    if s < t or s > last[m]:
-                        continue
-                    seen = np.asarray(protocol.seen_classes(s))
-                    pred = seen[_predict(model_after(m, s), test.images[i], config.patch_size, target)]
-                    row[f"{m} after S{s}"] = plots.display_slice(pred, truth)[0]
-            rows.append(row)
+                    if t <= s <= last[m]:
+                        seen = np.asarray(protocol.seen_classes(s))
+                        preds[f"{m} after S{s}"] = seen[
+                            _predict(model_after(m, s), test.images[i], config.patch_size, target)
+                        ]
+            if image.ndim == 2:
+                rows.append({"image": image, "label": test.ids[i], "ground truth": truth, **preds})
+                continue
+            codes = array_axis_codes(protocol, test.ids[i])
+            for view in plots.choose_slices(truth, image.shape, codes, slices):
+                rows.append(
+                    {
+                        "image": view.take(image),
+                        "label": f"{test.ids[i]} · {view.describe()}",
+                        "ground truth": view.take(truth),
+                        **{column: view.take(pred) for column, pred in preds.items()},
+                    }
+                )
         title = f"S{t} {session.name} (domain {', '.join(session.domains)}): test samples"
-        what = "input (the slice of the volume with the most foreground)" if protocol.spatial_dims == 3 else "input"
         blocks.append(
             _figure(
                 f"{prefix}-qualitative-s{t}",
                 plots.overlay_grid(rows, columns, colours, names, title),
-                f"Session {t} ({session.name}) test samples: {what}, ground truth, and each method's "
-                "prediction after that session and after its last one",
+                f"Session {t} ({session.name}) test samples: the input, the ground truth (filled) and each method's "
+                "prediction (filled) after that session and after its last one, with the ground truth outlined on "
+                f"every prediction; one colour per class in every figure{_volume_note(protocol, slices)}",
             )
         )
     return blocks
+
+
+def array_axis_codes(protocol, sample_id: str) -> tuple[str, str, str] | None:
+    """The anatomical direction of each array axis of a preprocessed test volume, or None (synthetic volumes and
+    volumes kept in their stored orientation: slices are then named by array axis).
+
+    A volume of a public dataset is reoriented at loading to its dataset's ``preprocess.orientation``
+    (default "RAS", :func:`jascl.data.medical.preprocess_volume`), so its affine's axis codes
+    (:func:`jascl.results.plots.axis_codes`) are exactly those letters; sample ids are ``<dataset>/<record>``.
+    """
+    spec = protocol.datasets.get(sample_id.split("/", 1)[0]) if protocol.uses_datasets else None
+    if spec is None:
+        return None
+    orientation = dict(spec.preprocess).get("orientation", "RAS")
+    codes = str(orientation or "").upper()
+    axes = [{"L": 0, "R": 0, "A": 1, "P": 1, "S": 2, "I": 2}.get(c) for c in codes]
+    if len(codes) != 3 or None in axes or len(set(axes)) != 3:
+        return None
+    return (codes[0], codes[1], codes[2])
+
+
+def _volume_note(protocol, slices: int) -> str:
+    if protocol.spatial_dims != 3:
+        return ""
+    which = "the slice" if slices == 1 else f"{slices} slices: the one"
+    return (
+        f". Volumes: {which} with the most ground-truth foreground"
+        + ("" if slices == 1 else ", then slices spread over the foreground's extent")
+        + "; in the axial plane when the volume's orientation is known (shown in radiological convention: "
+        "patient's right on the left, anterior up), otherwise along the last array axis, as each row's title says"
+    )

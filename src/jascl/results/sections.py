@@ -90,17 +90,33 @@ def sessions_section(run: RunInput) -> list[ReportBlock]:
     return blocks
 
 
+def _metric_name(run: RunInput) -> str:
+    return "IoU" if run.metric == "iou" else run.metric.capitalize()
+
+
 def curves_section(run: RunInput, prefix: str) -> list[ReportBlock]:
-    """Line plot of the all-class and base-class means per session, one line per method."""
+    """Line plot of the all-class and base-class means per session, one line per method, a marker per session
+    and a ± std band over seeds; the y axis fitted to the values, its range in the caption."""
     labels = _session_labels(run)
-    panels: dict[str, dict[str, list[list[float]]]] = {"all classes seen so far": {}, "base-session classes": {}}
+    every, base = "all classes seen so far", "base-session classes"
+    panels: dict[str, dict[str, list[list[float]]]] = {every: {}, base: {}}
     for m in run.methods():
         recs = run.records(m)
-        panels["all classes seen so far"][m] = [_values(recs, t, "all") for t in range(len(labels))]
-        panels["base-session classes"][m] = [_values(recs, t, "base") for t in range(len(labels))]
-    metric = "mIoU" if run.metric == "iou" else run.metric.capitalize()
-    png = plots.session_curves(labels, panels, metric)
-    caption = f"{metric} per session per method" + (" (line: mean over seeds, band: ± std)" if run.multi_seed else "")
+        panels[every][m] = [_values(recs, t, "all") for t in range(len(labels))]
+        panels[base][m] = [_values(recs, t, "base") for t in range(len(labels))]
+    metric = _metric_name(run)
+    ylabels = {every: f"{metric} (mean over all classes seen)", base: f"{metric} (mean over base classes)"}
+    lo, hi = plots.curves_range(panels)
+    png = plots.session_curves(labels, panels, ylabels, (lo, hi))
+    seeds = (
+        f"line: mean over {len(run.seeds)} seeds, band: ± std"
+        if run.multi_seed
+        else f"one seed ({run.seeds[0]}): no spread shown"
+    )
+    caption = (
+        f"{metric} per session per method, a marker per session ({seeds}); both y axes fitted to the values: "
+        f"{plots.format_range(lo, hi)}, not 0–1"
+    )
     return [_figure(f"{prefix}-curves", png, caption)]
 
 
@@ -126,17 +142,25 @@ def _class_matrix(run: RunInput, method: str) -> tuple[np.ndarray, list[str]]:
 
 
 def heatmaps_section(run: RunInput, prefix: str) -> list[ReportBlock]:
-    """One per-class-by-session heat map per method (class-wise tables as pictures)."""
+    """One per-class-by-session heat map per method (class-wise tables as pictures), every cell's value printed;
+    one colour scale for all of them, fitted to the run's values and stated in the caption."""
+    matrices = {m: _class_matrix(run, m) for m in run.methods()}
+    values = [matrix.ravel() for matrix, _ in matrices.values() if matrix.size]
+    lo, hi = plots.fitted_range(np.concatenate(values)) if values else (0.0, 1.0)
+    iou = run.metric == "iou"
+    scale = 100.0 if iou else 1.0
+    metric = "IoU ×100" if iou else _metric_name(run)
     blocks = [
         _text(
             "Rows are foreground classes, columns sessions (the model after that session); grey = class "
-            "not yet seen, or absent from the test data" + (". Cells are means over seeds." if run.multi_seed else ".")
+            "not yet seen, or absent from the test data"
+            + (". Cells are means over seeds." if run.multi_seed else ".")
+            + f" The colour scale is fitted to this run's values, {plots.format_range(lo, hi, scale)}, and is the "
+            "same for every method; the printed numbers are the scores."
         )
     ]
     cols = [f"S{t}\n{n}" for t, n in run.sessions()]
-    iou = run.metric == "iou"
-    for m in run.methods():
-        matrix, rows = _class_matrix(run, m)
+    for m, (matrix, rows) in matrices.items():
         if matrix.size == 0:
             blocks.append(_text(f"{m}: no per-class scores in results.json."))
             continue
@@ -144,11 +168,19 @@ def heatmaps_section(run: RunInput, prefix: str) -> list[ReportBlock]:
             matrix,
             rows,
             cols,
-            f"{m}: per-class {'IoU ×100' if iou else run.metric} by session",
-            scale=100.0 if iou else 1.0,
+            f"{m}: per-class {metric} by session",
+            scale=scale,
             decimals=1 if iou else 2,
+            value_range=(lo, hi),
+            colour_label=metric,
         )
-        blocks.append(_figure(f"{prefix}-heatmap-{_safe(m)}", png, f"{m}: per-class score by session"))
+        blocks.append(
+            _figure(
+                f"{prefix}-heatmap-{_safe(m)}",
+                png,
+                f"{m}: per-class {metric} by session (colour scale {plots.format_range(lo, hi, scale)})",
+            )
+        )
     return blocks
 
 
@@ -209,13 +241,16 @@ def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
         recs = run.records(m)
         for key in series:
             series[key][m] = [[p[t].pseudo_label_value(key) if t < len(p) else math.nan for p in recs] for t in shown]
-    png = plots.pseudo_label_plot([f"S{t} {sessions[t][1]}" for t in shown], series)
+    lo, hi = plots.curves_range(series)
+    png = plots.pseudo_label_plot([f"S{t} {sessions[t][1]}" for t in shown], series, (lo, hi))
     blocks.append(
         _figure(
             f"{prefix}-pseudo-labels",
             png,
             "Coverage = kept / all unlabelled pixels; precision = "
-            "kept pixels whose pseudo-label equals the hidden ground truth / kept pixels",
+            "kept pixels whose pseudo-label equals the hidden ground truth / kept pixels"
+            + ("; line: mean over seeds, band: ± std" if run.multi_seed else "")
+            + f"; y axes fitted to the values: {plots.format_range(lo, hi)}",
         )
     )
     return blocks
