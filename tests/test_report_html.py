@@ -103,7 +103,7 @@ def _md_tables(md: str) -> list[list[list[str]]]:
     tables, current = [], None
     for line in md.splitlines():
         if line.startswith("| "):
-            cells = [c.strip() for c in line.strip()[1:-1].split(" | ")]
+            cells = [c.strip().removeprefix("**").removesuffix("**") for c in line.strip()[1:-1].split(" | ")]
             if all(set(c) <= {"-"} for c in cells):
                 continue
             if current is None:
@@ -125,12 +125,14 @@ def _check_cell(cell: str, value, tolerance: float) -> None:
 
 def _check_summary(rows: list[list[str]], results: dict) -> None:
     header, body = rows[0], rows[1:]
-    assert header[-1] == TOTAL_DROP_ROW and [r[0] for r in body] == METHODS
+    assert header[-3:] == ["Base@last", "HM@last", TOTAL_DROP_ROW] and [r[0] for r in body] == METHODS
     for row in body:
         m = results["methods"][row[0]]
-        assert len(row) == 2 + len(m["sessions"])
-        for cell, record in zip(row[1:-1], m["sessions"]):
+        assert len(row) == 4 + len(m["sessions"])
+        for cell, record in zip(row[1:-3], m["sessions"]):
             _check_cell(cell, record["all"], 0.0005)
+        _check_cell(row[-3], m["sessions"][-1]["base"], 0.0005)
+        _check_cell(row[-2], m["sessions"][-1]["hm"], 0.0005)
         _check_cell(row[-1], m["total_drop"], 0.05)
 
 
@@ -143,6 +145,23 @@ def _check_sessions(rows: list[list[str]], method: dict) -> None:
         assert int(row[0]) == record["session"] and row[1] == record["name"]
         for column, key in SPLIT_COLUMNS.items():
             _check_cell(row[header.index(column)], record[key], 0.0005)
+        # IoU beside Dice: the mean over the seen foreground classes, as "All" (x 100, one decimal)
+        iou = [v for c, v in record["iou"].items() if c != "0" and v is not None and not math.isnan(v)]
+        _check_cell(row[header.index("All (IoU ×100)")], 100 * sum(iou) / len(iou), 0.05)
+        assert float(row[header.index("Train time (s)")].split()[0]) >= 0
+
+
+def _check_per_class(rows: list[list[str]], method: dict) -> None:
+    header, body = rows[0], rows[1:]
+    assert header[-3:] == ["Forgetting", "Test pixels/voxels", "Test samples"]
+    last = method["sessions"][-1]
+    assert [r[0].split()[0] for r in body] == sorted(last["per_class"], key=int)
+    for row in body:
+        key = row[0].split()[0]
+        for t, record in enumerate(method["sessions"]):
+            _check_cell(row[1 + t], record["per_class"].get(key), 0.0005)
+        _check_cell(row[-3], method["forgetting"].get(key), 0.0005)
+        assert int(row[-2]) == last["support"][key] and int(row[-1]) == last["samples"][key]
 
 
 def test_report_has_every_section_and_is_self_contained(toy_run):
@@ -189,6 +208,26 @@ def test_html_tables_equal_results_json(toy_run):
     _check_summary(tables["summary"], results)
     for name in METHODS:
         _check_sessions(tables[f"sessions:{name}"], results["methods"][name])
+        _check_per_class(tables[f"per-class:{name}"], results["methods"][name])
+    # the best of each summary column is marked (two methods: the higher score, the lower Total Drop)
+    rows = tables["summary"][1:]
+    page = toy_run["html"]
+    for column in range(1, len(rows[0])):
+        values = [float(r[column]) for r in rows]
+        if values[0] != values[1]:
+            best = rows[values.index(min(values) if column == len(rows[0]) - 1 else max(values))][column]
+            assert f"<td><strong>{best}</strong></td>" in page
+    assert "1 seed: no uncertainty estimate" in page
+    # session 0's time is that of the base each method started from: vanilla's shared one, JASCL's own keyed one
+    run = toy_run["run"]
+    for name, base in (("vanilla", "base"), ("jascl", "base-stochastic-classifier")):
+        rows = tables[f"sessions:{name}"]
+        seconds = json.loads((run / base / "metrics.json").read_text())["seconds"]
+        assert rows[1][rows[0].index("Train time (s)")] == f"{seconds:.0f} (shared base)"
+    # the methods as run, from the registry and config.yaml
+    methods = {r[0]: r for r in tables["methods"][1:]}
+    assert set(methods) == set(METHODS) and "gas.eps=1e-08" in methods["jascl"][3]
+    assert methods["vanilla"][3] == "none"
 
 
 def test_markdown_tables_equal_results_json(toy_run):

@@ -208,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--samples", type=int, default=2, help="test samples per session in the overlays (default 2; 0 = none)"
     )
+    report.add_argument(
+        "--slices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="slices per test volume in the overlays: the one with the most foreground, then N - 1 spread over it",
+    )
     report.add_argument("--device", default="cpu", help="where saved models run for the overlays (default cpu)")
     report.add_argument(
         "--cache-dir",

@@ -86,6 +86,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         args.runs,
         out,
         samples=args.samples,
+        slices=args.slices,
         device=args.device,
         cache_dir=args.cache_dir,
         echo=lambda msg: console.print(msg, markup=False),  # "[report] ..." is not rich markup

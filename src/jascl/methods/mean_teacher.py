@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("jascl")
 
 
-
 def pixel_errors(pred: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
     """(2,) long tensor: wrong predictions and pixels with a known label (``truth`` != 255).
 
@@ -43,6 +42,7 @@ def pixel_errors(pred: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
     """
     known = truth != IGNORE_INDEX
     return torch.stack([((pred != truth) & known).sum(), known.sum()])
+
 
 class UnlabelledDataset(Dataset):
     """Unlabelled images with their pool index; the hidden ground truth rides along for *measurement only* (never a loss).

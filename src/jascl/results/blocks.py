@@ -11,8 +11,9 @@ class ReportBlock:
     """One piece of a report section, rendered to both HTML and Markdown.
 
     ``kind`` is ``"text"`` (``text``), ``"table"`` (``header``, ``rows``, ``name``
-    for the HTML ``data-table`` attribute), ``"figure"`` (``png``, ``name`` = file
-    stem, ``text`` = caption) or ``"pre"`` (``text`` preformatted).
+    for the HTML ``data-table`` attribute, ``best``: the (row, column) cells to mark
+    as the best of their column), ``"figure"`` (``png``, ``name`` = file stem,
+    ``text`` = caption) or ``"pre"`` (``text`` preformatted).
     """
 
     kind: str
@@ -22,6 +23,7 @@ class ReportBlock:
     name: str = ""
     png: bytes = b""
     heading: str = ""
+    best: set[tuple[int, int]] = field(default_factory=set)
 
 
 def _text(text: str) -> ReportBlock:

@@ -10,10 +10,13 @@ its seeds (sample standard deviation, as in :mod:`jascl.experiments.compare`).
 Every input folder becomes one part of the report with these sections
 (HTML ids ``p<i>-<section>``, Markdown ``##`` headings):
 
-* ``summary``: all-class mean per session and Total Drop, one row per method;
-* ``sessions``: per method, all / old / new / base-class / background scores per
-  session and the Total Drop (paper: Total Drop = 100 * sum of session-to-session
-  falls / S_0);
+* ``summary``: all-class mean per session, Base@last, HM@last and Total Drop, one row per
+  method, the best of each column marked, with how many seeds the numbers rest on;
+* ``sessions``: per method, all / old / new / HM / base-class / background scores per
+  session, the other metric's all-class mean (IoU beside Dice), the training time and
+  the Total Drop (paper: Total Drop = 100 * sum of session-to-session falls / S_0);
+* ``per-class``: per method, every class's score after each session, its forgetting and
+  the support of its last score (test pixels / voxels and samples);
 * ``curves``: line plot of the all-class (and base-class) mean per session per method;
 * ``heatmaps``: per-class score by session, one heat map per method (forgetting at a glance);
 * ``losses``: training loss per epoch per method, the sessions in order (from each run's ``log.txt``);
@@ -21,6 +24,7 @@ Every input folder becomes one part of the report with these sections
   samples of every session (the model after that session, and after the last one);
 * ``pseudo-labels``: coverage and precision of the kept pseudo-labels per session
   (semi-supervised methods);
+* ``methods``: each method's description, paper and options as run;
 * ``config``: the resolved run configuration and the protocol's sessions;
 * ``versions``: library versions, devices, seeds and batch sizes;
 * ``manifest``: the K-shot split manifest, summarised.
@@ -58,6 +62,8 @@ from jascl.results.sections import (
     curves_section,
     heatmaps_section,
     manifest_section,
+    methods_section,
+    per_class_section,
     pseudo_label_section,
     sessions_section,
     summary_section,
@@ -72,11 +78,13 @@ SECTIONS: dict[str, str] = {
     "reproduce": "Published beside measured (jascl reproduce)",
     "summary": "Summary: all-class mean per session",
     "sessions": "Per-session results",
+    "per-class": "Per-class scores, forgetting and support",
     "curves": "All-class mean per session",
     "heatmaps": "Per-class score by session",
     "losses": "Training loss per epoch",
     "qualitative": "Qualitative results",
     "pseudo-labels": "Pseudo-labels (semi-supervised)",
+    "methods": "Methods as run",
     "config": "Configuration",
     "versions": "Versions",
     "manifest": "Split manifest",
@@ -152,10 +160,11 @@ def build_part(
     cache_dir: str | Path | None = None,
     echo: Callable[[str], None] = print,
     skip: Collection[str] = (),
+    slices: int = 1,
 ) -> list[tuple[str, list[ReportBlock]]]:
     """The sections of one input folder: ``[(section id, blocks), ...]`` in :data:`SECTIONS` order.
 
-    Sections named in ``skip`` hold one sentence saying so.
+    Sections named in ``skip`` hold one sentence saying so; ``slices``: slices per volume in the overlays.
 
     Raises:
         SectionError: a section that cannot be produced (not in ``skip``).
@@ -164,11 +173,13 @@ def build_part(
     builders: list[tuple[str, Callable[[], list[ReportBlock]]]] = [
         ("summary", lambda: summary_section(run)),
         ("sessions", lambda: sessions_section(run)),
+        ("per-class", lambda: per_class_section(run)),
         ("curves", lambda: curves_section(run, prefix)),
         ("heatmaps", lambda: heatmaps_section(run, prefix)),
         ("losses", lambda: losses_section(run, prefix)),
-        ("qualitative", lambda: qualitative_section(run, prefix, samples, device, cache_dir, echo)),
+        ("qualitative", lambda: qualitative_section(run, prefix, samples, device, cache_dir, echo, slices)),
         ("pseudo-labels", lambda: pseudo_label_section(run, prefix)),
+        ("methods", lambda: methods_section(run)),
         ("config", lambda: config_section(run)),
         ("versions", lambda: versions_section(run)),
         ("manifest", lambda: manifest_section(run)),
@@ -184,7 +195,7 @@ h2{font-size:1.35em;margin-top:1.6em;border-bottom:1px solid #ccc;padding-bottom
 h3{font-size:1.1em;margin:1.1em 0 .3em}
 table{border-collapse:collapse;margin:.5em 0 1em;font-size:14px}
 th,td{border:1px solid #ccc;padding:3px 9px;text-align:right;white-space:nowrap}
-th{background:#f0f0f0} td:first-child,th:first-child,td.t{text-align:left}
+th{background:#f0f0f0} td:first-child,th:first-child,td.t{text-align:left} td.t{white-space:normal}
 tr.total td{font-weight:bold;background:#fafafa}
 figure{display:inline-block;vertical-align:top;margin:.6em 1.2em 1.4em 0;max-width:100%}
 figure img{max-width:100%;height:auto;border:1px solid #eee}
@@ -216,13 +227,13 @@ def _html_block(block: ReportBlock) -> str:
         + "".join(f"<th>{e(h)}</th>" for h in block.header)
         + "</tr></thead><tbody>"
     ]
-    for row in block.rows:
+    for r, row in enumerate(block.rows):
         cls = ' class="total"' if row and row[0] == TOTAL_DROP_ROW else ""
-        lines.append(
-            f"<tr{cls}>"
-            + "".join(f"<td>{e(c)}</td>" if _NUMERIC.match(c) else f'<td class="t">{e(c)}</td>' for c in row)
-            + "</tr>"
-        )
+        cells = []
+        for c, cell in enumerate(row):
+            text = f"<strong>{e(cell)}</strong>" if (r, c) in block.best else e(cell)
+            cells.append(f"<td>{text}</td>" if _NUMERIC.match(cell) else f'<td class="t">{text}</td>')
+        lines.append(f"<tr{cls}>" + "".join(cells) + "</tr>")
     lines.append("</tbody></table>")
     return "\n".join(lines)
 
@@ -235,7 +246,8 @@ def _md_block(block: ReportBlock, figures: dict[str, str]) -> str:
     if block.kind == "figure":
         return f"![{block.text}]({figures[block.name]})\n\n*{block.text}*"
     head = f"### {block.heading}\n\n" if block.heading else ""
-    return head + md_table(block.header, block.rows)
+    rows = [[f"**{v}**" if (r, c) in block.best else v for c, v in enumerate(row)] for r, row in enumerate(block.rows)]
+    return head + md_table(block.header, rows)
 
 
 def render(
@@ -281,6 +293,7 @@ def write_report(
     echo: Callable[[str], None] = print,
     roots: RootOptions | None = None,
     skip: Collection[str] = (),
+    slices: int = 1,
 ) -> dict[str, Path]:
     """Write ``report.html`` (self-contained) and ``report.md`` (+ its PNG figures) into ``out``.
 
@@ -296,6 +309,7 @@ def write_report(
         roots: dataset roots over those each run recorded (``--root`` / ``--roots``; see
             :func:`jascl.results.runs.run_roots` for the precedence).
         skip: section ids (:data:`SECTIONS`) to leave out.
+        slices: slices shown per test volume in the overlays (the one with the most foreground first).
 
     Returns:
         ``{"html": path, "markdown": path}``.
@@ -307,6 +321,8 @@ def write_report(
     """
     if not run_dirs:
         raise ConfigError("report: give at least one run folder")
+    if slices < 1:
+        raise ConfigError(f"--slices {slices}: must be >= 1")
     check_skip(skip)
     roots = roots or RootOptions()
     # a jascl reproduce folder: its table first, then each of its jobs (compare folders) as a part
@@ -330,7 +346,7 @@ def write_report(
     parts = []
     for i, run in enumerate(runs):
         echo(f"[report] {run.path}: {len(run.methods())} methods, {len(run.seeds)} seed(s)")
-        sections = build_part(run, i, samples, device, cache_dir, echo, skip)
+        sections = build_part(run, i, samples, device, cache_dir, echo, skip, slices)
         if i in leading:
             sections.insert(0, leading[i])
         parts.append((run, sections))

@@ -17,7 +17,6 @@ the base folder whose ``metrics.json`` holds the method's session-0 scores of ``
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,7 +27,7 @@ from jascl.errors import ConfigError
 from jascl.results import plots
 from jascl.results.blocks import ReportBlock, _figure, _text
 from jascl.results.records import SessionRecord
-from jascl.results.runs import RunInput
+from jascl.results.runs import RunInput, shared_base_of
 
 __all__ = ["EpochLoss", "parse_log", "session_log_names", "loss_series", "losses_section"]
 
@@ -75,24 +74,6 @@ def parse_log(lines: Iterable[str]) -> dict[tuple[str, int], list[EpochLoss]]:
     return {key: [epochs[e] for e in sorted(epochs)] for key, epochs in found.items()}
 
 
-def _same_scores(metrics: Path, record: SessionRecord) -> bool:
-    try:
-        saved = json.loads(metrics.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    per_class = saved.get("per_class") or {}
-    if set(map(str, per_class)) != set(record.per_class):
-        return False
-    for key, value in per_class.items():
-        mine = record.per_class[str(key)]
-        if value is None:
-            if not math.isnan(mine):
-                return False
-        elif not math.isclose(float(value), mine, rel_tol=0, abs_tol=1e-12):
-            return False
-    return True
-
-
 def session_log_names(run: Path, method: str, records: Sequence[SessionRecord]) -> list[str]:
     """The name each of the method's sessions is logged under in ``run/log.txt``.
 
@@ -104,8 +85,7 @@ def session_log_names(run: Path, method: str, records: Sequence[SessionRecord]) 
     if records:
         own = run / method / f"s0-{records[0].name}" / "metrics.json"
         if not own.is_file():
-            bases = [run / "base", *sorted(p for p in run.glob("base-*") if p.is_dir())]
-            names[0] = next((b.name for b in bases if _same_scores(b / "metrics.json", records[0])), "base")
+            names[0] = shared_base_of(run, records[0]).name
     return names
 
 

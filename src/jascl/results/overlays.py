@@ -93,7 +93,8 @@ def _qualitative(
 
     def model_after(method: str, t: int):
         if (method, t) not in cache:
-            folder = _session_folder(run, method, t, protocol.sessions[t].name)
+            record = results.methods[method].sessions[0] if t == 0 else None
+            folder = _session_folder(run, method, t, protocol.sessions[t].name, record)
             cache[(method, t)] = read_session_model(folder, protocol, config, t).to(target)
         return cache[(method, t)]
 

@@ -302,11 +302,40 @@ def fmt_values(values: Sequence[float], kind: str) -> str:
     return one(mean) if n < 2 else f"{one(mean)} ± {one(std)}"
 
 
-def _session_folder(run: Path, method: str, t: int, name: str) -> Path:
+def _session_folder(run: Path, method: str, t: int, name: str, record: SessionRecord | None = None) -> Path:
+    """The folder of ``method``'s session ``t`` in the run folder ``run``: its own, or for a session 0 it reused,
+    the shared base it started from (:func:`shared_base_of`; ``base`` when ``record`` is not given)."""
     own = run / method / f"s{t}-{name}"
     if (own / "model.safetensors").is_file() or t > 0:
         return own
-    return run / "base"
+    return shared_base_of(run, record) if record is not None else run / "base"
+
+
+def shared_base_of(run: Path, record: SessionRecord) -> Path:
+    """The base folder (``base``, or a family's keyed ``base-<key>``, e.g. JASCL's ``base-stochastic-classifier``)
+    whose ``metrics.json`` has ``record``'s per-class scores: the session 0 a method reused (``base`` if none
+    matches)."""
+    bases = [run / "base", *sorted(p for p in run.glob("base-*") if p.is_dir())]
+    return next((b for b in bases if same_scores(b / "metrics.json", record)), run / "base")
+
+
+def same_scores(metrics: Path, record: SessionRecord) -> bool:
+    """Whether the ``metrics.json`` at ``metrics`` holds exactly ``record``'s per-class scores."""
+    try:
+        saved = json.loads(metrics.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    per_class = saved.get("per_class") or {}
+    if set(map(str, per_class)) != set(record.per_class):
+        return False
+    for key, value in per_class.items():
+        mine = record.per_class[str(key)]
+        if value is None:
+            if not math.isnan(mine):
+                return False
+        elif not math.isclose(float(value), mine, rel_tol=0, abs_tol=1e-12):
+            return False
+    return True
 
 
 def _config_of(run: Path) -> dict:

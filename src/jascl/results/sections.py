@@ -14,20 +14,10 @@ import yaml
 
 from jascl import __version__
 from jascl.errors import DataError
-from jascl.results import plots
+from jascl.results import plots, tables
 from jascl.results.blocks import ReportBlock, _figure, _safe, _table, _text
-from jascl.results.records import SPLITS
 from jascl.results.report import table_title
-from jascl.results.runs import (
-    TOTAL_DROP_ROW,
-    RunInput,
-    _config_of,
-    _load_protocol,
-    _mean_std,
-    _read_json,
-    _values,
-    fmt_values,
-)
+from jascl.results.runs import RunInput, _config_of, _load_protocol, _mean_std, _read_json, _values, fmt_values
 
 
 def _session_labels(run: RunInput) -> list[str]:
@@ -35,59 +25,40 @@ def _session_labels(run: RunInput) -> list[str]:
 
 
 def summary_section(run: RunInput) -> list[ReportBlock]:
-    """Title line and one row per method: the all-class mean per session and the Total Drop (%)."""
-    sessions = run.sessions()
-    header = ["Method", *[f"S{t} ({n})" for t, n in sessions], TOTAL_DROP_ROW]
-    rows = []
-    for m in run.methods():
-        recs = run.records(m)
-        rows.append(
-            [
-                m,
-                *[fmt_values(_values(recs, t, "all"), run.metric) for t in range(len(sessions))],
-                fmt_values(run.total_drops(m), "pct"),
-            ]
-        )
-    blocks = [_text(_title(run)), _table("summary", header, rows)]
-    blocks.append(
-        _text(
-            "Total Drop (%) = 100 × Σ max(0, S_i − S_{i+1}) / S_0 over the all-class means "
-            "(the paper's forgetting measure; lower is better)."
-        )
-    )
-    return blocks
+    """Title line and one row per method: the all-class mean per session, Base@last, HM@last, Total Drop (%)."""
+    return [_text(_title(run)), tables.summary_table(run), *tables.summary_notes(run)]
 
 
 def _title(run: RunInput) -> str:
     title = table_title(dataclasses.replace(run.first, seed=None) if run.multi_seed else run.first)
-    if run.multi_seed:
-        title += f" · mean ± std over {len(run.seeds)} seeds ({', '.join(map(str, run.seeds))})"
-    return title
+    return f"{title} · {tables.seeds_note(run)}"
 
 
 def sessions_section(run: RunInput) -> list[ReportBlock]:
-    """Per method: all / old / new / base-class / background score per session, then a Total Drop row."""
-    blocks: list[ReportBlock] = []
-    header = ["Session", "Name", "Domains", "All", "Old", "New", "HM", "Base classes", "Background"]
-    for m in run.methods():
-        recs = run.records(m)
-        rows = []
-        for t, name in run.sessions():
-            if t >= max(len(r) for r in recs):
-                continue
-            domains = ", ".join(recs[0][t].domains) if t < len(recs[0]) else ""
-            rows.append([str(t), name, domains, *[fmt_values(_values(recs, t, k), run.metric) for k in SPLITS]])
-        rows.append([TOTAL_DROP_ROW, "", "", fmt_values(run.total_drops(m), "pct"), "", "", "", "", ""])
-        blocks.append(_table(f"sessions:{m}", header, rows, heading=m))
+    """Per method: all / old / new / HM / base-class / background per session, the other metric, training time."""
+    background_in_mean = bool(_config_of(run.runs[0]).get("background_in_mean", False))
+    blocks = [tables.sessions_table(run, m, background_in_mean) for m in run.methods()]
     blocks.append(
         _text(
             "All = mean over the foreground classes seen so far; Old = classes of earlier sessions; "
             "New = classes introduced in the session; HM = harmonic mean of Old and New (the paper's Seen / "
             "New / HM figure; undefined in session 0); Base classes = session-0 classes; "
-            f"background {run.first.background}. Evaluated on the test splits of every session so far."
+            f"background {run.first.background}. Evaluated on the test splits of every session so far. "
+            f"{tables.seeds_note(run).capitalize()}. Train time: wall-clock seconds of the session's training "
+            "and evaluation (its metrics.json); a session 0 reused from the shared base shows the base's time."
         )
     )
     return blocks
+
+
+def per_class_section(run: RunInput) -> list[ReportBlock]:
+    """Per method: each class's score after every session, its forgetting and the support of its last score."""
+    return [tables.per_class_notes(run), *[tables.per_class_table(run, m) for m in run.methods()]]
+
+
+def methods_section(run: RunInput) -> list[ReportBlock]:
+    """Each method's description, paper and options as run."""
+    return tables.methods_table(run)
 
 
 def _metric_name(run: RunInput) -> str:
