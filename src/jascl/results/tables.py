@@ -162,7 +162,11 @@ def per_class_table(run: RunInput, method: str) -> ReportBlock:
         row = [f"{key} {names.get(key, '')}".strip()]
         for t in range(len(sessions)):
             row.append(fmt_values([r[t].per_class.get(key, math.nan) for r in recs if t < len(r)], run.metric))
-        forgetting = [res.methods[method].forgetting.get(key, math.nan) for res in run.results]
+        # defined only for a class scored before the last session (the runner writes 0 for one first seen there)
+        forgetting = [
+            res.methods[method].forgetting.get(key, math.nan) if _scored_before_last(r, key) else math.nan
+            for res, r in zip(run.results, recs)
+        ]
         row.append(fmt_values(forgetting, run.metric))
         last = [r[-1] for r in recs if r]
         row.append(_support(last, key, "support"))
@@ -171,15 +175,24 @@ def per_class_table(run: RunInput, method: str) -> ReportBlock:
     return _table(f"per-class:{method}", header, rows, heading=method)
 
 
+def _scored_before_last(records: Sequence[SessionRecord], key: str) -> bool:
+    return any(not math.isnan(rec.per_class.get(key, math.nan)) for rec in records[:-1])
+
+
 def _support(last: Sequence[SessionRecord], key: str, what: str) -> str:
+    """The support over seeds: one count, or ``mean ± std`` in whole units (the seeds' test splits differ)."""
     values = [float(getattr(rec, what)[key]) for rec in last if key in getattr(rec, what)]
-    return fmt_values(values, "count") if values else MISSING
+    if not values:
+        return MISSING
+    mean, std, n = _mean_std(values)
+    return f"{mean:.0f}" if n < 2 else f"{mean:.0f} ± {std:.0f}"
 
 
 def per_class_notes(run: RunInput) -> ReportBlock:
     return _text(
         f"Per class ({_metric_label(run.metric)}) after each session; {seeds_note(run)}. Forgetting = best score "
-        "in an earlier session − score after the last session (positive: the class lost ground). The support "
+        "in an earlier session − score after the last session (positive: the class lost ground; — for a class "
+        "first scored in the last session). The support "
         "columns give how much test data the last session's score rests on: pixels / voxels of the class in the "
         "scored ground truth and test samples containing it; a score on a few samples or voxels is a weak finding."
     )
