@@ -12,7 +12,9 @@ from jascl.protocols import get_protocol
 @pytest.mark.slow
 def test_synthetic_2d_vanilla_forgets_jascl_retains(tmp_path):
     protocol = get_protocol("synthetic-2d")
-    config = resolve_config(protocol.training, protocol.path)
+    # the protocol as built in, with 12 base and 15 incremental epochs instead of 40 and 40, so the suite stays
+    # within CI's 15 minutes; the full-length run is the README's main job (its numbers are in the README)
+    config = resolve_config(protocol.training, protocol.path, overrides=["epochs_base=12", "epochs_incremental=15"])
     results = run_benchmark(
         protocol,
         config,
@@ -26,8 +28,9 @@ def test_synthetic_2d_vanilla_forgets_jascl_retains(tmp_path):
     # vanilla fine-tuning forgets: base classes at the last session <= half of their base-session Dice
     assert v["sessions"][-1]["base"] <= 0.5 * v["sessions"][0]["base"]
     # JASCL's Total Drop is clearly lower and its last all-class mean is higher. One seed's exact figures move with
-    # the installed versions and thread count (63.7 vs 91.3 on one install, 63.2 vs 92.5 with torch 2.14.1), so
-    # the margin is set well inside the measured gap of about 28 points, not at its edge.
+    # the installed versions and thread count (at these epochs, torch 2.14.1, 2026-11-27: JASCL 57.6 vs vanilla
+    # 94.6, last all-class mean 0.256 vs 0.054; at full length 64.3 vs 92.5), so the margin is set well inside the
+    # measured gap of about 28-37 points, not at its edge.
     assert j["total_drop"] <= v["total_drop"] - 15
     assert j["sessions"][-1]["all"] > v["sessions"][-1]["all"]
 
@@ -35,7 +38,7 @@ def test_synthetic_2d_vanilla_forgets_jascl_retains(tmp_path):
 @pytest.mark.slow
 def test_synthetic_3d_runs_end_to_end_with_the_3d_unet(tmp_path):
     protocol = get_protocol("synthetic-3d")
-    config = resolve_config(protocol.training, protocol.path, overrides=["epochs_base=5", "epochs_incremental=5"])
+    config = resolve_config(protocol.training, protocol.path, overrides=["epochs_base=2", "epochs_incremental=2"])
     results = run_benchmark(
         protocol,
         config,
