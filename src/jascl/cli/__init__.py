@@ -264,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     protocols.set_defaults(func=cmd_protocols)
     methods = sub.add_parser("methods", help="list registered methods, or show one method's paper, notes and options")
     methods.add_argument("name", nargs="?", help="a registered method")
+    methods.add_argument(
+        "--paper",
+        action="store_true",
+        help="every method of the paper's result tables: its rows there, jascl name, family, source paper, status",
+    )
     add_import(methods)
     methods.set_defaults(func=cmd_methods)
     sub.add_parser("backbones", help="list registered backbones").set_defaults(func=cmd_backbones)

@@ -85,6 +85,8 @@ def cmd_methods(args: argparse.Namespace) -> int:
     from jascl.methods import METHODS
     from jascl.methods.registry import describe_method
 
+    if getattr(args, "paper", False):
+        return _paper_methods()
     if not args.name:
         return _list_registry(METHODS, "methods")
     info = describe_method(args.name)
@@ -103,6 +105,58 @@ def cmd_methods(args: argparse.Namespace) -> int:
     for row in info["options"]:
         table.add_row(row["name"], row["type"], row["default"], row["allowed"], row["doc"])
     console.print(table)
+    return 0
+
+
+def method_family(name: str) -> str:
+    """A registered method's family: its folder under ``jascl.methods.baselines`` (e.g. "fewshot"), "jascl" for
+    the JASCL presets, "fine-tuning" for vanilla."""
+    from jascl.methods import METHODS
+
+    module = METHODS.get(name).__module__
+    parts = module.split(".")
+    if "baselines" in parts and parts.index("baselines") + 1 < len(parts) - 1:
+        return parts[parts.index("baselines") + 1]
+    return "fine-tuning" if name == "vanilla" else "jascl"
+
+
+def paper_methods() -> list[dict[str, str]]:
+    """Every method of the paper's result tables (``jascl.paper``), by jascl name: the paper's row names, the
+    family, the source paper and whether it is registered, registered ones first."""
+    from jascl.methods import METHODS
+    from jascl.paper.tables import paper_tables
+
+    rows: dict[str, set[str]] = {}
+    for table in paper_tables().values():
+        for cell in table.cells():
+            if cell.method:  # a class-wise table's rows are classes: its method is named by the table
+                rows.setdefault(cell.method, set()).add(table.caption if table.kind == "classes" else cell.row)
+    out = []
+    for name, paper_rows in rows.items():
+        known = name in METHODS
+        out.append(
+            {
+                "name": name,
+                "paper_rows": "; ".join(sorted(paper_rows)),
+                "family": method_family(name) if known else "—",
+                "paper": (METHODS.info(name).paper or "—") if known else "—",
+                "status": "registered" if known else "not registered",
+            }
+        )
+    return sorted(out, key=lambda r: (r["status"] != "registered", r["name"]))
+
+
+def _paper_methods() -> int:
+    from rich.table import Table
+
+    rows = paper_methods()
+    done = sum(r["status"] == "registered" for r in rows)
+    table = Table(title=f"methods of the paper's tables: {done} of {len(rows)} registered")
+    for col in ("jascl name", "rows in the paper's tables", "family", "source paper", "status"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"], r["paper_rows"], r["family"], r["paper"], r["status"])
+    _console().print(table)
     return 0
 
 

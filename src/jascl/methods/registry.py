@@ -83,6 +83,7 @@ class MethodRegistry(Registry[Method]):
                     return fn(read_options(options, config, key), config)
 
                 factory.__doc__ = fn.__doc__
+                factory.__module__ = fn.__module__  # where the method lives (its family, for jascl methods --paper)
             super(MethodRegistry, self).register(name, doc)(factory)
             self._info[name] = MethodInfo(
                 name, self.describe(name), options, key, paper, inspect.cleandoc(fn.__doc__ or "")

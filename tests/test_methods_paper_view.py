@@ -1,0 +1,27 @@
+"""`jascl methods --paper`: every method of the paper's tables, with its jascl name, family, paper and status."""
+
+from jascl.cli import main
+from jascl.cli.listing import paper_methods
+from jascl.methods import METHODS
+from jascl.paper.tables import methods_in_tables
+
+
+def test_every_method_of_the_paper_tables_is_listed_with_its_status():
+    rows = {r["name"]: r for r in paper_methods()}
+    assert set(rows) == set(methods_in_tables())
+    assert rows["vanilla"]["family"] == "fine-tuning" and rows["jascl"]["family"] == "jascl"
+    assert rows["c-fscil"]["family"] == "fewshot" and rows["c-fscil"]["paper"] == METHODS.info("c-fscil").paper
+    assert "C-FSCIL" in rows["c-fscil"]["paper_rows"] and "class_0" not in rows["c-fscil"]["paper_rows"]
+    assert rows["clip-ct"]["status"] == "not registered" and rows["clip-ct"]["family"] == "—"
+    assert all((r["status"] == "registered") == (name in METHODS) for name, r in rows.items())
+    # registered first, then the rest, each alphabetically
+    order = [(r["status"] != "registered", r["name"]) for r in paper_methods()]
+    assert order == sorted(order)
+
+
+def test_cli_prints_the_count(capsys):
+    assert main(["methods", "--paper"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    rows = paper_methods()
+    done = sum(r["status"] == "registered" for r in rows)
+    assert f"methods of the paper's tables: {done} of {len(rows)} registered" in out
