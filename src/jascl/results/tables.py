@@ -37,7 +37,7 @@ def best_rows(values: Sequence[float], direction: int = HIGHER) -> set[int]:
     return {i for i, v in valid if math.isclose(v * direction, best, rel_tol=0, abs_tol=1e-12)}
 
 
-def mark_best(rows: list[list[str]], columns: dict[int, tuple[list[float], int]]) -> set[tuple[int, int]]:
+def mark_best(columns: dict[int, tuple[list[float], int]]) -> set[tuple[int, int]]:
     """The (row, column) cells to mark: per column index, its per-row values and direction."""
     return {(r, c) for c, (values, direction) in columns.items() for r in best_rows(values, direction)}
 
@@ -98,7 +98,7 @@ def summary_table(run: RunInput) -> ReportBlock:
         for c, values in enumerate([*cells, run.total_drops(m)], start=1):
             numbers[c][0].append(_mean(values))
     block = _table("summary", header, rows)
-    block.best = mark_best(rows, numbers)
+    block.best = mark_best(numbers)
     return block
 
 
