@@ -12,7 +12,9 @@ def test_every_method_of_the_paper_tables_is_listed_with_its_status():
     assert rows["vanilla"]["family"] == "fine-tuning" and rows["jascl"]["family"] == "jascl"
     assert rows["c-fscil"]["family"] == "fewshot" and rows["c-fscil"]["paper"] == METHODS.info("c-fscil").paper
     assert "C-FSCIL" in rows["c-fscil"]["paper_rows"] and "class_0" not in rows["c-fscil"]["paper_rows"]
-    assert rows["clip-ct"]["status"] == "not registered" and rows["clip-ct"]["family"] == "—"
+    # a composition is in the family of its first part; the paper's "w/o PAS" row has its preset
+    assert rows["jascl+gaps"]["family"] == "jascl" and rows["jascl+gaps"]["status"] == "registered"
+    assert rows["jascl-no-pas"]["family"] == "jascl"
     assert all((r["status"] == "registered") == (name in METHODS) for name, r in rows.items())
     # registered first, then the rest, each alphabetically
     order = [(r["status"] != "registered", r["name"]) for r in paper_methods()]

@@ -163,16 +163,34 @@ def test_runner_shares_base_writes_outputs_and_resumes(toy_protocol, toy_config,
     assert again["methods"]["jascl"]["sessions"] == j["sessions"]
 
 
+@pytest.fixture(scope="module")
+def toy_bases(tmp_path_factory):
+    """The toy protocol (no unlabelled pool) with its shared bases trained once: vanilla's and the JASCL family's."""
+    from conftest import toy_protocol_dict
+    from jascl.data.sessions import load_sessions
+    from jascl.engine.config import resolve_config
+    from jascl.experiments.runner import ensure_base
+    from jascl.protocols import parse_protocol
+
+    protocol = parse_protocol(toy_protocol_dict(2), source="toy-2d.yaml")
+    config = resolve_config(protocol.training, "toy-2d.yaml")
+    root = tmp_path_factory.mktemp("toy-bases")
+    data = load_sessions(protocol, root / "cache", echo=lambda *a: None)
+    ensure_base(protocol, config, data, root / "base", progress=False, echo=lambda *a: None)
+    keyed = create_method("jascl", config)
+    ensure_base(protocol, config, data, root / f"base-{keyed.base_key}", False, lambda *a: None, keyed.base_method())
+    return protocol, config, root
+
+
 @pytest.mark.parametrize("name", METHODS.list())
-def test_every_registered_method_runs_on_the_toy_protocol(name, toy_protocol, toy_config, tmp_path):
+def test_every_registered_method_runs_on_the_toy_protocol_without_a_pool(name, toy_bases, tmp_path):
+    import shutil
+
+    protocol, config, root = toy_bases
+    for base in root.glob("base*"):
+        shutil.copytree(base, tmp_path / "run" / base.name)
     results = run_benchmark(
-        toy_protocol,
-        toy_config,
-        [name],
-        tmp_path / "run",
-        cache_dir=tmp_path / "cache",
-        progress=False,
-        echo=lambda m: None,
+        protocol, config, [name], tmp_path / "run", cache_dir=root / "cache", progress=False, echo=lambda m: None
     )
     sessions = results["methods"][name]["sessions"]
     assert [s["session"] for s in sessions] == [0, 1]

@@ -99,7 +99,8 @@ def cmd_methods(args: argparse.Namespace) -> int:
     if not info["options"]:
         console.print("options: none")
         return 0
-    table = Table(title=f"options: --set method_args.{info['options_key']}.<option>=VALUE")
+    key = f"{info['options_key']}." if info["options_key"] else ""  # a composed method's rows name their part
+    table = Table(title=f"options: --set method_args.{key}<option>=VALUE")
     for col in ("option", "type", "default", "allowed", "description"):
         table.add_column(col)
     for row in info["options"]:

@@ -202,9 +202,10 @@ def check_method_options(folder: Path, name: str, config: RunConfig) -> None:
         before = _flat(json.loads(path.read_text()))
         defaults = _flat(resolved_options(name, RunConfig()) or {})
         flat_now = _flat(now)
-        key = METHODS.info(name).options_key
+        key = METHODS.info(name).options_key  # "" for a composed method: its options are keyed by part
+        prefix = f"method_args.{key}." if key else "method_args."
         changed = [
-            f"method_args.{key}.{k}={before.get(k, defaults.get(k))!r} (now {flat_now[k]!r})"
+            f"{prefix}{k}={before.get(k, defaults.get(k))!r} (now {flat_now[k]!r})"
             for k in sorted(flat_now)
             if before.get(k, defaults.get(k)) != flat_now[k]
         ]

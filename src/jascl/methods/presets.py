@@ -230,6 +230,21 @@ def jascl_no_gas(o: JasclOptions, config: RunConfig) -> Method:
     return Method("jascl-no-gas", [*_base(o), _replay(o), _mean_teacher(o, "pas")], "prototype replay + PAS")
 
 
+@_family("jascl-no-pas", "ablation: JASCL without PAS (GAS + prototype replay; unlabelled pools unused)")
+def jascl_no_pas(o: JasclOptions, config: RunConfig) -> Method:
+    """The paper's "JASCL w/o PAS" rows (the semi-supervised driving ablation, the detection table): the
+    ``jascl`` preset with ``--ablate pas``, i.e. GAS + prototype replay with no mean teacher.
+
+    The paper does not define the ablation beyond its name. PAS is the supervision the unlabelled pool
+    gives through the prototype-anchored teacher, so removing it removes the pool's supervision: that is
+    what ``--ablate pas`` has always switched off, and this preset is the same plugins under the paper's
+    row name (it equals ``jascl-no-unlabelled``). The other reading -- the teacher kept with
+    confidence-only pseudo-labels, the setting of the paper's theorem on pseudo-label error without PAS --
+    is ``jascl-conf``.
+    """
+    return Method("jascl-no-pas", [*_base(o), _gas(o), _replay(o)], "GAS + prototype replay (w/o PAS)")
+
+
 @_family("jascl-no-replay", "ablation: JASCL without prototype replay (GAS + PAS)")
 def jascl_no_replay(o: JasclOptions, config: RunConfig) -> Method:
     """The ablation without prototype replay."""
@@ -254,3 +269,10 @@ def jascl_anchors(o: JasclOptions, config: RunConfig) -> Method:
     if pas.anchors == "mean" and not pas.normalize_pixels:  # the literal defaults: switch to the variant
         pas = dataclasses.replace(pas, anchors="per-sample", normalize_pixels=True)
     return Method("jascl-anchors", _jascl_plugins(dataclasses.replace(o, pas=pas)), "JASCL with per-sample PAS anchors")
+
+
+METHODS.register_composition(
+    "jascl+gaps",
+    doc="JASCL as a plug-in on GAPS (the paper's semi-supervised driving headline): jascl's plugins, then gaps'",
+    paper=f"{PAPER}; Qiu et al., ICCV 2023 (GAPS)",
+)

@@ -211,7 +211,7 @@ def methods_table(run: RunInput) -> list[ReportBlock]:
             rows.append([m, "not registered in this jascl (a user module?)", "", ""])
             continue
         info = describe_method(m)
-        given = method_args.get(info["options_key"]) or {}
+        given = (method_args.get(info["options_key"]) or {}) if info["options_key"] else method_args
         options = []
         for o in info["options"]:
             value = _lookup(given, o["name"])
