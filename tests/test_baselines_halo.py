@@ -120,6 +120,11 @@ def test_select_regions_greedy_with_exclusion_windows():
     # a 3x3 region is clipped at the border; an image whose every pixel is excluded stops early
     picked, excluded = select_regions(torch.arange(9.0).view(3, 3).flip(0, 1), count=5, region_radius=1, mask_radius=2)
     assert torch.nonzero(picked).tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]] and excluded.all()
+    # 3D: one 3x3x3 region around the best voxel
+    vol = torch.zeros(4, 4, 4)
+    vol[2, 2, 2] = 1.0
+    picked, _ = select_regions(vol, count=1, region_radius=1, mask_radius=1)
+    assert int(picked.sum()) == 27 and picked[1:4, 1:4, 1:4].all()
     blocked = torch.full((2, 2), -math.inf)
     picked, _ = select_regions(blocked, count=3)
     assert not picked.any()

@@ -141,9 +141,11 @@ class HyperbolicHead(nn.Module):
         reduced = self.reduce(features.movedim(1, -1).float()).movedim(-1, 1)
         if self.hfr is not None:
             reduced = feature_reweighting(reduced, self.hfr)
-        return expmap0(reduced.double(), self.c, dim=1)
+        with torch.autocast(features.device.type, enabled=False):  # the ball's maps in float64, as HALO's code
+            return expmap0(reduced.double(), self.c, dim=1)
 
     def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, K, *spatial) float32 and the ball embeddings (B, D, *spatial) float64."""
         z = self.embed(features)
-        return self.mlr(z).float(), z
+        with torch.autocast(features.device.type, enabled=False):  # 1 - c|m|^2 would not survive bf16
+            return self.mlr(z).float(), z
