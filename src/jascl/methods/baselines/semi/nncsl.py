@@ -103,11 +103,12 @@ def soft_nearest_neighbours(
         temperature: tau.
 
     Returns:
-        (N, K) class probabilities (rows sum to the rows of Y's sum, 1 for one-hot or smoothed labels).
+        (N, K) float32 class probabilities (rows sum to 1 for one-hot or smoothed labels), computed outside autocast.
     """
-    q = F.normalize(queries, dim=1)
-    s = F.normalize(supports, dim=1)
-    return torch.softmax(q @ s.T / temperature, dim=1) @ support_labels
+    with torch.autocast(queries.device.type, enabled=False):  # in full precision, as PAWS computes its loss
+        q = F.normalize(queries.float(), dim=1)
+        s = F.normalize(supports.float(), dim=1)
+        return torch.softmax(q @ s.T / temperature, dim=1) @ support_labels.float()
 
 
 def sharpen(probs: torch.Tensor, temperature: float) -> torch.Tensor:
