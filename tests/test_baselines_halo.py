@@ -142,3 +142,54 @@ def test_registered_with_the_official_defaults(toy_config):
     assert plugin.loss_terms == ("halo_hyp", "halo_al")
     assert (plugin.budget, plugin.rounds, plugin.region_radius, plugin.mask_radius) == (0.05, 5, 1, 5)
     assert (plugin.channels, plugin.curvature, plugin.hfr) == (64, 1.0, True)
+
+
+def test_acquire_pseudo_labels_the_best_region_with_the_model_argmax():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from jascl.methods.baselines.semi._hyperbolic import HyperbolicHead
+    from jascl.methods.baselines.semi.halo import HALOPlugin
+    from jascl.networks.base import SegmenterOutput
+
+    class Fixed(torch.nn.Module):  # logits: class 2 wins everywhere; features: the image itself
+        def forward_features(self, x):
+            logits = torch.stack([x[:, 0], 0 * x[:, 0], 2 + 0 * x[:, 0]], dim=1)
+            return SegmenterOutput(logits, x.repeat(1, 3, 1, 1))
+
+    class Split:
+        def __init__(self, images, labels):
+            self.images, self.labels = images, labels
+
+        def __len__(self):
+            return len(self.images)
+
+    g = torch.Generator().manual_seed(0)
+    images = [torch.rand(1, 8, 8, generator=g).numpy() for _ in range(2)]
+    pool = Split(images, [np.zeros((8, 8), dtype=np.int64)] * 2)
+    plugin = HALOPlugin(budget=0.6, rounds=2, region_radius=1, mask_radius=2)  # ceil(64 * 0.3 / 9) = 3 regions
+    torch.manual_seed(0)
+    plugin.head = HyperbolicHead(3, 3, channels=4)
+    plugin.pseudo = torch.full((2, 8, 8), 255, dtype=torch.long)
+    plugin.excluded = torch.zeros(2, 8, 8, dtype=torch.bool)
+    plugin._loader = SimpleNamespace(batch_size=2)
+    state = SimpleNamespace(model=Fixed(), data=SimpleNamespace(unlabelled=pool), device=torch.device("cpu"))
+    added = plugin.acquire(state)
+    # the expected picks: the same score, computed here, and the greedy windows
+    x = torch.from_numpy(np.stack(images)).float()
+    out = Fixed().forward_features(x)
+    with torch.no_grad():
+        plugin.head.eval()
+        radii = dist0(plugin.head.embed(out.features))
+    scores = halo_scores(torch.softmax(out.logits, 1), radii, 1)
+    for i in range(2):
+        picked, excluded = select_regions(scores[i], 3, 1, 2)
+        assert torch.equal(plugin.pseudo[i] != 255, picked)
+        assert torch.equal(plugin.excluded[i], excluded)
+    assert set(plugin.pseudo[plugin.pseudo != 255].tolist()) == {2}
+    assert added == int((plugin.pseudo != 255).sum()) and plugin.rounds_done == 1
+    # a second round never picks inside an excluded window, and keeps the first round's labels
+    first = plugin.pseudo.clone()
+    plugin.acquire(state)
+    assert torch.equal(plugin.pseudo[first != 255], first[first != 255]) and plugin.rounds_done == 2
