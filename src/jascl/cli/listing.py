@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from jascl.cli.common import _console, add_root_arguments
 
@@ -178,6 +179,13 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     from jascl.data.real import parse_root_args
     from jascl.protocols import get_protocol
 
+    if args.coco or args.coco_o:
+        return cmd_data_check_coco(args)
+    if args.protocol is None:
+        print(
+            "jascl data check: error: give --protocol (or --coco JSON --images DIR, or --coco-o ROOT)", file=sys.stderr
+        )
+        return 2
     protocol = get_protocol(args.protocol)
     if args.seed is not None:
         protocol = dataclasses.replace(protocol, seed=args.seed)
@@ -191,6 +199,43 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 2
 
 
+def cmd_data_check_coco(args: argparse.Namespace) -> int:
+    """``jascl data check --coco JSON --images DIR`` / ``--coco-o ROOT``: one line per defect and exit 2."""
+    from jascl.data.coco import check_coco
+    from jascl.data.coco_o import check_coco_o
+
+    if args.protocol is not None or (args.coco is None) == (args.coco_o is None) or (args.coco and not args.images):
+        print(
+            "jascl data check: error: give --coco JSON with --images DIR, or --coco-o ROOT, and no --protocol",
+            file=sys.stderr,
+        )
+        return 2
+    expect = not args.allow_unannotated
+    if args.coco_o:
+        print(f"jascl data check: COCO-O copy at {args.coco_o}")
+        problems = check_coco_o(args.coco_o, expect_annotations=expect)
+    else:
+        print(f"jascl data check: COCO-format split {args.coco} with images in {args.images}")
+        problems = check_coco(args.coco, args.images, expect_annotations=expect)
+    for line in problems:
+        print(f"error: {line}")
+    print(f"{len(problems)} problem(s) found" if problems else "no problems found")
+    return 2 if problems else 0
+
+
+def cmd_data_coco_o_classes(args: argparse.Namespace) -> int:
+    """``jascl data coco-o-classes --root ROOT``: the base session's classes, their count, a warning if not 77."""
+    from jascl.data.coco_o import BASE_CLASS_COUNT, base_classes
+
+    names = base_classes(args.root)
+    for name in names:
+        print(name)
+    print(f"{len(names)} base classes")
+    if len(names) != BASE_CLASS_COUNT:
+        print(f"warning: the paper's base session has {BASE_CLASS_COUNT} classes, this copy gives {len(names)}")
+    return 0
+
+
 def add_data_parser(subparsers) -> argparse.ArgumentParser:
     """``jascl data check --protocol NAME --root NAME=PATH ...``."""
     data = subparsers.add_parser("data", help="check local copies of the public datasets against a protocol")
@@ -200,11 +245,22 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
         help="open every file, check shapes / affines / label values, K-shot "
         "availability and unlabelled pools; exit 2 on any problem",
     )
-    check.add_argument("--protocol", required=True, help="built-in protocol name or YAML path")
+    check.add_argument("--protocol", default=None, help="built-in protocol name or YAML path")
     add_root_arguments(check)
     check.add_argument("--seed", type=int, default=None, help="seed of the K-shot selection (default: the protocol's)")
     check.add_argument("--cache-dir", default=None, help="label-index cache (default $JASCL_CACHE or ~/.cache/jascl)")
+    check.add_argument("--coco", default=None, metavar="JSON", help="check a COCO-format instances JSON instead")
+    check.add_argument("--images", default=None, metavar="DIR", help="with --coco: the folder of its images")
+    check.add_argument("--coco-o", default=None, metavar="ROOT", help="check every domain of a COCO-O copy instead")
+    check.add_argument(
+        "--allow-unannotated", action="store_true", help="with --coco / --coco-o: images without boxes are no defect"
+    )
     check.set_defaults(func=cmd_data_check)
+    classes = data_sub.add_parser(
+        "coco-o-classes", help="the COCO-O base session's classes (annotated in Painting, less person / car / bench)"
+    )
+    classes.add_argument("--root", required=True, help="the COCO-O root (the folder holding the six domains)")
+    classes.set_defaults(func=cmd_data_coco_o_classes)
     return data
 
 
