@@ -12,7 +12,19 @@ from PIL import Image
 
 from jascl.cli import main
 from jascl.data.coco import CocoDetection, check_coco, load_coco, xywh_to_xyxy
-from jascl.data.coco_o import ANNOTATIONS, DOMAINS, IMAGES, base_classes, check_coco_o, domain_paths
+from jascl.data.coco_o import (
+    ANNOTATIONS,
+    BASE_CLASS_COUNT,
+    COCO_CLASSES,
+    DOMAINS,
+    IMAGES,
+    NOVEL_CLASSES,
+    SHOTS,
+    UNLABELLED,
+    base_classes,
+    check_coco_o,
+    domain_paths,
+)
 from jascl.errors import DataError
 
 W, H = 16, 12
@@ -99,22 +111,31 @@ def test_every_defect_is_one_line_naming_the_file(tmp_path):
             box(3, 2, 3, [2, 2, 0, 4]),  # zero width
             box(4, 2, 99, [1, 1, 2, 2]),  # unknown category
             box(5, 4, 1, [1, 1, 2, 2]),
+            box(6, 9, 1, [1, 1, 2, 2]),  # unknown image
         ],  # image 3 has no annotation
         skip_files={image(4)["file_name"]},  # image 4's file is missing
     )
     lines = check_coco(json_path, image_dir)
-    assert len(lines) == 5, lines
+    assert len(lines) == 6, lines
     assert all("\n" not in line for line in lines)
-    missing, outside, size, category, empty = (
+    missing, outside, size, category, empty, unknown = (
         next(line for line in lines if key in line)
-        for key in ("image file missing", "lies outside", "non-positive size", "category id 99", "no annotation")
+        for key in (
+            "image file missing",
+            "lies outside",
+            "non-positive size",
+            "category id 99",
+            "no annotation",
+            "image id 9 is not",
+        )
     )
+    assert unknown.startswith(f"{json_path}: annotation id 6 (image id 9): image id 9 is not in 'images'")
     assert missing.startswith(f"{image_dir / image(4)['file_name']}: image file missing (image id 4")
     assert outside.startswith(f"{json_path}: annotation id 2 (image id 1): box (x1 10, y1 2, x2 18, y2 6) lies outside")
     assert size.startswith(f"{json_path}: annotation id 3 (image id 2): box has non-positive size (w 0, h 4)")
     assert category.startswith(f"{json_path}: annotation id 4 (image id 2): category id 99 is not in 'categories'")
     assert empty.startswith(f"{json_path}: image id 3 ({image(3)['file_name']}) has no annotation")
-    assert len(check_coco(json_path, image_dir, expect_annotations=False)) == 4
+    assert len(check_coco(json_path, image_dir, expect_annotations=False)) == 5
 
 
 def test_a_box_within_the_tolerance_and_a_wrong_image_size(tmp_path):
@@ -182,18 +203,37 @@ def test_base_classes_rule_and_cli(tmp_path, capsys):
     write_split(
         root / "painting",
         [image(1)],
-        [box(1, 1, 18, [0, 0, 2, 2]), box(2, 1, 1, [0, 0, 2, 2]), box(3, 1, 17, [0, 0, 2, 2])],
+        [
+            box(1, 1, 18, [0, 0, 2, 2]),
+            box(2, 1, 1, [0, 0, 2, 2]),
+            box(3, 1, 17, [0, 0, 2, 2]),
+            box(4, 1, 3, [0, 0, 2, 2]),
+            box(5, 1, 95, [0, 0, 2, 2]),
+        ],
     )
     data = json.loads((root / "painting" / ANNOTATIONS).read_text())
-    data["categories"] += [{"id": 18, "name": "dog"}, {"id": 38, "name": "kite"}]  # kite: no annotation
+    # kite: no annotation; unicorn: annotated but not a COCO class (listed, with a warning)
+    data["categories"] += [{"id": 18, "name": "dog"}, {"id": 38, "name": "kite"}, {"id": 95, "name": "unicorn"}]
     (root / "painting" / ANNOTATIONS).write_text(json.dumps(data))
-    assert base_classes(root) == ["cat", "dog"]
+    assert base_classes(root) == ["cat", "dog", "unicorn"]
     assert main(["data", "coco-o-classes", "--root", str(root)]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "cat",
         "dog",
-        "2 base classes",
-        "warning: the paper's base session has 77 classes, this copy gives 2",
+        "unicorn",
+        "3 base classes",
+        "warning: not COCO class names: unicorn",
+        "warning: the paper's base session has 77 classes, this copy gives 3",
     ]
     assert main(["data", "coco-o-classes", "--root", str(tmp_path / "nowhere")]) == 2
     assert "instances JSON not found" in capsys.readouterr().err
+
+
+def test_session_constants_are_consistent_with_coco():
+    """COCO's 80 classes (ids 1..90 less ten gaps); 77 base = 80 less the 3 novel, which are COCO classes."""
+    assert len(COCO_CLASSES) == 80 and sorted(set(range(1, 91)) - set(COCO_CLASSES)) == [
+        12, 26, 29, 30, 45, 66, 68, 69, 71, 83,
+    ]  # fmt: skip
+    assert {COCO_CLASSES[i] for i in (1, 3, 15)} == set(NOVEL_CLASSES) == set(UNLABELLED)
+    assert BASE_CLASS_COUNT == len(COCO_CLASSES) - len(NOVEL_CLASSES)
+    assert (SHOTS, UNLABELLED) == (30, {"bench": 41, "car": 224, "person": 174})

@@ -225,12 +225,15 @@ def cmd_data_check_coco(args: argparse.Namespace) -> int:
 
 def cmd_data_coco_o_classes(args: argparse.Namespace) -> int:
     """``jascl data coco-o-classes --root ROOT``: the base session's classes, their count, a warning if not 77."""
-    from jascl.data.coco_o import BASE_CLASS_COUNT, base_classes
+    from jascl.data.coco_o import BASE_CLASS_COUNT, COCO_CLASSES, base_classes
 
     names = base_classes(args.root)
     for name in names:
         print(name)
     print(f"{len(names)} base classes")
+    foreign = [n for n in names if n not in COCO_CLASSES.values()]
+    if foreign:
+        print(f"warning: not COCO class names: {', '.join(foreign)}")
     if len(names) != BASE_CLASS_COUNT:
         print(f"warning: the paper's base session has {BASE_CLASS_COUNT} classes, this copy gives {len(names)}")
     return 0
