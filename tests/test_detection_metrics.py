@@ -129,6 +129,11 @@ def test_no_ground_truth_is_nan_and_bad_input_is_one_line():
     m.update(PREDS[:1], [{"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64)}])
     r = m.compute()
     assert math.isnan(r["map"]) and math.isnan(r["all"]) and r["per_class"] == {}
+    none = {"boxes": torch.zeros(0, 4), "scores": torch.zeros(0), "labels": torch.zeros(0, dtype=torch.int64)}
+    blind = DetectionMetrics(old=[1])
+    blind.update([none], TARGETS[1:])  # ground truth but no detection: AP 0, not absent
+    r = blind.compute()
+    assert (r["map"], r["map_50"], r["per_class"], r["old"], r["all"]) == (0.0, 0.0, {1: 0.0}, 0.0, 0.0)
     with pytest.raises(DataError, match="prediction 1 lacks key"):
         m.update([{"boxes": boxes([0, 0, 1, 1]), "labels": torch.tensor([1])}], TARGETS[:1])
     with pytest.raises(DataError, match="counts differ"):

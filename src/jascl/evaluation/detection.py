@@ -19,8 +19,9 @@ Conventions used throughout this module:
   ``new`` cover every class with ground truth.
 * Total Drop on mAP is :func:`jascl.evaluation.metrics.total_drop` on the per-session ``map`` values.
 
-Backend: pycocotools (torchmetrics' default and the reference implementation; ``faster_coco_eval`` may be
-chosen and gives the same values).
+Backend: pycocotools (torchmetrics' default, the reference implementation); ``backend="faster_coco_eval"``
+selects torchmetrics' other COCO-compatible backend (a faster reimplementation of pycocotools' ``COCOeval``,
+not a dependency of jascl).
 
 Several processes: torchmetrics syncs a metric by itself once ``torch.distributed`` is initialised, but
 ``MeanAveragePrecision`` keeps one tensor per image and gathers them one collective call per image, so ranks
