@@ -12,6 +12,7 @@ from jascl.cli.common import DEFAULT_METHODS, DEFAULT_PROTOCOL, add_root_argumen
 from jascl.cli.experiments import cmd_bench, cmd_compare, cmd_report, cmd_reproduce, cmd_sweep
 from jascl.cli.listing import add_data_parser, add_model_info_parser, cmd_backbones, cmd_methods, cmd_protocols
 from jascl.cli.run import cmd_run
+from jascl.cli.text_embeddings import add_text_embeddings_parser
 from jascl.errors import JasclError
 
 
@@ -274,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("backbones", help="list registered backbones").set_defaults(func=cmd_backbones)
     add_model_info_parser(sub)
     add_data_parser(sub)
+    add_text_embeddings_parser(sub)
     return parser
 
 

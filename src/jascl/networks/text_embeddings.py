@@ -32,6 +32,8 @@ from jascl.fileio import atomic_write
 DEFAULT_TEMPLATE = "A computerized tomography of a {}."
 #: open_clip's name for the config of a local CLIP folder (``local-dir:`` layout)
 OPEN_CLIP_CONFIG = "open_clip_config.json"
+#: metadata key of an embeddings file: the JSON list of the protocol's class names in classifier-row order
+ROWS_KEY = "rows"
 _SHOW = 5  # names quoted in a message
 
 
@@ -117,6 +119,24 @@ def load_text_embeddings(path: str | Path, names: Sequence[str], dim: int | None
     if not vectors:
         return torch.zeros(0, dim or 0)
     return torch.stack([v.to(torch.float32) for v in vectors])
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The string metadata of an embeddings file (``{}`` if it has none).
+
+    Raises:
+        ConfigError: the file is missing or not a safetensors file.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: text embeddings file not found")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            return dict(fh.metadata() or {})
+    except Exception as exc:  # safetensors raises several error types for a bad file
+        raise ConfigError(f"{path}: not a readable safetensors embeddings file ({_first_line(exc)})") from None
 
 
 def encode_class_names(
