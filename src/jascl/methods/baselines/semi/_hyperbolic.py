@@ -8,22 +8,26 @@ and 3D alike.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:
-    from geoopt.manifolds.stereographic import math as _geo
-except ImportError:  # pragma: no cover - geoopt is a dependency; the message says what to install
-    _geo = None
 
-
+@functools.cache
 def _manifold():
-    if _geo is None:
-        raise ImportError("HALO needs geoopt for the Poincare-ball operations: pip install geoopt")
-    return _geo
+    """geoopt's stereographic-model math, imported on first use (its TorchScript functions warn on import
+    under recent torch; the warning is about geoopt, not about the user's run, so it is not shown)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=FutureWarning)
+            from geoopt.manifolds.stereographic import math as geo
+    except ImportError as err:  # pragma: no cover - geoopt is a dependency; the message says what to install
+        raise ImportError("HALO needs geoopt for the Poincare-ball operations: pip install geoopt") from err
+    return geo
 
 
 def _k(c: float, like: torch.Tensor) -> torch.Tensor:
