@@ -17,7 +17,7 @@ Per pixel i of a batch, with label y_i after PLOP's pseudo-labelling (:func:`.pl
 * class-balance weight: ``m`` = running mean over the session's batches of the class frequencies of the
   pseudo-labelled maps; for the C classes present (m_c > 0), ``w^c_c = mean_{c>0, present} m_c / m_c``,
   ``w^c_0 = 1`` (background), clamped to ``[sqrt(N_new / N_old), sqrt(N_old / N_new)]``;
-* ``w_i = w^u_i * w^c_{y_i}``, divided by its mean over the batch; the segmentation loss becomes
+* ``w_i = w^u_i * w^c_{y_i}``, divided by its mean over the batch's non-ignored pixels; the loss becomes
   ``lambda_ce * mean_i(nu_b * w_i * CE_i)`` (+ PLOP's Dice half, unweighted).
 
 Conventions as in :mod:`jascl.methods.baselines.distillation` (row 0 = background, 255 = ignore, old rows =
