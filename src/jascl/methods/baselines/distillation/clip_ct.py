@@ -1,6 +1,8 @@
 """CLIP-CT: Y. Zhang, X. Li, H. Chen, A. L. Yuille, Y. Liu, Z. Zhou, "Continual Learning for Abdominal Multi-Organ
-and Tumor Segmentation", MICCAI 2023 (LNCS 14221, doi 10.1007/978-3-031-43895-0_4; arXiv 2306.00988; official code
-github.com/MrGiovanni/ContinualLearning, model ``swinunetr_partial_v3``).
+and Tumor Segmentation", MICCAI 2023 (doi 10.1007/978-3-031-43895-0_4; arXiv 2306.00988; official code
+github.com/MrGiovanni/ContinualLearning, model ``swinunetr_partial_v3``). Read here: the abstract and the official
+code (model, training and prediction scripts); the paper's full text was not available, so the details below follow
+the code where the abstract is silent.
 
 What the paper does, and what this module implements:
 
@@ -17,8 +19,8 @@ What the paper does, and what this module implements:
 * **Pseudo-labels** against the background shift: in session ``t > 0`` the model of session ``t-1`` (body and
   heads, frozen) predicts the old classes on the new session's images; an old class not taught again is a
   positive wherever the old head's sigmoid exceeds 0.5 on a pixel labelled background
-  (:func:`clip_ct_targets`; the official pipeline writes these masks to disk before training, thresholded at
-  0.5). Pixels labelled with a class of the session are negatives for every other class.
+  (:func:`clip_ct_targets`; the official code predicts these masks before training, ``predict.py``: sigmoid
+  > 0.5). Pixels labelled with a class of the session are negatives for every other class.
 * **Loss**: per-class binary cross-entropy + binary soft Dice (smooth 1) over the foreground classes, averaged
   over (sample, class) pairs (:func:`binary_segmentation_losses`; official ``Multi_BCELoss`` + ``DiceLoss``),
   weighted by the run's ``lambda_ce`` / ``lambda_dice``. It replaces the loop's DiceCE in every session: the
