@@ -5,12 +5,14 @@ J. Tang, "Few-Shot Class-Incremental Learning via Entropy-Regularized Data-Free 
 (arXiv 2207.11213; no official code found). The JASCL paper adds that its Gen-Replay "is implemented with a
 diffusion model adapted from" IEEE document 10493074 (not identified further: the seed carries no bibliography).
 
-What Liu et al. do (classification): after each session a generator is trained from the model alone, without
-real data -- its images must reproduce the statistics the model's BatchNorm layers hold (DeepInversion's
-feature-statistics term) and, the paper's addition, carry a *high* prediction entropy (entropy regularisation:
-uncertain, near-boundary samples transfer more knowledge). In the next session the synthesised images are
-*relabelled* with one-hot-like labels from the old model, so the new model learns from real new-class data and
-synthetic old data with one cross-entropy, without a separate distillation term to balance.
+What Liu et al. do (classification; only the abstract could be read here, the generator objective below is
+reconstructed from it and from the data-free inversion methods it builds on): after each session a generator is
+trained from the model alone, without real data -- its images must reproduce the statistics the model's
+BatchNorm layers hold (DeepInversion's feature-statistics term) and, the paper's addition, carry a *high*
+prediction entropy (entropy regularisation: uncertain, near-boundary samples transfer more knowledge). In the next
+session the synthesised images are *relabelled* with one-hot-like labels from the old model, so the new model
+learns from real new-class data and synthetic old data with one cross-entropy, without a separate distillation
+term to balance.
 
 Here (dense segmentation, :class:`GenReplayPlugin`):
 
@@ -37,8 +39,8 @@ Deviations:
   BatchNorm layer's running statistics summarise) and on the previous generator's images. The generator is
   therefore trained from the model plus the session's data while that data is still at hand -- not data-free as
   in the paper -- and nothing but its weights leaves the session.
-* The paper's class-conditional cross-entropy on the generated images (one class per image) is replaced by
-  :func:`~._generator.class_prior_loss`: the generated images' mean predicted class distribution is pulled towards
+* The class term of data-free generator objectives (a cross-entropy to a sampled class, one class per image) is
+  replaced by :func:`~._generator.class_prior_loss`: the generated images' mean predicted class distribution is pulled towards
   the one measured on the reference images (a segmentation image shows several classes, background first).
 * One generator for all sessions, warm-started from the previous one and trained on its samples (deep
   generative replay's scheme) instead of a generator per session; relabelling temperature (0.1) and loss weights
@@ -89,7 +91,8 @@ log = logging.getLogger("jascl")
 
 @dataclass
 class GenReplayOptions:
-    """Options of ``gen-replay``.
+    """Options of ``gen-replay`` (the paper gives none for segmentation; defaults are ours, sized so the toy
+    protocol trains in seconds -- on real data raise ``steps``, e.g. to a few thousand, and ``channels``).
 
     Attributes:
         replay_weight: weight of the replay cross-entropy on the synthesised images.
@@ -112,9 +115,9 @@ class GenReplayOptions:
     z_dim: int = option(32, ge=1)
     channels: int = option(16, ge=1)
     upsamplings: int = option(2, ge=0, le=6)
-    steps: int = option(50, ge=0)
+    steps: int = option(30, ge=0)
     batch: int = option(4, ge=1)
-    lr: float = option(1e-3, gt=0)
+    lr: float = option(3e-3, gt=0)
     entropy_weight: float = option(0.1, ge=0)
     prior_weight: float = option(1.0, ge=0)
     freeze: str = freeze_option()
