@@ -253,6 +253,11 @@ class GenReplayPlugin(TeacherPlugin):
     def fit_generator(self, state: LoopState) -> None:
         """Train the generator at the end of the session (see the module docstring) and keep it."""
         o = self.o
+        if len(state.data.train) == 0:
+            log.warning(
+                "%s session %d: no labelled images, the generator is kept as it is", self.name, state.session.index
+            )
+            return
         reference, prior, count, size, channels = self.reference_statistics(state)
         prior = prior.to(state.device)
         previous = self.generator
