@@ -115,3 +115,24 @@ def test_encode_errors_name_the_weights(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "open_clip", None)  # as if not installed
     with pytest.raises(ConfigError, match="pip install open_clip_torch"):
         encode_class_names(["liver"], folder)
+
+
+def test_command_writes_the_protocols_rows(tmp_path):
+    import yaml
+
+    from conftest import toy_protocol_dict
+    from jascl.cli import main
+    from jascl.networks.clip_driven import ClipDrivenBackbone
+
+    _, _, folder = _tiny_clip_folder(tmp_path)
+    protocol = tmp_path / "toy.yaml"
+    protocol.write_text(yaml.safe_dump(toy_protocol_dict(2)))
+    out = tmp_path / "toy.safetensors"
+    assert main(["text-embeddings", "--weights", str(folder), "--protocol", str(protocol), "--out", str(out)]) == 0
+    expected = encode_class_names(["disc", "square", "cross"], folder)
+    torch.testing.assert_close(load_text_embeddings(out, ["disc", "square", "cross"]), expected, rtol=0, atol=0)
+    with safe_open(str(out), framework="pt") as fh:
+        meta = fh.metadata()
+    assert json.loads(meta["rows"]) == ["background", "disc", "square", "cross"] and meta["protocol"] == "toy-2d"
+    backbone = ClipDrivenBackbone(2, 1, embeddings=str(out), features=[4, 4, 8, 8, 8, 8])
+    assert torch.equal(backbone.make_classifier(4).weight[1:], expected)
