@@ -11,6 +11,19 @@ from jascl.networks import BACKBONES, create_segmenter
 # name -> list of tiny CPU configurations (spatial_dims, in_channels, input size, backbone kwargs)
 TINY = {
     "unet": [(2, 1, (32, 32), {"features": [4, 4, 8, 8, 8, 8]})],
+    "clip-driven": [
+        (
+            2,
+            1,
+            (32, 32),
+            {
+                "features": [4, 4, 8, 8, 8, 8],
+                "encoding": "onehot",
+                "classes": ["background", "a", "b", "c", "d", "e"],
+                "hidden": 8,
+            },
+        )
+    ],
     "unet3d-authors": [(3, 1, (16, 32, 32), {"base_channels": 4}), (2, 2, (32, 32), {"base_channels": 4})],
     "monai-unet": [
         (2, 1, (32, 32), {"feature_channels": 8, "channels": (4, 8, 16), "strides": (2, 2), "num_res_units": 1}),

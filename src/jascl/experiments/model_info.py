@@ -79,6 +79,13 @@ DEFAULTS: dict[str, InfoDefaults] = {
     "medformer": InfoDefaults(3, 1, (128, 160, 96), 21, {}),
     "deeplabv3plus": InfoDefaults(2, 3, (512, 512), 20, {}),
     "sam-vitb": InfoDefaults(2, 3, (1024, 1024), 20, {}),
+    "clip-driven": InfoDefaults(
+        3,
+        1,
+        (128, 128, 128),
+        21,
+        {"encoding": "onehot", "classes": ["background", *(f"class_{i}" for i in range(1, 21))]},
+    ),
 }
 FALLBACK = InfoDefaults(2, 1, (256, 256), 21, {})
 

@@ -38,6 +38,11 @@ class Backbone(nn.Module):
         """The decoder's module-path prefixes below the backbone (None: unknown for this backbone)."""
         return tuple(self.decoder_prefix) or None
 
+    def make_classifier(self, num_classes: int, cosine: bool = True, temperature: float = 10.0) -> PixelClassifier:
+        """The classifier the segmenter puts on these features: a :class:`PixelClassifier` (a backbone whose head is
+        conditioned on more than a pixel's features, e.g. ``clip-driven``, returns its own with the same interface)."""
+        return PixelClassifier(self.feature_channels, num_classes, cosine, temperature)
+
     def frozen_modules(self, session: int = 1) -> list[nn.Module]:
         """Modules frozen in session ``session`` whatever the freezing policy (default: an incremental session).
 
@@ -109,7 +114,7 @@ class Segmenter(nn.Module):
     def __init__(self, backbone: Backbone, num_classes: int, cosine: bool = True, temperature: float = 10.0) -> None:
         super().__init__()
         self.backbone = backbone
-        self.classifier = PixelClassifier(backbone.feature_channels, num_classes, cosine, temperature)
+        self.classifier = backbone.make_classifier(num_classes, cosine, temperature)
 
     @property
     def spatial_dims(self) -> int:

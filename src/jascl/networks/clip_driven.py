@@ -126,7 +126,9 @@ class TextDrivenClassifier(PixelClassifier):
         """theta (B, K, P) of the dynamic heads of ``text`` (K, D) rows for images of ``features`` (B, C, ...)."""
         pooled = features if features.dim() == 2 else features.flatten(2).mean(dim=2)
         image = F.relu(self.global_proj(pooled))  # (B, hidden)
-        words = F.relu(self.text_proj(text))  # (K, hidden)
+        # F.linear, not the module: ``text`` is a view of a parameter, which under no_grad still requires grad
+        # and has no grad_fn, and module hooks (FlopCounterMode's tracker in jascl model-info) reject such inputs
+        words = F.relu(F.linear(text, self.text_proj.weight, self.text_proj.bias))  # (K, hidden)
         batch, classes = image.shape[0], words.shape[0]
         cond = torch.cat([image[:, None].expand(batch, classes, -1), words[None].expand(batch, classes, -1)], dim=2)
         return self.controller(cond)

@@ -1,4 +1,4 @@
-"""Distillation baselines for class-incremental segmentation: LwF, ILT, MiB and PLOP.
+"""Distillation baselines for class-incremental segmentation: LwF, ILT, MiB, PLOP, UCB and CLIP-CT.
 
 Each method is three layers, as everywhere in jascl: pure losses on bare
 tensors (tested on hand-computed values), a plugin wiring them into the loop,
@@ -23,4 +23,9 @@ Sources:
     MiB: F. Cermelli, M. Mancini, S. Rota Bulo, E. Ricci, B. Caputo, "Modeling the
         Background for Incremental Learning in Semantic Segmentation", CVPR 2020
         (official code: github.com/fcdl94/MiB).
+    UCB: Z. Liang, Y. Hu, F. Yang, X. Liu, "Enhancing Continual Semantic Segmentation via Uncertainty and
+        Class Balance Re-weighting", IEEE TIP 2025 (IEEE document 11030217; official code
+        github.com/JACK-Chen-2019/UCB), applied on PLOP as the authors' UCB_PLOP.
+    CLIP-CT: see :mod:`jascl.methods.baselines.distillation.clip_ct` (CLIP-embedding-generated class heads
+        and the previous model's pseudo-labels of old classes).
 """

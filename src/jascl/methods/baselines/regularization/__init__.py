@@ -1,8 +1,8 @@
-"""Regularisation baselines: EWC, online EWC, UCL, dropout + weight decay, Adagrad.
+"""Regularisation baselines: EWC, online EWC, UCL, dropout + weight decay, variational dropout, Adagrad.
 
 The JASCL paper compares GAS with these in its appendix "GAS vs. existing
 regularization-based continual learning methods" (memory-based penalties: EWC,
-UCL; static regularisers: dropout, weight decay; adaptive optimisers: Adagrad).
+UCL; static regularisers: dropout, variational dropout, weight decay; adaptive optimisers: Adagrad).
 Each method is one module of this package: a pure function tested on bare tensors, a plugin on the
 training loop, and a registered factory with typed options (``--set method_args.<method>.<option>=value``).
 

@@ -1,4 +1,5 @@
-"""Prototype-replay baselines: Saving100x (STAR), Adapt_replay (Adapter) and YoooP / YoooP+, one module each.
+"""Replay baselines: prototype replay (Saving100x (STAR), Adapt_replay (Adapter), YoooP / YoooP+) and
+generative replay (Gen-Replay), one module each.
 
 Sources (as cited by the JASCL paper, keys ``chen2023saving`` and ``zhu2025adaptive``;
 the seed file carries no bibliography, the keys were matched to the titles and to
@@ -12,6 +13,11 @@ the links in the authors' ``baselines.md``):
 * Adapt_replay: G. Zhu, D. Wu, C. Gao, R. Wang, W. Yang, N. Sang, "Adaptive Prototype
   Replay for Class Incremental Semantic Segmentation", AAAI 2025 (method "Adapter";
   official code github.com/zhu-gl-ux/Adapter, built on STAR's).
+* Gen-Replay (key ``10.1007/978-3-031-20053-3_9``): H. Liu, L. Gu, Z. Chi, Y. Wang, Y. Yu,
+  J. Chen, J. Tang, "Few-Shot Class-Incremental Learning via Entropy-Regularized Data-Free
+  Replay", ECCV 2022 -- a generator fitted to the model after every session, whose images
+  are replayed with one-hot-like labels from the old model (:mod:`.gen_replay`; generator
+  and losses in ``_generator``).
 
 STAR stores, per learned class, a compact prototype plus statistics instead of
 images: the pixel count, the per-channel spread of the L2-normalised features

@@ -1,6 +1,6 @@
-"""Semi-supervised continual baselines on the session's unlabelled pool: UaD-CE, CSL and RETRIEVE.
+"""Semi-supervised continual baselines on the session's unlabelled pool: UaD-CE, CSL, RETRIEVE, NNCSL and HALO.
 
-All three use the unlabelled pool ``state.data.unlabelled`` on the same
+All five use the unlabelled pool ``state.data.unlabelled`` on the same
 schedule as the mean teacher (``method_args.jascl.pas.start_epoch`` / ``every``:
 an *unlabelled phase* is an epoch that makes one pass over the pool, each step
 pairing a labelled batch with an unlabelled one). The pool's labels are hidden
@@ -24,16 +24,20 @@ ground truth: they ride along for measuring pseudo-label quality
   greedy bilevel coreset selection of the unlabelled pool on last-layer
   gradients, here under the repository's confidence-filtered mean teacher.
 
-Left out: NNCSL (Kang, Fini, Nabi, Ricci and Alahari, "A Soft Nearest-Neighbor
-Framework for Continual Semi-Supervised Learning", ICCV 2023 -- the brief's
-title "Soft neighbors are positive supporters ..." is a different paper). Its
-learner is a PAWS-style soft nearest-neighbour classifier over a support set
-of labelled samples drawn from a replay buffer of every earlier task, plus
-nearest-neighbour distillation through a projector. The JASCL setting keeps
-no labelled samples of earlier sessions, so the support set and the
-distillation targets of earlier classes do not exist; and a pixel-level
-support set replacing the segmentation head has no published recipe. A
-version without them would not be NNCSL, so it is not offered.
+* ``nncsl`` -- Kang, Fini, Nabi, Ricci and Alahari, "A Soft Nearest-Neighbor
+  Framework for Continual Semi-Supervised Learning", ICCV 2023 (code:
+  github.com/kangzhiq/NNCSL): a PAWS-style soft nearest-neighbour learner on
+  pool pixels and nearest-neighbour distillation of the previous model, over a
+  bounded labelled replay memory (:mod:`jascl.methods.labelled_memory`). It is
+  the one method here that keeps real labelled images of earlier sessions,
+  which the JASCL setting otherwise forbids; no other method uses the memory
+  by default.
+* ``halo`` -- Franco, Mandica, Kallidromitis, Guillory, Li, Darrell and
+  Galasso, "Hyperbolic Active Learning for Semantic Segmentation under Domain
+  Shift", ICML 2024 (arXiv 2306.11180; code github.com/paolomandica/HALO): a
+  hyperbolic head (Poincare ball, hyperbolic MLR) on the decoder features;
+  pool pixels acquired by hyperbolic radius x region entropy and, with no
+  oracle, pseudo-labelled by the model.
 
 Every deviation needed for dense prediction under joint nonstationarity is
 listed in each plugin's docstring.
