@@ -8,19 +8,12 @@ import pytest
 import torch
 
 from jascl.engine.config import resolve_config
+from jascl.engine.losses import binary_segmentation_losses
 from jascl.errors import ConfigError
-from jascl.methods.baselines.distillation.clip_ct import (
-    CLIPCTHead,
-    CLIPCTOptions,
-    CLIPCTPlugin,
-    binary_segmentation_losses,
-    clip_ct_targets,
-    dynamic_heads,
-    head_param_count,
-    onehot_embeddings,
-)
+from jascl.methods.baselines.distillation.clip_ct import CLIPCTHead, CLIPCTOptions, CLIPCTPlugin, clip_ct_targets
 from jascl.methods.registry import create_method
 from jascl.networks.base import create_segmenter
+from jascl.networks.clip_driven import dynamic_heads, head_param_count, onehot_embeddings
 from jascl.networks.text_embeddings import write_text_embeddings
 
 # toy protocol classes (conftest): 1 disc, 2 square, 3 cross; session 1 teaches 3 (new) and 1 (recurring)

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from conftest import toy_protocol_dict
 from jascl.engine.config import resolve_config
 from jascl.errors import ConfigError
-from jascl.methods.baselines.domain.clip_driven import onehot_embeddings, partial_label_losses
-from jascl.networks.clip_driven import ClipDrivenBackbone, TextDrivenClassifier, dynamic_head
+from jascl.methods.baselines.domain.clip_driven import partial_label_losses
+from jascl.networks.clip_driven import ClipDrivenBackbone, TextDrivenClassifier, dynamic_heads, onehot_embeddings
 from jascl.networks.text_embeddings import ROWS_KEY, write_text_embeddings
 from jascl.protocols import parse_protocol
 from jascl.protocols.schema import IGNORE_INDEX
@@ -30,8 +30,8 @@ def _classifier(rows: int = 3, table_rows: int = 5, seed: int = 0) -> TextDriven
 def test_dynamic_head_by_hand():
     # h = 1: y1 = relu(2x + 0.5), y2 = relu(3 y1 - 1), out = 4 y2 + 0.25
     x = torch.tensor([[[1.0, -2.0]]])  # (B=1, h=1, S=2)
-    theta = torch.tensor([[[2.0, 0.5, 3.0, -1.0, 4.0, 0.25]]])  # (B=1, K=1, P=6)
-    out = dynamic_head(x, theta, 1)
+    theta = torch.tensor([[[2.0, 3.0, 4.0, 0.5, -1.0, 0.25]]])  # (B=1, K=1, P=6): W1, W2, w3, b1, b2, b3
+    out = dynamic_heads(x, theta)
     assert torch.equal(out, torch.tensor([[[4 * 6.5 + 0.25, 0.25]]]))  # x=1: y1=2.5, y2=6.5; x=-2: y1=0, y2=0
 
 
@@ -46,7 +46,7 @@ def test_logits_are_the_head_of_each_rows_text_and_the_image_mean():
     t = F.relu(head.text_proj(head.weight[2]))
     theta = head.controller(torch.cat([g, t]))
     x = head.feature_proj(features[1, :, 1, 0])
-    w1, b1, w2, b2, w3, b3 = torch.split(theta, [9, 3, 9, 3, 3, 1])
+    w1, w2, w3, b1, b2, b3 = torch.split(theta, [9, 9, 3, 3, 3, 1])  # weights first, then biases (official)
     y = F.relu(w1.view(3, 3) @ x + b1)
     y = F.relu(w2.view(3, 3) @ y + b2)
     torch.testing.assert_close(logits[1, 2, 1, 0], (w3 @ y + b3)[0])

@@ -335,3 +335,48 @@ def test_a_method_that_leaves_parameters_without_gradient_trains_with_two_proces
     assert "cfscil_meta" in log  # the meta-learning epoch ran
     sessions = json.loads((tmp_path / "run" / "results.json").read_text())["methods"]["c-fscil"]["sessions"]
     assert len(sessions) == 2
+
+
+#: the methods of issue 17, each with extra forwards, heads, memories or generators outside DDP's own forward
+ISSUE17 = ("nncsl", "halo", "ucb", "cat", "variational-dropout", "clip-ct", "clip-driven", "gen-replay", "jascl+gaps")
+
+
+@pytest.mark.slow
+def test_the_newer_methods_keep_every_process_identical_under_ddp(tmp_path):
+    """DDP safety: trained with two processes, each method ends every session with the same parameters on both
+    ranks (a plugin's extra module or loss that escaped the gradient averaging would make them drift apart), and
+    the run completes (no collective left waiting on one rank)."""
+    spec = toy_protocol_dict(2)
+    spec["sessions"][1]["unlabelled"] = 4
+    spec["training"].update(epochs_base=1, epochs_incremental=1, batch_size=2, threads=1)
+    protocol = tmp_path / "toy.yaml"
+    protocol.write_text(yaml.safe_dump(spec))
+    digests = tmp_path / "digests"
+    digests.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "JASCL_DIGEST_DIR": str(digests)}
+    run = subprocess.run(
+        [
+            *(
+                sys.executable,
+                "-m",
+                "jascl",
+                "run",
+                "--protocol",
+                str(protocol),
+                "--import",
+                str(ROOT / "tests" / "ddp_digest.py"),
+            ),
+            *("--methods", ",".join(f"{m}+digest" for m in ISSUE17)),
+            *("--set", "pas.start_epoch=0", "--set", "pas.every=1"),
+            *("--device", "cpu", "--devices", "2", "--no-progress"),
+            *("--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for method in ISSUE17:
+        rank0 = (digests / f"{method}.s1.rank0").read_text()
+        assert rank0 == (digests / f"{method}.s1.rank1").read_text(), f"{method}: the two processes drifted apart"

@@ -212,11 +212,10 @@ def test_cli_lists_tables_and_prints_a_plan(capsys):
     assert "tab_set1_part" in out and "t_drop" in out and "clip_d" in out
     assert main(["reproduce", "t_drop", "--dry-run", "--seeds", "2"]) == 0
     out = capsys.readouterr().out
-    assert "28 cells, 25 to measure; seeds 1024, 1025" in out
-    assert "skipped (not registered: clip-ct is not a registered method): CLIP-CT" in out
-    # 19 methods share the vanilla base and JASCL its own keyed base (1 + 1 + 20 x 2 sessions), 5 train their own
-    # (5 x 3): 57 sessions x 4.1 h x 2 seeds
-    assert "about 467 GPU-hours" in out
+    assert "28 cells, 28 to measure; seeds 1024, 1025" in out and "skipped" not in out  # every method registered
+    # 21 methods share the vanilla base and JASCL its own keyed base (1 + 1 + 22 x 2 sessions), 6 train their own
+    # (6 x 3, CLIP-CT among them): 64 sessions x 4.1 h x 2 seeds = 524.8
+    assert "about 525 GPU-hours" in out
     assert "share the stochastic-classifier session-0 base: jascl" in out
     # JASCL's keyed base counted once per base: med-disjoint 1 + 4 sessions x 4.1 h, med-ss 1 + 4 x 5.3 h, and the
     # med-ss job with borrowed unlabelled data reuses med-ss's base: 4 x 5.3 h; 20.5 + 26.5 + 21.2 = 68.2

@@ -44,7 +44,7 @@ def _toy_with_base(tmp_path_factory, name: str, **training):
     """The toy protocol with a 4-image pool, 3 incremental epochs, PAS in every epoch, and its base trained once."""
     spec = toy_protocol_dict(2)
     spec["sessions"][1]["unlabelled"] = 4
-    spec["training"].update(epochs_incremental=3, augment=True, **training)
+    spec["training"].update({"epochs_incremental": 3, "augment": True, **training})
     protocol = parse_protocol(spec, source=f"{name}.yaml")
     config = resolve_config(protocol.training, f"{name}.yaml", overrides=["pas.start_epoch=0", "pas.every=1"])
     root = tmp_path_factory.mktemp(name)
@@ -56,6 +56,12 @@ def _toy_with_base(tmp_path_factory, name: str, **training):
 @pytest.fixture(scope="module")
 def toy_resume(tmp_path_factory):
     return _toy_with_base(tmp_path_factory, "toy-resume")
+
+
+@pytest.fixture(scope="module")
+def toy_resume_short(tmp_path_factory):
+    """Two incremental epochs: what the every-method resume tests need (an epoch before the stop, one after)."""
+    return _toy_with_base(tmp_path_factory, "toy-resume-short", epochs_incremental=2)
 
 
 def _run(protocol, config, method, out, root, *plugins):
@@ -73,19 +79,19 @@ def _run(protocol, config, method, out, root, *plugins):
 
 
 @pytest.mark.parametrize("name", METHODS.list())
-def test_interrupted_session_resumes_bit_identically(name, toy_resume, tmp_path):
-    protocol, config, root = toy_resume
+def test_interrupted_session_resumes_bit_identically(name, toy_resume_short, tmp_path):
+    protocol, config, root = toy_resume_short
     reference, broken = tmp_path / "reference", tmp_path / "broken"
     for out in (reference, broken):
         shutil.copytree(root / "base", out / "base")
     expected = _run(protocol, config, name, reference, root)
 
     with pytest.raises(Stop):
-        _run(protocol, config, name, broken, root, StopBefore(1, 2))
+        _run(protocol, config, name, broken, root, StopBefore(1, 1))
     progress = broken / name / "s1-inc" / "progress.safetensors"
     assert progress.exists() and not (broken / name / "s1-inc" / "metrics.json").exists()
     meta, _ = load_progress(progress)
-    assert meta["epoch"] == 1 and meta["method"] == name
+    assert meta["epoch"] == 0 and meta["method"] == name
 
     resumed = _run(protocol, config, name, broken, root)
     assert json.dumps(resumed, sort_keys=True) == json.dumps(expected, sort_keys=True)
@@ -118,9 +124,15 @@ def toy_steps(tmp_path_factory):
     return _toy_with_base(tmp_path_factory, "toy-steps", batch_size=1)
 
 
+@pytest.fixture(scope="module")
+def toy_steps_short(tmp_path_factory):
+    """``toy_steps`` with two incremental epochs (the every-method test stops inside the second)."""
+    return _toy_with_base(tmp_path_factory, "toy-steps-short", batch_size=1, epochs_incremental=2)
+
+
 @pytest.mark.parametrize("name", METHODS.list())
-def test_session_interrupted_inside_an_epoch_resumes_there_bit_identically(name, toy_steps, tmp_path):
-    protocol, config, root = toy_steps
+def test_session_interrupted_inside_an_epoch_resumes_there_bit_identically(name, toy_steps_short, tmp_path):
+    protocol, config, root = toy_steps_short
     stepped = dataclasses.replace(config, checkpoint_steps=1)
     reference, broken = tmp_path / "reference", tmp_path / "broken"
     for out in (reference, broken):

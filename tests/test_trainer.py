@@ -182,8 +182,27 @@ def toy_bases(tmp_path_factory):
     return protocol, config, root
 
 
-@pytest.mark.parametrize("name", METHODS.list())
-def test_every_registered_method_runs_on_the_toy_protocol_without_a_pool(name, toy_bases, tmp_path):
+def _reads_the_pool(name: str) -> bool:
+    """Whether a plugin of ``name`` (or a class it derives from) reads the session's unlabelled pool: only those
+    methods take another code path when a protocol has none; the others run as in the registry-wide test."""
+    import inspect
+
+    from jascl.engine.config import resolve_config
+
+    classes = {c for p in create_method(name, resolve_config()).plugins for c in type(p).__mro__}
+    return any("data.unlabelled" in inspect.getsource(c) for c in classes if c.__module__.startswith("jascl.methods"))
+
+
+POOL_READERS = [name for name in METHODS.list() if _reads_the_pool(name)]
+
+
+def test_the_pool_readers_are_the_semi_supervised_methods():
+    assert {"jascl", "uad-ce", "csl", "retrieve", "nncsl", "halo", "fscil-ss", "mean-teacher-conf"} <= set(POOL_READERS)
+    assert not {"vanilla", "ewc", "mib", "gas"} & set(POOL_READERS)
+
+
+@pytest.mark.parametrize("name", POOL_READERS)
+def test_every_method_that_reads_the_pool_runs_on_the_toy_protocol_without_one(name, toy_bases, tmp_path):
     import shutil
 
     protocol, config, root = toy_bases

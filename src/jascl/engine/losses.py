@@ -1,4 +1,5 @@
-"""The supervised segmentation loss: MONAI's Dice + cross-entropy, with ignore-label support."""
+"""The supervised segmentation loss: MONAI's Dice + cross-entropy, with ignore-label support; and the per-class
+binary (sigmoid) losses of the one-mask-per-class heads (CLIP-driven universal model, CLIP-CT)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,33 @@ class SegmentationLoss(nn.Module):
         onehot = F.one_hot(safe, logits.shape[1]).movedim(-1, 1).to(logits.dtype)
         dice = self.masked_dice(logits, onehot, mask=(~ignore).unsqueeze(1).to(logits.dtype))
         return self.lambda_ce * ce + self.lambda_dice * dice
+
+
+def binary_segmentation_losses(
+    logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, smooth: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class binary cross-entropy and soft Dice, each averaged over the (sample, class) pairs with valid pixels.
+
+    For a pair with valid pixels V: ``BCE = mean_V BCE(l, y)`` and ``Dice = 1 - (2 sum_V p y + s) / (sum_V p +
+    sum_V y + s)``, ``p = sigmoid(l)``, ``s = smooth`` (official ``Multi_BCELoss`` / ``BinaryDiceLoss``).
+
+    Args:
+        logits: (B, K', *spatial) foreground logits.
+        targets: (B, K', *spatial) in {0, 1}.
+        valid: (B, K', *spatial) bool, pixels that count.
+
+    Returns:
+        (bce, dice) scalars; zeros (with gradient) when no pixel is valid.
+    """
+    v = valid.to(logits.dtype).flatten(2)
+    lo, y = logits.flatten(2), targets.to(logits.dtype).flatten(2)
+    n = v.sum(-1)
+    pairs = n > 0
+    if not pairs.any():
+        zero = logits.sum() * 0.0
+        return zero, zero
+    bce = (F.binary_cross_entropy_with_logits(lo, y, reduction="none") * v).sum(-1)
+    p = torch.sigmoid(lo) * v
+    y = y * v
+    dice = 1 - (2 * (p * y).sum(-1) + smooth) / (p.sum(-1) + y.sum(-1) + smooth)
+    return (bce[pairs] / n[pairs]).mean(), dice[pairs].mean()

@@ -342,6 +342,31 @@ class FilterCounters:
         self.counts = all_reduce_sum(counts)
 
 
+def pool_pseudo_label_report(
+    pool_labels: object, pseudo_rows: torch.Tensor, seen: list[int], method: str, rounds: int
+) -> dict:
+    """``state.report["pseudo_labels"]`` of a method that pseudo-labels the unlabelled pool once per round
+    (UaD-CE, FSCIL-SS, HALO): coverage and precision of its kept pseudo-labels against the pool's hidden truth.
+
+    Args:
+        pool_labels: the pool's labels, global ids (measurement only; they never enter a loss).
+        pseudo_rows: (N, *spatial) classifier rows chosen per pool pixel, 255 where none is.
+        seen: the session's classifier rows as global class ids.
+        method: the method's name, recorded with the counts.
+        rounds: selection rounds run.
+    """
+    import numpy as np
+
+    from jascl.protocols.schema import IGNORE_INDEX
+
+    truth = torch.from_numpy(np.asarray(pool_labels).astype("int64"))
+    ids = torch.as_tensor(seen)[pseudo_rows.clamp(max=len(seen) - 1)]
+    counters = FilterCounters()
+    counters.update(pseudo_rows != IGNORE_INDEX, ids, truth)
+    stats = counters.stats()
+    return {"method": method, "rounds": rounds, "coverage": stats.coverage, "precision": stats.precision}
+
+
 def asymptotic_error(f: float, rho: float, gamma: float, eps0: float) -> float:
     """Theorem "Asymptotic Error With PAS": eps_inf = (1 - f*gamma) * eps0 / (1 - f*gamma*(1 - rho)).
 

@@ -51,31 +51,46 @@ from jascl.networks.classifier import PixelClassifier
 from jascl.networks.text_embeddings import ROWS_KEY, load_text_embeddings, read_metadata
 
 
-def dynamic_head_sizes(head_channels: int) -> list[int]:
-    """Sizes of the generated parameters, in order: W1 (h x h), b1 (h), W2 (h x h), b2 (h), W3 (h), b3 (1)."""
-    h = head_channels
-    return [h * h, h, h * h, h, h, 1]
+def head_param_count(channels: int) -> int:
+    """Parameters of one dynamic head ``channels -> channels -> channels -> 1`` (weights and biases): 153 for 8."""
+    return 2 * channels * channels + channels + 2 * channels + 1
 
 
-def dynamic_head(x: torch.Tensor, theta: torch.Tensor, head_channels: int) -> torch.Tensor:
-    """The per-class dynamic head: three 1x1 convolutions with ReLU between, one output per class.
+def dynamic_heads(h: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Apply one dynamic 1x1 head per (sample, class) to per-pixel features.
+
+    Each head is three 1x1 convolutions ``c -> c -> c -> 1`` with ReLUs between them; its
+    ``head_param_count(c)`` parameters are laid out as ``[W1 (c*c, out x in), W2 (c*c), w3 (c), b1 (c), b2 (c),
+    b3 (1)]`` (weights first, then biases, as the official ``parse_dynamic_params``). The CLIP-driven universal
+    model and CLIP-CT (same group, same head) both use it.
 
     Args:
-        x: (B, h, S) projected features, S positions.
-        theta: (B, K, P) generated parameters per image and class (:func:`dynamic_head_sizes` order).
-        head_channels: h.
+        h: (B, c, *spatial) head inputs (2D or 3D).
+        params: (B, K, head_param_count(c)) parameters of K heads per sample.
 
     Returns:
-        (B, K, S) logits.
+        (B, K, *spatial) logits.
     """
-    h = head_channels
-    w1, b1, w2, b2, w3, b3 = torch.split(theta, dynamic_head_sizes(h), dim=-1)
-    batch, classes = theta.shape[:2]
-    w1 = w1.reshape(batch, classes, h, h)
-    w2 = w2.reshape(batch, classes, h, h)
-    y = F.relu(torch.einsum("bkoi,bis->bkos", w1, x) + b1[..., None])
-    y = F.relu(torch.einsum("bkoi,bkis->bkos", w2, y) + b2[..., None])
-    return torch.einsum("bki,bkis->bks", w3, y) + b3
+    b, c = h.shape[:2]
+    k = params.shape[1]
+    if params.shape[2] != head_param_count(c):
+        raise ValueError(f"{params.shape[2]} head parameters for {c} channels; expected {head_param_count(c)}")
+    w1, w2, w3, b1, b2, b3 = torch.split(params, [c * c, c * c, c, c, c, 1], dim=2)
+    w1, w2 = w1.reshape(b, k, c, c), w2.reshape(b, k, c, c)
+    ones = (1,) * (h.dim() - 2)
+    x = F.relu(torch.einsum("bi...,bkoi->bko...", h, w1) + b1.reshape(b, k, c, *ones))
+    x = F.relu(torch.einsum("bki...,bkoi->bko...", x, w2) + b2.reshape(b, k, c, *ones))
+    return torch.einsum("bki...,bki->bk...", x, w3) + b3.reshape(b, k, *ones)
+
+
+def onehot_embeddings(all_classes: Sequence[int], classes: Sequence[int]) -> torch.Tensor:
+    """(len(classes), len(all_classes)) one-hot class codes (the CLIP-free ablation of the CLIP-driven universal
+    model and of CLIP-CT): row i = e_j with j the position of ``classes[i]`` among ``all_classes``."""
+    index = {c: j for j, c in enumerate(all_classes)}
+    out = torch.zeros(len(classes), len(all_classes))
+    for i, c in enumerate(classes):
+        out[i, index[c]] = 1.0
+    return out
 
 
 class TextDrivenClassifier(PixelClassifier):
@@ -114,7 +129,7 @@ class TextDrivenClassifier(PixelClassifier):
         dim = text.shape[1]
         self.text_proj = nn.Linear(dim, hidden)
         self.global_proj = nn.Linear(in_channels, hidden)
-        self.controller = nn.Linear(2 * hidden, sum(dynamic_head_sizes(head_channels)))
+        self.controller = nn.Linear(2 * hidden, head_param_count(head_channels))
         self.feature_proj = nn.Linear(in_channels, head_channels)
         self.register_buffer("table", None if table is None else table.detach().to(torch.float32), persistent=False)
 
@@ -140,7 +155,7 @@ class TextDrivenClassifier(PixelClassifier):
         spatial = features.shape[2:]
         pixels = features[:, :, None] if features.dim() == 2 else features.flatten(2)  # (B, C, S)
         x = torch.einsum("bcs,hc->bhs", pixels, self.feature_proj.weight) + self.feature_proj.bias[:, None]
-        out = dynamic_head(x, theta, self.head_channels)  # (B, K-1, S)
+        out = dynamic_heads(x, theta)  # (B, K-1, S)
         logits = torch.cat([out.new_zeros(out.shape[0], 1, out.shape[2]), out], dim=1)
         return logits[:, :, 0] if features.dim() == 2 else logits.reshape(*logits.shape[:2], *spatial)
 

@@ -64,12 +64,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jascl.engine.losses import binary_segmentation_losses
 from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
 from jascl.methods.baselines.distillation._shared import absorbed_rows
 from jascl.methods.common import frozen_copy
 from jascl.methods.options import check_options, freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
+from jascl.networks.clip_driven import dynamic_heads, head_param_count, onehot_embeddings
 from jascl.networks.text_embeddings import load_text_embeddings
 from jascl.protocols.schema import IGNORE_INDEX
 
@@ -82,37 +84,6 @@ log = logging.getLogger("jascl")
 
 
 # ------------------------------------------------------------------------------------------------ pure functions
-
-
-def head_param_count(channels: int) -> int:
-    """Parameters of one dynamic head ``channels -> channels -> channels -> 1`` (weights and biases): 153 for 8."""
-    return 2 * channels * channels + channels + 2 * channels + 1
-
-
-def dynamic_heads(h: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """Apply one dynamic 1x1 head per (sample, class) to per-pixel features.
-
-    Each head is three 1x1 convolutions ``c -> c -> c -> 1`` with ReLUs between them; its
-    ``head_param_count(c)`` parameters are laid out as ``[W1 (c*c, out x in), W2 (c*c), w3 (c), b1 (c), b2 (c),
-    b3 (1)]`` (weights first, then biases, as the official ``parse_dynamic_params``).
-
-    Args:
-        h: (B, c, *spatial) head inputs (2D or 3D).
-        params: (B, K, head_param_count(c)) parameters of K heads per sample.
-
-    Returns:
-        (B, K, *spatial) logits.
-    """
-    b, c = h.shape[:2]
-    k = params.shape[1]
-    if params.shape[2] != head_param_count(c):
-        raise ValueError(f"{params.shape[2]} head parameters for {c} channels; expected {head_param_count(c)}")
-    w1, w2, w3, b1, b2, b3 = torch.split(params, [c * c, c * c, c, c, c, 1], dim=2)
-    w1, w2 = w1.reshape(b, k, c, c), w2.reshape(b, k, c, c)
-    ones = (1,) * (h.dim() - 2)
-    x = F.relu(torch.einsum("bi...,bkoi->bko...", h, w1) + b1.reshape(b, k, c, *ones))
-    x = F.relu(torch.einsum("bki...,bkoi->bko...", x, w2) + b2.reshape(b, k, c, *ones))
-    return torch.einsum("bki...,bki->bk...", x, w3) + b3.reshape(b, k, *ones)
 
 
 def clip_ct_targets(
@@ -155,49 +126,6 @@ def clip_ct_targets(
                 sure = torch.maximum(p, 1 - p) >= confidence
                 valid[:, r - 1] &= ~background | sure
     return y.to(torch.float32), valid
-
-
-def binary_segmentation_losses(
-    logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, smooth: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-class binary cross-entropy and soft Dice, each averaged over the (sample, class) pairs with valid pixels.
-
-    For a pair with valid pixels V: ``BCE = mean_V BCE(l, y)`` and ``Dice = 1 - (2 sum_V p y + s) / (sum_V p +
-    sum_V y + s)``, ``p = sigmoid(l)``, ``s = smooth`` (official ``Multi_BCELoss`` / ``BinaryDiceLoss``).
-
-    Args:
-        logits: (B, K', *spatial) foreground logits.
-        targets: (B, K', *spatial) in {0, 1}.
-        valid: (B, K', *spatial) bool, pixels that count.
-
-    Returns:
-        (bce, dice) scalars; zeros (with gradient) when no pixel is valid.
-    """
-    v = valid.to(logits.dtype).flatten(2)
-    lo, y = logits.flatten(2), targets.to(logits.dtype).flatten(2)
-    n = v.sum(-1)
-    pairs = n > 0
-    if not pairs.any():
-        zero = logits.sum() * 0.0
-        return zero, zero
-    bce = (F.binary_cross_entropy_with_logits(lo, y, reduction="none") * v).sum(-1)
-    p = torch.sigmoid(lo) * v
-    y = y * v
-    dice = 1 - (2 * (p * y).sum(-1) + smooth) / (p.sum(-1) + y.sum(-1) + smooth)
-    return (bce[pairs] / n[pairs]).mean(), dice[pairs].mean()
-
-
-def onehot_embeddings(all_classes: Sequence[int], classes: Sequence[int]) -> torch.Tensor:
-    """One-hot class embeddings (the paper's CLIP-free ablation): row i = e_j with j = position of ``classes[i]``
-    among ``all_classes`` (the protocol's foreground classes)."""
-    index = {c: j for j, c in enumerate(all_classes)}
-    out = torch.zeros(len(classes), len(all_classes))
-    for i, c in enumerate(classes):
-        out[i, index[c]] = 1.0
-    return out
-
-
-# ------------------------------------------------------------------------------------------------ the head
 
 
 def _groups(channels: int, wanted: int = 16) -> int:

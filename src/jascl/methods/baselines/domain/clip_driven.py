@@ -48,14 +48,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from jascl.engine.losses import binary_segmentation_losses
 from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
-from jascl.networks.clip_driven import ClipDrivenBackbone, TextDrivenClassifier
+from jascl.networks.clip_driven import ClipDrivenBackbone, TextDrivenClassifier, onehot_embeddings
 from jascl.networks.text_embeddings import load_text_embeddings
 from jascl.protocols.schema import IGNORE_INDEX
 
@@ -84,30 +84,19 @@ def partial_label_losses(
         smooth: Dice smoothing.
 
     Returns:
-        (bce, dice): mean binary cross-entropy over the labelled rows' valid pixels, and the mean over
-        labelled rows of ``1 - (2 sum(p t) + s) / (sum(p) + sum(t) + s)`` (sums over the batch's valid pixels).
-        Both are 0 when no row is labelled.
+        (bce, dice): :func:`jascl.engine.losses.binary_segmentation_losses` of the labelled rows, i.e. the
+        mean over (sample, labelled row) pairs of the binary cross-entropy over the pair's valid pixels and of
+        ``1 - (2 sum(p t) + s) / (sum(p) + sum(t) + s)``, as the official ``Multi_BCELoss`` / ``BinaryDiceLoss``
+        (CLIP-CT's heads share them). Both are 0 when no row is labelled.
     """
     rows = [r for r in labelled_rows if r >= 1]
     if not rows:
         zero = logits.sum() * 0.0
         return zero, zero
-    chosen = logits[:, rows].float()  # (B, R, *spatial)
     index = torch.tensor(rows, device=target.device).view(1, -1, *([1] * (target.dim() - 1)))
-    positive = (target.unsqueeze(1) == index).float()
-    valid = (target != IGNORE_INDEX).unsqueeze(1).float().expand_as(positive)
-    count = valid.sum().clamp_min(1.0)
-    bce = (F.binary_cross_entropy_with_logits(chosen, positive, reduction="none") * valid).sum() / count
-    prob = torch.sigmoid(chosen) * valid
-    dims = [0, *range(2, chosen.dim())]
-    overlap = (prob * positive).sum(dims)
-    dice = 1.0 - (2.0 * overlap + smooth) / (prob.sum(dims) + (positive * valid).sum(dims) + smooth)
-    return bce, dice.mean()
-
-
-def onehot_embeddings(all_classes: list[int], classes: list[int]) -> torch.Tensor:
-    """(len(classes), len(all_classes)) one-hot codes of ``classes`` among ``all_classes`` (the paper's ablation)."""
-    return torch.eye(len(all_classes))[[all_classes.index(c) for c in classes]]
+    positive = target.unsqueeze(1) == index  # (B, R, *spatial)
+    valid = (target != IGNORE_INDEX).unsqueeze(1).expand_as(positive)
+    return binary_segmentation_losses(logits[:, rows].float(), positive, valid, smooth)
 
 
 @dataclass

@@ -41,7 +41,7 @@ from jascl.methods.baselines.semi._hyperbolic import HyperbolicHead, dist0
 from jascl.methods.baselines.semi._shared import PoolPhasesPlugin, _schedule
 from jascl.methods.mean_teacher import UnlabelledDataset
 from jascl.methods.options import freeze_option, freeze_policy, option
-from jascl.methods.pas import FilterCounters
+from jascl.methods.pas import pool_pseudo_label_report
 from jascl.methods.registry import METHODS
 from jascl.networks.base import eval_mode, resize
 from jascl.protocols.schema import IGNORE_INDEX
@@ -293,18 +293,9 @@ class HALOPlugin(PoolPhasesPlugin):
     def after_training(self, state: LoopState) -> None:
         if self.pseudo is None:
             return
-        truth = torch.from_numpy(np.asarray(state.data.unlabelled.labels).astype("int64"))  # measurement only
-        seen = torch.as_tensor(state.seen)
-        counters = FilterCounters()
-        chosen = self.pseudo != IGNORE_INDEX
-        counters.update(chosen, seen[self.pseudo.clamp(max=len(seen) - 1)], truth)
-        stats = counters.stats()
-        state.report["pseudo_labels"] = {
-            "method": "halo",
-            "rounds": self.rounds_done,
-            "coverage": stats.coverage,
-            "precision": stats.precision,
-        }
+        state.report["pseudo_labels"] = pool_pseudo_label_report(
+            state.data.unlabelled.labels, self.pseudo, state.seen, "halo", self.rounds_done
+        )
 
     def after_session(self, state: LoopState) -> None:
         super().after_session(state)
