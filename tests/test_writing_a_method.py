@@ -4,6 +4,7 @@ from Python and from the command line."""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from jascl.methods.registry import create_method, describe_method
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "examples" / "l2_sp.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread per subprocess, as the suite's workers
 
 
 @pytest.fixture
@@ -113,6 +115,7 @@ def test_the_example_from_the_command_line(tmp_path):
         ],
         capture_output=True,
         text=True,
+        env=ENV,
     )
     assert run.returncode == 0, run.stderr
     results = json.loads((tmp_path / "run" / "results.json").read_text())
@@ -124,6 +127,7 @@ def test_the_example_from_the_command_line(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        env=ENV,
     )
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((tmp_path / "run" / "results.json").read_text()) == results
@@ -138,6 +142,7 @@ def test_the_example_from_the_command_line(tmp_path):
         [sys.executable, "-m", "jascl", "methods", "--import", str(tmp_path / "nope.py")],
         capture_output=True,
         text=True,
+        env=ENV,
     )
     assert (
         missing.returncode == 2
