@@ -26,7 +26,7 @@ def setup(tmp_path_factory):
     spec = toy_protocol_dict(2)
     spec["sessions"][1]["unlabelled"] = 4
     spec["training"].update(
-        epochs_base=2, epochs_incremental=3, augment=True, threads=1, pas={"start_epoch": 0, "every": 1}
+        epochs_base=2, epochs_incremental=2, augment=True, threads=1, pas={"start_epoch": 0, "every": 1}
     )
     protocol = root / "toy.yaml"
     protocol.write_text(yaml.safe_dump(spec))
