@@ -149,3 +149,14 @@ def test_an_unregistered_composition_runs_with_both_parts_acting(toy_protocol, t
     assert [s["session"] for s in results["methods"]["ewc+lwf"]["sessions"]] == [0, 1]
     assert {"ewc", "lwf_kd"} <= probe.terms
     assert (tmp_path / "run" / "ewc+lwf" / "s1-inc" / "metrics.json").exists()
+
+
+def test_the_command_line_refuses_an_overlapping_composition_before_any_work(tmp_path, capsys):
+    from jascl.cli import main
+
+    for command in (["run"], ["compare", "--seeds", "1,2"]):
+        out = tmp_path / command[0]
+        assert main([*command, "--methods", "vanilla,mib+plop", "--out", str(out), "--no-progress"]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.strip().startswith("jascl: error: method mib+plop: mib (plugin 'mib') and plop")
+        assert "output" not in captured.out and not out.exists()

@@ -126,6 +126,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         config = resolve_config(protocol.training, protocol.path, args.config, overrides)
         methods = [m.strip() for m in (args.methods or DEFAULT_METHODS).split(",") if m.strip()]
         data_args = {**_data_args(args), "imports": recorded_imports(args.imports)}
+        if args.seeds is None:
+            from jascl.methods.registry import create_method
+
+            for name in methods:  # an unknown name or a composition's overlap (a+b) is refused before any work
+                create_method(name, config)
         if args.seeds is not None:
             return _run_seeds(args, protocol, config, methods)
         out = (
@@ -190,11 +195,11 @@ def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -
 
     from jascl.experiments.compare import compare_table, compare_title, parse_seeds, run_compare
     from jascl.experiments.launcher import parse_launcher
-    from jascl.methods import METHODS
+    from jascl.methods.registry import create_method
 
     seeds = parse_seeds(args.seeds, protocol.seed)
     for name in methods:
-        METHODS.get(name)
+        create_method(name, config)  # an unknown name or a composition's overlap (a+b) is refused before any work
     out = Path(args.out) if args.out else Path("runs") / f"{protocol.name}-seeds{'-'.join(map(str, seeds))}"
     console = _console()
     console.print(
