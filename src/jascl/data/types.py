@@ -7,6 +7,7 @@ disk; :mod:`jascl.data.real`). Labels are global class ids: 0 = background,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,12 +65,34 @@ class Split:
 
 
 @dataclass
+class DetectionSplit:
+    """One split of a detection session (protocols with ``task: detection``).
+
+    Attributes:
+        images: one (C, H, W) float32 array per sample (sizes may differ between samples), or an
+            (N, C, H, W) array when they agree.
+        targets: per sample ``{"boxes": (M, 4) float32 [x1, y1, x2, y2] in pixels, "labels": (M,) int64
+            global class ids}``: every box of the image (the session's loader keeps those of the classes it
+            teaches). An unlabelled pool's targets are its hidden ground truth, used only to measure
+            pseudo-label quality, or empty.
+        ids: stable sample ids (K-shot manifests).
+    """
+
+    images: Sequence[np.ndarray]
+    targets: list[dict[str, np.ndarray]]
+    ids: list[str]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
 class SessionData:
     """The data of one session: labelled ``train``, ``test``, an optional ``unlabelled`` pool and optional
     labelled ``validation`` samples (``SessionSpec.validation`` per class; model selection only, never trained on)."""
 
     session: SessionSpec
-    train: Split
-    test: Split
-    unlabelled: Split | None = None
-    validation: Split | None = None
+    train: Split | DetectionSplit
+    test: Split | DetectionSplit
+    unlabelled: Split | DetectionSplit | None = None
+    validation: Split | DetectionSplit | None = None

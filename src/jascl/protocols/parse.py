@@ -18,6 +18,7 @@ from jascl.protocols.schema import (
     METRICS,
     NOISE_SCHEDULES,
     OTHER_CLASS_POLICIES,
+    TASKS,
     ClassSpec,
     DatasetSpec,
     DomainSpec,
@@ -41,6 +42,7 @@ _TOP_KEYS = {
     "training",
     "unlabelled_noise",
     "datasets",
+    "task",
 }
 
 
@@ -79,7 +81,16 @@ def parse_protocol(data: Any, source: str = "<protocol>", name: str | None = Non
     if spatial_dims not in (2, 3):
         raise r.fail("spatial_dims", f"must be 2 or 3 (got {spatial_dims})")
     in_channels = r.integer(top.get("in_channels", 1), "in_channels", minimum=1)
-    metric = r.string(top.get("metric", "dice" if spatial_dims == 3 else "iou"), "metric", METRICS)
+    task = r.string(top.get("task", "segmentation"), "task", TASKS)
+    default_metric = "map" if task == "detection" else "dice" if spatial_dims == 3 else "iou"
+    metric = r.string(top.get("metric", default_metric), "metric", METRICS)
+    if task == "detection" and (spatial_dims != 2 or metric != "map"):
+        raise r.fail(
+            "task",
+            f"detection protocols are 2D and scored with metric 'map' (got spatial_dims {spatial_dims}, metric {metric!r})",
+        )
+    if task == "segmentation" and metric == "map":
+        raise r.fail("metric", "'map' scores boxes: set task: detection, or metric dice / iou")
 
     classes = _parse_classes(r, top["classes"])
     class_ids = {c.id for c in classes}
@@ -130,6 +141,7 @@ def parse_protocol(data: Any, source: str = "<protocol>", name: str | None = Non
         synthetic=synthetic,
         training=dict(training),
         datasets=datasets,
+        task=task,
     )
 
 

@@ -30,7 +30,10 @@ from typing import Any
 OTHER_CLASS_POLICIES = ("background", "ignore")
 
 
-METRICS = ("dice", "iou")
+METRICS = ("dice", "iou", "map")
+
+#: what a protocol's sessions learn: dense labels (the default) or boxes (``jascl.tasks``)
+TASKS = ("segmentation", "detection")
 
 
 #: global id of "ignore" in labels and label maps: excluded from losses, prototypes and metrics. The one
@@ -262,7 +265,7 @@ class Protocol:
         seed: seed of the data generation, K-shot selection and training.
         spatial_dims: 2 (images) or 3 (volumes).
         in_channels: image channels.
-        metric: headline metric, "dice" (volumes) or "iou" (images).
+        metric: headline metric, "dice" (volumes), "iou" (images) or "map" (COCO mAP, detection).
         classes: global class list; ``classes[0]`` is background (id 0).
         domains: declared domains by name.
         sessions: sessions in order.
@@ -273,6 +276,8 @@ class Protocol:
         datasets: local dataset copies by entry name, for protocols on public datasets
             (empty for synthetic protocols).
         file: absolute path of the YAML file it was read from (None when parsed from a mapping).
+        task: "segmentation" (default) or "detection" (boxes; :class:`~jascl.data.types.DetectionSplit` data,
+            a detector, mAP; :mod:`jascl.tasks`).
     """
 
     name: str
@@ -290,6 +295,7 @@ class Protocol:
     unlabelled_noise: str = "none"
     datasets: Mapping[str, DatasetSpec] = field(default_factory=dict)
     file: str | None = None
+    task: str = "segmentation"
 
     @property
     def uses_datasets(self) -> bool:
