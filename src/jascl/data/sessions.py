@@ -19,7 +19,7 @@ from pathlib import Path
 from jascl import distributed
 from jascl.data.noise import degrade_lazy_pool, degrade_pool
 from jascl.data.synthetic import load_or_generate
-from jascl.data.types import SessionData
+from jascl.data.types import SessionData, dense
 from jascl.errors import DataError
 from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import Protocol
@@ -95,7 +95,7 @@ def apply_unlabelled_noise(protocol: Protocol, data: Sequence[SessionData]) -> l
     degrade = degrade_lazy_pool if protocol.uses_datasets else degrade_pool
     return [
         dataclasses.replace(
-            d, unlabelled=degrade(d.unlabelled, protocol.unlabelled_noise, protocol.seed + d.session.index)
+            d, unlabelled=degrade(dense(d.unlabelled), protocol.unlabelled_noise, protocol.seed + d.session.index)
         )
         if d.unlabelled is not None
         else d

@@ -78,12 +78,19 @@ class DetectionSplit:
         ids: stable sample ids (K-shot manifests).
     """
 
-    images: Sequence[np.ndarray]
+    images: Sequence[np.ndarray] | np.ndarray
     targets: list[dict[str, np.ndarray]]
     ids: list[str]
 
     def __len__(self) -> int:
         return len(self.ids)
+
+
+def dense(split: Split | DetectionSplit) -> Split:
+    """``split`` as a segmentation split (dense labels); a detection split is a TypeError naming the fix."""
+    if isinstance(split, DetectionSplit):
+        raise TypeError("this needs dense labels (a segmentation protocol); the split holds boxes (task: detection)")
+    return split
 
 
 @dataclass

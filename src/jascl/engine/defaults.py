@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from jascl import distributed
-from jascl.data.types import SessionData
+from jascl.data.types import SessionData, dense
 from jascl.engine.checkpoint import save_model, save_tensors
 from jascl.engine.losses import SegmentationLoss
 from jascl.engine.plugin import Method, Plugin
@@ -194,7 +194,7 @@ class Evaluation(Plugin):
         with self.autocast():
             result = evaluate(
                 state.model,
-                [d.test for d in self.data[: t + 1]],
+                [dense(d.test) for d in self.data[: t + 1]],
                 state.seen,
                 state.device,
                 **evaluation_options(cfg),

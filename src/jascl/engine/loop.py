@@ -13,50 +13,32 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from jascl import distributed
-from jascl.data.datasets import LabelledDataset, iterate_steps, loader_position, set_loader_position
+from jascl.data.datasets import iterate_steps, loader_position, set_loader_position
 from jascl.data.sampling import derive_seed, loader_options, seeded_loader
 from jascl.data.types import SessionData
 from jascl.engine.checkpoint import load_model, load_tensors, session_meta
 from jascl.engine.config import RunConfig
-from jascl.engine.defaults import (
-    PROGRESS,
-    ClassifierGrowth,
-    Evaluation,
-    ModelSelection,
-    SessionCheckpoint,
-    StorePrototypes,
-    SupervisedLoss,
-)
+from jascl.engine.defaults import PROGRESS
 from jascl.engine.optim import make_optimizer, resolve_device, resolve_precision, schedule_lr
 from jascl.engine.plugin import EVENTS, Method, Plugin
 from jascl.engine.progress import SessionProgress
-from jascl.engine.prototypes import PrototypeAccumulator, PrototypeStore
+from jascl.engine.prototypes import PrototypeStore
 from jascl.engine.state import LoopState
 from jascl.engine.stop import REQUEST
 from jascl.errors import ConfigError, TrainingError
-from jascl.networks.base import Segmenter, SegmenterOutput, create_segmenter, encoder_modules, eval_mode
-from jascl.protocols.schema import IGNORE_INDEX, Protocol
+from jascl.networks.base import Segmenter
+from jascl.protocols.schema import Protocol
+from jascl.tasks import create_task
 
 log = logging.getLogger("jascl")
-
-
-class _TrainForward(nn.Module):
-    """``forward_features`` as a module returning a tuple, the form DistributedDataParallel wraps."""
-
-    def __init__(self, model: Segmenter) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.model.forward_features(x)
-        return out.logits, out.features
 
 
 class ContinualTrainer:
@@ -106,14 +88,9 @@ class ContinualTrainer:
                 f"batch_size={config.batch_size}: smaller than the {distributed.world_size()} "
                 "processes; every rank needs at least one sample per step (batch_size is global)"
             )
-        defaults = [
-            ClassifierGrowth(),
-            SupervisedLoss(config.lambda_ce, config.lambda_dice),
-            ModelSelection(data, self.autocast),
-            StorePrototypes(),
-            Evaluation(data, self.autocast, progress),
-            SessionCheckpoint(self.method, self.checkpoint_meta),
-        ]
+        #: what the sessions learn (:mod:`jascl.tasks`): the model, batches, default plugins and prototypes
+        self.task = create_task(protocol.task, self)
+        defaults = self.task.default_plugins()
         #: what the loop fires: the defaults the method does not replace, then the method's plugins
         self.plugins = self.method.compose(defaults)
         #: the defaults in use (their in-session state is checkpointed beside the method's plugins')
@@ -142,43 +119,17 @@ class ContinualTrainer:
     # ------------------------------------------------------------------ model
 
     def new_model(self, num_classes: int) -> Segmenter:
-        torch.manual_seed(self.seed)
-        cfg = self.config
-        model = create_segmenter(
-            cfg.backbone,
-            self.protocol.spatial_dims,
-            self.protocol.in_channels,
-            num_classes,
-            cosine=cfg.classifier == "cosine",
-            temperature=cfg.temperature,
-            **cfg.backbone_args,
-        )
-        if cfg.patch_size is not None:
-            if len(cfg.patch_size) != self.protocol.spatial_dims:
-                raise ConfigError(
-                    f"patch_size={cfg.patch_size}: needs {self.protocol.spatial_dims} entries for this protocol"
-                )
-            model.backbone.check_input_size(tuple(cfg.patch_size), "patch_size")
-        else:
-            model.backbone.check_input_size(tuple(self.data[0].train.images.shape[2:]), "image size (patch_size=null)")
-        model = model.to(self.device)
-        if cfg.sync_batchnorm:
-            distributed.sync_batchnorm(model, self.device)
-        if self.memory_format is not None:
-            model = model.to(memory_format=self.memory_format)
-        if cfg.compile:
-            # in place, so parameter names (and checkpoints) stay the same; static shapes: one graph per input
-            # shape (batch remainders, evaluation sizes) is more robust than symbolic shapes
-            model.backbone.compile(dynamic=False)
-        return model
+        """A fresh model of the run's architecture with ``num_classes`` classifier rows (the task's).
+
+        Typed as a segmenter, the model most plugins know; a detection task's detector offers the parts plugins
+        use alike (``classifier``, ``resolve_layer``, ``num_classes``; :mod:`jascl.networks.detector`)."""
+        return cast(Segmenter, self.task.new_model(num_classes))
 
     def initial_model(self, num_classes: int) -> Segmenter:
         """The session-0 model: a fresh model plus the user's pretrained backbone weights, if any."""
         model = self.new_model(num_classes)
         if self.config.weights:
-            from jascl.networks.weights import load_backbone_weights
-
-            load_backbone_weights(model.backbone, self.config.weights)
+            self.task.load_weights(model, self.config.weights)
         return model
 
     def load_session(self, folder: Path, session: int) -> tuple[Segmenter, PrototypeStore, dict]:
@@ -191,23 +142,14 @@ class ContinualTrainer:
 
     # ------------------------------------------------------------------ helpers
 
-    def _labelled_dataset(self, t: int, augment: bool, crop: bool) -> LabelledDataset:
+    def _labelled_dataset(self, t: int, augment: bool, crop: bool) -> Dataset:
         """Session ``t``'s labelled samples; ``crop``: to ``patch_size`` (training), else whole samples."""
-        session = self.protocol.sessions[t]
-        patch = self.config.patch_size
-        return LabelledDataset(
-            self.data[t].train,
-            session.classes,
-            session.other_classes,
-            augment=augment,
-            patch_size=patch if crop else None,
-            seed=derive_seed(self.seed, "augment", t),
-        )
+        return self.task.labelled_dataset(t, augment, crop)
 
     @torch.no_grad()
     def compute_prototypes(
         self,
-        model: Segmenter,
+        model: nn.Module,
         t: int,
         classes: list[int],
         normalize_pixels: bool = False,
@@ -221,21 +163,10 @@ class ContinualTrainer:
         ``normalize_pixels``: see :func:`jascl.engine.prototypes.per_sample_prototypes`.
         ``per_sample``: return every sample's prototype, (N_c, D) per class, instead of their mean (D,).
         ``complement``: prototypes of each class's complement (the authors' per-class background).
-        The train/eval mode of every module is restored afterwards.
+        The train/eval mode of every module is restored afterwards. The task computes them
+        (:meth:`jascl.tasks.Task.compute_prototypes`: pixel features, or RoI features of boxes).
         """
-        acc = PrototypeAccumulator(classes, normalize_pixels, keep_samples=per_sample, complement=complement)
-        dataset = self._labelled_dataset(t, augment=False, crop=False)
-        # whole samples: batch them only when they all have one size (real datasets vary)
-        uniform = getattr(self.data[t].train.images, "uniform", True)
-        loader = DataLoader(
-            Subset(dataset, distributed.shard(range(len(dataset)))), batch_size=self.config.batch_size if uniform else 1
-        )
-        with eval_mode(model), self.autocast():
-            for batch in loader:
-                out = model.forward_features(batch["image"].to(self.device))
-                acc.update(out.features, batch["label"].to(self.device))
-        acc.all_reduce(model.backbone.feature_channels)
-        return acc.samples() if per_sample else acc.compute()
+        return self.task.compute_prototypes(model, t, classes, normalize_pixels, per_sample, complement)
 
     def setup_model(self, model: Segmenter, t: int) -> None:
         """Fire ``setup_model`` of session ``t`` on ``model`` alone (the classifier grows to its classes)."""
@@ -246,11 +177,7 @@ class ContinualTrainer:
         model, t = state.model, state.session.index
         for p in model.parameters():
             p.requires_grad_(True)
-        frozen = list(model.backbone.frozen_modules(t))  # e.g. SAM's image encoder after session 0
-        if t > 0 and state.freeze_incremental == "all_but_classifier":
-            frozen = [model.backbone]
-        elif t > 0 and state.freeze_incremental == "encoder":  # partially frozen: the decoder and classifier train
-            frozen += encoder_modules(model.backbone)
+        frozen = self.task.frozen_modules(model, t, state.freeze_incremental)
         for module in frozen:
             for p in module.parameters():
                 p.requires_grad_(False)
@@ -309,13 +236,15 @@ class ContinualTrainer:
             group.setdefault("initial_lr", group["lr"])
         if params and distributed.active():
             find_unused = cfg.find_unused_parameters or self.method.unused_parameters
-            ddp = distributed.wrap(_TrainForward(model), self.device, find_unused)
-            state.forward = lambda x: SegmenterOutput(*ddp(x))
+            state.forward = self.task.ddp_forward(model, find_unused)
+        options = dict(self.loader_options)
+        if self.task.collate is not None:
+            options["collate_fn"] = self.task.collate
         loader = seeded_loader(
             self._labelled_dataset(t, augment=cfg.augment, crop=True),
             cfg.batch_size,
             derive_seed(self.seed, "labelled", t),
-            **self.loader_options,
+            **options,
         )
         epochs = cfg.epochs_base if t == 0 else cfg.epochs_incremental
         blockers = self.method.mid_epoch_blockers()
@@ -449,7 +378,7 @@ class ContinualTrainer:
             new_model=self.new_model,
             compute_prototypes=lambda classes, **kw: self.compute_prototypes(model, t, classes, **kw),
             previous_seen=protocol.seen_classes(t - 1) if t > 0 else [],
-            forward=model.forward_features,
+            forward=self.task.training_forward(model),
             autocast=self.autocast,
             loader_options=self.loader_options,
             out_dir=out_dir,
@@ -457,19 +386,9 @@ class ContinualTrainer:
         state.fire = lambda event: self.fire(event, state)
 
         def closure() -> torch.Tensor:
-            batch = state.batch
-            assert batch is not None, "the loop sets the batch before the closure runs"
-            x = batch["image"].to(self.device, non_blocking=True)
-            if self.memory_format is not None:
-                x = x.contiguous(memory_format=self.memory_format)
-            labels = batch["label"]
-            if "ignore" in batch:  # flagged per sample by the dataset
-                state.has_ignore = bool(batch["ignore"].any())
-            else:  # a batch a plugin made: check on the host if it is there
-                state.has_ignore = bool((labels == IGNORE_INDEX).any()) if labels.device.type == "cpu" else None
-            state.target = state.class_index(labels.to(self.device, non_blocking=True))
+            inputs = self.task.model_inputs(state)
             with self.autocast():
-                state.output = state.forward(x)
+                state.output = state.forward(*inputs)
                 state.losses = {}
                 self.fire("after_forward", state)
             if not state.losses:

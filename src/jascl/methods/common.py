@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from jascl.data.datasets import LabelledDataset
+from jascl.data.types import dense
 from jascl.engine.state import LoopState
 from jascl.methods.gas import clean_state_dict
 from jascl.networks.base import Segmenter
@@ -51,5 +52,7 @@ def labelled_loader(state: LoopState, batch_size: int | None = None) -> DataLoad
 
     Batches hold ``image``, ``label`` (untaught classes hidden as the protocol's ``other_classes`` says) and ``id``.
     """
-    dataset = LabelledDataset(state.data.train, state.session.classes, state.session.other_classes, augment=False)
+    dataset = LabelledDataset(
+        dense(state.data.train), state.session.classes, state.session.other_classes, augment=False
+    )
     return DataLoader(dataset, batch_size=batch_size or state.config.batch_size)

@@ -42,6 +42,7 @@ import torch
 
 from jascl.data.datasets import LabelledDataset
 from jascl.data.sampling import derive_seed
+from jascl.data.types import dense
 from jascl.engine.plugin import Plugin
 from jascl.errors import ConfigError
 from jascl.protocols.schema import IGNORE_INDEX
@@ -247,7 +248,7 @@ def session_samples(state: LoopState) -> tuple[_Crops, list[torch.Tensor]]:
     """
     t = state.session.index
     dataset = LabelledDataset(
-        state.data.train,
+        dense(state.data.train),
         state.session.classes,
         state.session.other_classes,
         augment=False,

@@ -1,0 +1,91 @@
+"""The interface a task fills (:class:`Task`); the loop calls nothing task-specific but these methods."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+if TYPE_CHECKING:
+    from jascl.engine.loop import ContinualTrainer
+    from jascl.engine.plugin import Plugin
+    from jascl.engine.state import LoopState
+
+
+class Task:
+    """What the loop asks of a task.
+
+    The loop (:class:`~jascl.engine.loop.ContinualTrainer`) owns the sessions, the events, the optimiser, the
+    epochs and the checkpoints; the task supplies everything that depends on what is learnt:
+
+    * the model: :meth:`new_model`, :meth:`load_weights` (``--weights``), :meth:`frozen_modules`;
+    * the training batches: :meth:`labelled_dataset` and :attr:`collate`, then per step :meth:`model_inputs`
+      (sets ``state.target`` and returns the arguments of ``state.forward``) and :meth:`training_forward`
+      (the forward the loop calls, wrapped for DDP by :meth:`ddp_forward`);
+    * the default plugins (:meth:`default_plugins`): classifier growth, the supervised loss, model selection,
+      prototypes, evaluation and the checkpoint, by the same names whatever the task, so that a method replaces
+      "supervised-loss" alike;
+    * eq. 2 prototypes (:meth:`compute_prototypes`).
+
+    Args:
+        trainer: the trainer the task serves (its protocol, configuration, data, device and precision).
+    """
+
+    #: the protocol key's value
+    name = ""
+
+    def __init__(self, trainer: ContinualTrainer) -> None:
+        self.trainer = trainer
+
+    #: collates a list of dataset items into a batch (None: torch's default)
+    collate: Callable[[list[dict]], dict] | None = None
+
+    def new_model(self, num_classes: int) -> nn.Module:
+        """A fresh model with ``num_classes`` classifier rows (background included), on the trainer's device."""
+        raise NotImplementedError
+
+    def load_weights(self, model: nn.Module, path: str) -> None:
+        """Load the user's pretrained weights (``--weights``) into a session-0 model."""
+        raise NotImplementedError
+
+    def frozen_modules(self, model: nn.Module, t: int, policy: str) -> list[nn.Module]:
+        """The modules frozen in session ``t`` under the freezing policy ``policy`` (incremental sessions)."""
+        raise NotImplementedError
+
+    def labelled_dataset(self, t: int, augment: bool, crop: bool) -> Dataset:
+        """Session ``t``'s labelled samples; ``crop``: training crops, else whole samples."""
+        raise NotImplementedError
+
+    def model_inputs(self, state: LoopState) -> tuple[Any, ...]:
+        """From ``state.batch``: set ``state.target`` (and ``state.has_ignore``) and return the arguments of
+        ``state.forward``, on the device."""
+        raise NotImplementedError
+
+    def training_forward(self, model: nn.Module) -> Callable[..., Any]:
+        """The training forward of ``model`` (``state.forward`` when one process trains)."""
+        raise NotImplementedError
+
+    def ddp_forward(self, model: nn.Module, find_unused: bool) -> Callable[..., Any]:
+        """The training forward under DistributedDataParallel (several processes)."""
+        raise NotImplementedError
+
+    def default_plugins(self) -> list[Plugin]:
+        """The loop's default plugins for this task, in firing order."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def compute_prototypes(
+        self,
+        model: nn.Module,
+        t: int,
+        classes: list[int],
+        normalize_pixels: bool = False,
+        per_sample: bool = False,
+        complement: bool = False,
+    ) -> dict[int, torch.Tensor]:
+        """Eq. 2 prototypes of ``classes`` from session ``t``'s labelled data (see
+        :meth:`jascl.engine.loop.ContinualTrainer.compute_prototypes`)."""
+        raise NotImplementedError

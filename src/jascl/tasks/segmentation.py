@@ -1,0 +1,173 @@
+"""The segmentation task: dense labels, a segmenter (:mod:`jascl.networks`), DiceCE, Dice / IoU per class."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+
+from jascl import distributed
+from jascl.data.datasets import LabelledDataset
+from jascl.data.sampling import derive_seed
+from jascl.data.types import dense
+from jascl.engine.defaults import (
+    ClassifierGrowth,
+    Evaluation,
+    ModelSelection,
+    SessionCheckpoint,
+    StorePrototypes,
+    SupervisedLoss,
+)
+from jascl.engine.prototypes import PrototypeAccumulator
+from jascl.errors import ConfigError
+from jascl.networks.base import Segmenter, SegmenterOutput, create_segmenter, encoder_modules, eval_mode
+from jascl.protocols.schema import IGNORE_INDEX
+from jascl.tasks.base import Task
+
+if TYPE_CHECKING:
+    from jascl.engine.plugin import Plugin
+    from jascl.engine.state import LoopState
+
+
+class _TrainForward(nn.Module):
+    """``forward_features`` as a module returning a tuple, the form DistributedDataParallel wraps."""
+
+    def __init__(self, model: Segmenter) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model.forward_features(x)
+        return out.logits, out.features
+
+
+class SegmentationTask(Task):
+    """Dense segmentation (every protocol without ``task: detection``): the behaviour the loop always had."""
+
+    name = "segmentation"
+
+    def new_model(self, num_classes: int) -> Segmenter:
+        trainer = self.trainer
+        cfg, protocol = trainer.config, trainer.protocol
+        torch.manual_seed(trainer.seed)
+        model = create_segmenter(
+            cfg.backbone,
+            protocol.spatial_dims,
+            protocol.in_channels,
+            num_classes,
+            cosine=cfg.classifier == "cosine",
+            temperature=cfg.temperature,
+            **cfg.backbone_args,
+        )
+        if cfg.patch_size is not None:
+            if len(cfg.patch_size) != protocol.spatial_dims:
+                raise ConfigError(
+                    f"patch_size={cfg.patch_size}: needs {protocol.spatial_dims} entries for this protocol"
+                )
+            model.backbone.check_input_size(tuple(cfg.patch_size), "patch_size")
+        else:
+            model.backbone.check_input_size(
+                tuple(dense(trainer.data[0].train).images.shape[2:]), "image size (patch_size=null)"
+            )
+        model = model.to(trainer.device)
+        if cfg.sync_batchnorm:
+            distributed.sync_batchnorm(model, trainer.device)
+        if trainer.memory_format is not None:
+            model = model.to(memory_format=trainer.memory_format)
+        if cfg.compile:
+            # in place, so parameter names (and checkpoints) stay the same; static shapes: one graph per input
+            # shape (batch remainders, evaluation sizes) is more robust than symbolic shapes
+            model.backbone.compile(dynamic=False)
+        return model
+
+    def load_weights(self, model: nn.Module, path: str) -> None:
+        from jascl.networks.weights import load_backbone_weights
+
+        assert isinstance(model, Segmenter)
+        load_backbone_weights(model.backbone, path)
+
+    def frozen_modules(self, model: nn.Module, t: int, policy: str) -> list[nn.Module]:
+        assert isinstance(model, Segmenter)
+        frozen = list(model.backbone.frozen_modules(t))  # e.g. SAM's image encoder after session 0
+        if t > 0 and policy == "all_but_classifier":
+            frozen = [model.backbone]
+        elif t > 0 and policy == "encoder":  # partially frozen: the decoder and classifier train
+            frozen += encoder_modules(model.backbone)
+        return frozen
+
+    def labelled_dataset(self, t: int, augment: bool, crop: bool) -> LabelledDataset:
+        trainer = self.trainer
+        session = trainer.protocol.sessions[t]
+        patch = trainer.config.patch_size
+        return LabelledDataset(
+            dense(trainer.data[t].train),
+            session.classes,
+            session.other_classes,
+            augment=augment,
+            patch_size=patch if crop else None,
+            seed=derive_seed(trainer.seed, "augment", t),
+        )
+
+    def model_inputs(self, state: LoopState) -> tuple[Any, ...]:
+        trainer, batch = self.trainer, state.batch
+        assert batch is not None, "the loop sets the batch before the closure runs"
+        x = batch["image"].to(trainer.device, non_blocking=True)
+        if trainer.memory_format is not None:
+            x = x.contiguous(memory_format=trainer.memory_format)
+        labels = batch["label"]
+        if "ignore" in batch:  # flagged per sample by the dataset
+            state.has_ignore = bool(batch["ignore"].any())
+        else:  # a batch a plugin made: check on the host if it is there
+            state.has_ignore = bool((labels == IGNORE_INDEX).any()) if labels.device.type == "cpu" else None
+        state.target = state.class_index(labels.to(trainer.device, non_blocking=True))
+        return (x,)
+
+    def training_forward(self, model: nn.Module) -> Callable[..., Any]:
+        assert isinstance(model, Segmenter)
+        return model.forward_features
+
+    def ddp_forward(self, model: nn.Module, find_unused: bool) -> Callable[..., Any]:
+        assert isinstance(model, Segmenter)
+        ddp = distributed.wrap(_TrainForward(model), self.trainer.device, find_unused)
+        return lambda x: SegmenterOutput(*ddp(x))
+
+    def default_plugins(self) -> list[Plugin]:
+        trainer, cfg = self.trainer, self.trainer.config
+        return [
+            ClassifierGrowth(),
+            SupervisedLoss(cfg.lambda_ce, cfg.lambda_dice),
+            ModelSelection(trainer.data, trainer.autocast),
+            StorePrototypes(),
+            Evaluation(trainer.data, trainer.autocast, trainer.progress),
+            SessionCheckpoint(trainer.method, trainer.checkpoint_meta),
+        ]
+
+    @torch.no_grad()
+    def compute_prototypes(
+        self,
+        model: nn.Module,
+        t: int,
+        classes: list[int],
+        normalize_pixels: bool = False,
+        per_sample: bool = False,
+        complement: bool = False,
+    ) -> dict[int, torch.Tensor]:
+        assert isinstance(model, Segmenter)
+        trainer = self.trainer
+        acc = PrototypeAccumulator(classes, normalize_pixels, keep_samples=per_sample, complement=complement)
+        dataset = self.labelled_dataset(t, augment=False, crop=False)
+        # whole samples: batch them only when they all have one size (real datasets vary)
+        uniform = getattr(trainer.data[t].train.images, "uniform", True)
+        loader = DataLoader(
+            Subset(dataset, distributed.shard(range(len(dataset)))),
+            batch_size=trainer.config.batch_size if uniform else 1,
+        )
+        with eval_mode(model), trainer.autocast():
+            for batch in loader:
+                out = model.forward_features(batch["image"].to(trainer.device))
+                acc.update(out.features, batch["label"].to(trainer.device))
+        acc.all_reduce(model.backbone.feature_channels)
+        return acc.samples() if per_sample else acc.compute()
