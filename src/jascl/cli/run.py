@@ -130,7 +130,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             from jascl.methods.registry import create_method
 
             for name in methods:  # an unknown name or a composition's overlap (a+b) is refused before any work
-                create_method(name, config)
+                create_method(name, config, protocol.task)
         if args.seeds is not None:
             return _run_seeds(args, protocol, config, methods)
         out = (
@@ -199,7 +199,9 @@ def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -
 
     seeds = parse_seeds(args.seeds, protocol.seed)
     for name in methods:
-        create_method(name, config)  # an unknown name or a composition's overlap (a+b) is refused before any work
+        create_method(
+            name, config, protocol.task
+        )  # an unknown name or a composition's overlap (a+b) is refused before any work
     out = Path(args.out) if args.out else Path("runs") / f"{protocol.name}-seeds{'-'.join(map(str, seeds))}"
     console = _console()
     console.print(

@@ -42,6 +42,14 @@ def load_sessions(
     ``split_manifest``; unlabelled pool images cropped to ``patch_size``). A ``split_manifest`` given
     for a synthetic protocol must list exactly the generated samples.
     """
+    if protocol.task == "detection":
+        if protocol.uses_datasets:
+            from jascl.data.detection_real import load_detection_datasets
+
+            return load_detection_datasets(protocol, roots, roots_file, cache_dir, echo, split_manifest)
+        from jascl.data.synthetic_det import load_or_generate_detection
+
+        return load_or_generate_detection(protocol, cache_dir, progress=lambda msg: echo(f"[data] {msg}"))
     if protocol.uses_datasets:
         from jascl.data.real import load_real
 

@@ -340,7 +340,7 @@ def run_benchmark(
     if not methods:
         raise ConfigError("--methods: give at least one method (see 'jascl methods')")
     check_method_args(config)
-    built: list[Method] = [m if isinstance(m, Method) else create_method(m, config) for m in methods]
+    built: list[Method] = [m if isinstance(m, Method) else create_method(m, config, protocol.task) for m in methods]
     methods = [m.name for m in built]
     if len(set(methods)) != len(methods):
         raise ConfigError(f"--methods: a method is listed twice ({','.join(methods)})")

@@ -22,6 +22,14 @@ plugin type, the same default plugin replaced, the optimiser, or different
 freezing policies -- with one line naming both. A composition can also be
 registered under its name (:meth:`MethodRegistry.register_composition`) so that it
 is listed and tested like every method.
+
+A method is registered for the segmentation task. Another task (detection, :mod:`jascl.tasks`) gets its own
+implementation under the same name and options block with ``task=``::
+
+    @METHODS.register("jascl", options=JasclOptions, options_key="jascl", task="detection")
+
+:func:`create_method` builds the one for the protocol's task; a method without an implementation for it is
+refused with one line listing those that have one (:meth:`MethodRegistry.task_methods`).
 """
 
 from __future__ import annotations
@@ -128,6 +136,8 @@ class MethodRegistry(Registry[Method]):
     def __init__(self) -> None:
         super().__init__("method")
         self._info: dict[str, MethodInfo] = {}
+        #: implementations for tasks other than segmentation: task -> name -> factory
+        self._task_entries: dict[str, dict[str, MethodFactory]] = {}
 
     def register(
         self,
@@ -137,8 +147,12 @@ class MethodRegistry(Registry[Method]):
         options: type | None = None,
         options_key: str | None = None,
         paper: str = "",
+        task: str = "segmentation",
     ) -> Callable[[Callable[..., Method]], Callable[..., Method]]:
-        """Decorator registering ``fn``: ``fn(options, config)`` with ``options``, else ``fn(config)``."""
+        """Decorator registering ``fn``: ``fn(options, config)`` with ``options``, else ``fn(config)``.
+
+        ``task``: the task this implementation serves; one other than "segmentation" registers beside the
+        segmentation method of the same name (whose options block, paper and notes ``jascl methods`` shows)."""
         key = options_key or name
 
         def decorator(fn: Callable[..., Method]) -> Callable[..., Method]:
@@ -152,6 +166,12 @@ class MethodRegistry(Registry[Method]):
 
                 factory.__doc__ = fn.__doc__
                 factory.__module__ = fn.__module__  # where the method lives (its family, for jascl methods --paper)
+            if task != "segmentation":
+                entries = self._task_entries.setdefault(task, {})
+                if name in entries:
+                    raise ValueError(f"method {name!r} is already registered for the {task} task")
+                entries[name] = factory
+                return fn
             super(MethodRegistry, self).register(name, doc)(factory)
             self._info[name] = MethodInfo(
                 name, self.describe(name), options, key, paper, inspect.cleandoc(fn.__doc__ or "")
@@ -219,6 +239,34 @@ class MethodRegistry(Registry[Method]):
         super().unregister(name)
         self._info.pop(name, None)
 
+    def task_methods(self, task: str) -> list[str]:
+        """The methods with an implementation for ``task`` (every registered one for segmentation)."""
+        if task == "segmentation":
+            return self.list()
+        return sorted(self._task_entries.get(task, {}))
+
+    def create_for_task(self, task: str, name: str, config: RunConfig) -> Method:
+        """``name``'s implementation for ``task`` (a composed name from its parts' implementations).
+
+        Raises:
+            ConfigError: one line naming the method, the task and the methods that have an implementation.
+        """
+        if task == "segmentation":
+            return self.create(name, config=config)
+        entries = self._task_entries.get(task, {})
+        parts = composed_parts(name) or [name]
+        for part in parts:
+            if part not in entries:
+                known = ", ".join(sorted(entries)) or "none"
+                raise ConfigError(
+                    f"method {part!r} has no {task} implementation (this protocol's task); {task} methods: {known}"
+                )
+        if len(parts) == 1:
+            return entries[name](config)
+        if len(set(parts)) < len(parts):
+            raise ConfigError(f"method {name!r} names a part twice")
+        return compose_methods(name, [(p, entries[p](config)) for p in parts])
+
     def info(self, name: str) -> MethodInfo:
         """The registered :class:`MethodInfo` of ``name`` (a one-line ConfigError for an unknown name); a
         composed name's is made from its parts' (no options class of its own: ``options_key`` is "")."""
@@ -234,9 +282,9 @@ class MethodRegistry(Registry[Method]):
 METHODS = MethodRegistry()
 
 
-def create_method(name: str, config: RunConfig) -> Method:
-    """The registered method ``name`` built for ``config``."""
-    return METHODS.create(name, config=config)
+def create_method(name: str, config: RunConfig, task: str = "segmentation") -> Method:
+    """The registered method ``name`` built for ``config``, in its implementation for ``task`` (the protocol's)."""
+    return METHODS.create_for_task(task, name, config)
 
 
 def check_method_args(config: RunConfig) -> None:
