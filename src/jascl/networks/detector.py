@@ -47,7 +47,7 @@ import inspect
 import re
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -100,6 +100,9 @@ class DetectorOutput:
         roi_features: (R, D) box-head representations of those RoIs (the classifier's input).
         roi_targets: (R,) int64 classifier row assigned to each RoI (0 = background).
         roi_batch: (R,) int64 index of the image each RoI belongs to.
+        roi_boxes: per image, its sampled RoIs (M_i, 4) xyxy in input-image pixels, in the order of their rows in
+            ``class_logits`` (image 0's first); what another model scores "on the same RoIs" passes to
+            :meth:`Detector.box_features`. Empty when the producer did not carry them.
     """
 
     losses: dict[str, torch.Tensor]
@@ -107,6 +110,7 @@ class DetectorOutput:
     roi_features: torch.Tensor
     roi_targets: torch.Tensor
     roi_batch: torch.Tensor
+    roi_boxes: list[torch.Tensor] = field(default_factory=list)
 
 
 class BoxRegressor(nn.Module):
@@ -419,7 +423,12 @@ class Detector(nn.Module):
             [torch.full((len(p),), i, dtype=torch.int64, device=class_logits.device) for i, p in enumerate(proposals)]
         )
         losses = {"loss_classifier": loss_classifier, "loss_box_reg": loss_box_reg, **rpn_losses}
-        return DetectorOutput(losses, class_logits, roi_features, torch.cat(labels), roi_batch)
+        original_sizes = [(int(img.shape[-2]), int(img.shape[-1])) for img in images]
+        roi_boxes = [
+            resize_boxes(p, list(size), list(original))
+            for p, size, original in zip(proposals, image_list.image_sizes, original_sizes)
+        ]
+        return DetectorOutput(losses, class_logits, roi_features, torch.cat(labels), roi_batch, roi_boxes)
 
     def predict(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """Detections per image, in input-image coordinates, with torchvision's post-processing (score threshold
