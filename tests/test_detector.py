@@ -153,6 +153,28 @@ def test_predict_matches_torchvision_postprocessing():
     assert torch.allclose(model.classifier(result["features"]), result["logits"], atol=1e-5)
 
 
+def test_boxes_stay_float32_under_bfloat16_autocast():
+    model = small(3)
+    batch = images(1)
+    pooled_boxes = []  # the RoIs the detector pools, seen by a hook on RoIAlign
+    model.roi_heads.box_roi_pool.register_forward_hook(lambda m, args, out: pooled_boxes.append(args[1][0]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.train().forward_train(batch, [target([[12, 10, 36, 30]], [1])])
+        result = model.eval().predict(batch)[0]
+        proposals, _ = model.rpn(*_rpn_inputs(model, batch))
+    assert all(torch.isfinite(v) for v in out.losses.values())
+    assert [b.dtype for b in pooled_boxes] == [torch.float32, torch.float32]
+    assert model.box_regressor(out.roi_features).dtype == torch.float32
+    assert all(result[k].dtype == torch.float32 for k in ("boxes", "scores", "features", "logits"))
+    # what torchvision's RPN alone does under autocast (bfloat16 proposals), which the detector avoids
+    assert proposals[0].dtype == torch.bfloat16
+
+
+def _rpn_inputs(model: Detector, batch: list[torch.Tensor]) -> tuple:
+    image_list, _ = model.transform(batch)
+    return image_list, model._features(image_list.tensors)
+
+
 def test_box_features_per_box():
     model = small(3).eval()
     batch = images(2)

@@ -37,7 +37,8 @@ Variants (:data:`DETECTOR_VARIANTS`):
 Deviations from torchvision's ``FastRCNNPredictor``: the box regressor is initialised (and grown) with normal
 std 0.001 weights and zero biases, as Detectron and mmdetection (from which the authors' SoftTeacher code derives)
 initialise it, instead of ``nn.Linear``'s default; ``cosine=True`` swaps the linear classifier for the authors'
-cosine one (no bias).
+cosine one (no bias); under autocast the RPN and the box regressor compute in float32 (torchvision's would make
+anchors, proposals and deltas in bfloat16, 4-8 px apart at 1000 px).
 """
 
 from __future__ import annotations
@@ -127,7 +128,9 @@ class BoxRegressor(nn.Module):
         return self.weight.shape[0] // 4
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return F.linear(features, self.weight, self.bias)
+        """Deltas in float32 even under autocast: box coordinates in bfloat16 are 4-8 px apart at 1000 px."""
+        with torch.autocast(features.device.type, enabled=False):
+            return F.linear(features.float(), self.weight.float(), self.bias.float())
 
     @torch.no_grad()
     def grow(self, num_new: int) -> None:
@@ -185,6 +188,21 @@ class _KeepSizeTransform(GeneralizedRCNNTransform):
         self, image: torch.Tensor, target: dict[str, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         return image, target
+
+
+def _float32(features: OrderedDict[str, torch.Tensor]) -> OrderedDict[str, torch.Tensor]:
+    return OrderedDict((name, f.float()) for name, f in features.items())
+
+
+@contextlib.contextmanager
+def _rpn_context(rpn: nn.Module, training: bool, device: torch.device) -> Iterator[None]:
+    """The RPN with its flag set to ``training`` (see :func:`_training_flag`) and autocast off.
+
+    Under autocast torchvision's RPN would make its anchors, deltas and proposals in bfloat16 (the feature maps'
+    dtype), whose spacing is 4-8 px at the coordinates of an 800x1333 image; run on float32 features it proposes in
+    float32 at the cost of its head's convolution in float32."""
+    with _training_flag(rpn, training), torch.autocast(device.type, enabled=False):
+        yield
 
 
 @contextlib.contextmanager
@@ -396,7 +414,8 @@ class Detector(nn.Module):
             targets: per image ``{"boxes": (M, 4) float xyxy pixels, "labels": (M,) int64 rows 1..K-1}``; M may be 0.
 
         The RPN computes its losses whatever the module's mode; everything else runs in the current mode (GAS
-        noise and sampling as in training when the model trains). RoI sampling draws from torch's RNG.
+        noise and sampling as in training when the model trains). RoI sampling draws from torch's RNG. Under
+        autocast the RPN and the box regressor run in float32 (boxes in bfloat16 would be 4-8 px coarse).
         """
         if len(images) != len(targets):
             raise ValueError(f"{len(images)} images but {len(targets)} targets")
@@ -412,8 +431,8 @@ class Detector(nn.Module):
         image_list, transformed = self.transform(images, prepared)
         assert transformed is not None
         features = self._features(image_list.tensors)
-        with _training_flag(self.rpn, True):
-            proposals, rpn_losses = self.rpn(image_list, features, transformed)
+        with _rpn_context(self.rpn, True, image_list.tensors.device):
+            proposals, rpn_losses = self.rpn(image_list, _float32(features), transformed)
         heads = self.roi_heads
         proposals, _, labels, regression_targets = heads.select_training_samples(proposals, transformed)
         roi_features = heads.box_head(heads.box_roi_pool(features, proposals, image_list.image_sizes))
@@ -441,16 +460,17 @@ class Detector(nn.Module):
             regressed box itself, pass the boxes to :meth:`box_features`.)
 
         Runs in the module's current mode (callers wrap it in eval mode), except the RPN, which always proposes
-        with its testing counts and computes no loss.
+        with its testing counts and computes no loss. Every output is float32, also under autocast.
         """
         original_sizes = [(int(img.shape[-2]), int(img.shape[-1])) for img in images]
         image_list, _ = self.transform(images)
         features = self._features(image_list.tensors)
-        with _training_flag(self.rpn, False):
-            proposals, _ = self.rpn(image_list, features)
+        with _rpn_context(self.rpn, False, image_list.tensors.device):
+            proposals, _ = self.rpn(image_list, _float32(features))
         heads = self.roi_heads
         roi_features = heads.box_head(heads.box_roi_pool(features, proposals, image_list.image_sizes))
         class_logits, box_regression = heads.box_predictor(roi_features)
+        roi_features, class_logits = roi_features.float(), class_logits.float()
         results = self.postprocess(class_logits, box_regression, proposals, image_list.image_sizes)
         for result, features_of, logits_of in zip(
             results, roi_features.split([len(p) for p in proposals]), class_logits.split([len(p) for p in proposals])
