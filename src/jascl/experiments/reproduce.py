@@ -59,13 +59,15 @@ HOURS_PER_SESSION = {"med": 4.1, "med-ss": 5.3, "natural": 1.72}
 #: jobs that differ only in these share one session-0 base model
 METHOD_ONLY_PREFIXES = ("method_args.", "gas.", "pas.", "components.")
 
-SESSION_METRICS = ("dice", "miou")
+SESSION_METRICS = ("dice", "miou", "map")
 STATUS_PLANNED = "planned"
 
 
 def _family(protocol: str) -> str | None:
     if protocol.startswith("synthetic") or protocol.startswith("bench"):
         return None
+    if protocol == "coco-o":  # a dataset protocol whose compute the paper does not give
+        return "coco-o"
     if protocol == "med-ss":
         return "med-ss"
     for prefix in ("med", "natural", "surgery"):
@@ -131,6 +133,19 @@ def _override_text(key: str, value: Any) -> str:
     return f"{key}={value}"
 
 
+def _protocol_task(name: str) -> str:
+    """The task of the built-in protocol ``name`` (segmentation when it cannot be read)."""
+    from jascl.protocols import builtin_protocols, load_protocol
+
+    path = builtin_protocols().get(name)
+    if path is None:
+        return "segmentation"
+    try:
+        return load_protocol(path).task
+    except JasclError:
+        return "segmentation"
+
+
 def plan_table(
     table: PaperTable,
     *,
@@ -149,6 +164,7 @@ def plan_table(
         check_config: ``(protocol, overrides) -> None``; raises :class:`ConfigError` on overrides the
             configuration refuses (default: resolve the protocol's configuration with them).
     """
+    methods_given = methods
     if methods is None:
         from jascl.methods import METHODS
 
@@ -186,6 +202,13 @@ def plan_table(
         if not protocol or protocol not in protocols:
             p.status, p.reason = "no protocol", f"{cell.protocol or 'no protocol'} is not a built-in protocol"
             continue
+        task = _protocol_task(protocol)
+        if task != "segmentation" and methods_given is None:
+            from jascl.methods import METHODS
+
+            if cell.method not in METHODS.task_methods(task):
+                p.status, p.reason = "not registered", f"{cell.method} has no {task} implementation"
+                continue
         settings = dict(cell.set)
         sessions = cell.sessions
         if stand_in:  # only the row's and column's settings: the table-level ones are the paper's sizes
@@ -366,7 +389,7 @@ def describe_plan(plan: Plan, seeds: Sequence[int]) -> list[str]:
         lines.append("  nothing to run")
         return lines
     hours, unknown = estimate_gpu_hours(plan, len(seeds))
-    embedded = [p for p in unknown if _family(p) is None]
+    embedded = [p for p in unknown if _family(p) is None and Path(p).stem.startswith(("synthetic", "bench"))]
     if hours:
         lines.append(
             f"  estimate: about {hours:.0f} GPU-hours (the paper's compute table: hours per session "
