@@ -270,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every method of the paper's result tables: its rows there, jascl name, family, source paper, status",
     )
+    methods.add_argument(
+        "--task",
+        choices=("segmentation", "detection"),
+        help="list the methods implemented for this task (a detection protocol runs only those)",
+    )
     add_import(methods)
     methods.set_defaults(func=cmd_methods)
     sub.add_parser("backbones", help="list registered backbones").set_defaults(func=cmd_backbones)

@@ -337,6 +337,7 @@ class _DetectionTrainForward(nn.Module):
             out.roi_features,
             out.roi_targets,
             out.roi_batch,
+            list(out.roi_boxes),
         )
 
 
@@ -421,8 +422,8 @@ class DetectionTask(Task):
         ddp = distributed.wrap(_DetectionTrainForward(model), self.trainer.device, find_unused)  # type: ignore[arg-type]
 
         def forward(images: list[torch.Tensor], targets: list[dict[str, torch.Tensor]]) -> DetectorOutput:
-            (names, *losses), (logits, features, rows, batch) = ddp(images, targets)
-            return DetectorOutput(dict(zip(names, losses)), logits, features, rows, batch)
+            (names, *losses), (logits, features, rows, batch, boxes) = ddp(images, targets)
+            return DetectorOutput(dict(zip(names, losses)), logits, features, rows, batch, boxes)
 
         return forward
 
