@@ -1,4 +1,4 @@
-"""The detection task (jascl.tasks.detection) and PAS on boxes (jascl.methods.detection.pas): background boxes,
+"""The detection task (jascl.engine.tasks.detection) and PAS on boxes (jascl.methods.detection.pas): background boxes,
 the dataset's flip, eq. 2 over box features, the box filter and eq. 5 on hand-made values, records, per-task
 method registration, and a tiny end-to-end run that resumes bit-identically."""
 
@@ -18,12 +18,12 @@ from jascl.data.types import DetectionSplit, SessionData
 from jascl.engine.config import resolve_config
 from jascl.engine.loop import ContinualTrainer
 from jascl.engine.plugin import Method, Plugin
+from jascl.engine.tasks.detection import DetectionDataset, background_boxes, detection_collate, record_for
 from jascl.errors import ConfigError
 from jascl.experiments.runner import ensure_base, run_benchmark
 from jascl.methods.detection.pas import box_consistency_loss, box_pas_filter, match_counts
 from jascl.methods.registry import METHODS, create_method
 from jascl.protocols import parse_protocol
-from jascl.tasks.detection import DetectionDataset, background_boxes, detection_collate, record_for
 
 
 def toy_detection_dict() -> dict:

@@ -33,10 +33,10 @@ from jascl.engine.progress import SessionProgress
 from jascl.engine.prototypes import PrototypeStore
 from jascl.engine.state import LoopState
 from jascl.engine.stop import REQUEST
+from jascl.engine.tasks import create_task
 from jascl.errors import ConfigError, TrainingError
 from jascl.networks.base import Segmenter
 from jascl.protocols.schema import Protocol
-from jascl.tasks import create_task
 
 log = logging.getLogger("jascl")
 
@@ -88,7 +88,7 @@ class ContinualTrainer:
                 f"batch_size={config.batch_size}: smaller than the {distributed.world_size()} "
                 "processes; every rank needs at least one sample per step (batch_size is global)"
             )
-        #: what the sessions learn (:mod:`jascl.tasks`): the model, batches, default plugins and prototypes
+        #: what the sessions learn (:mod:`jascl.engine.tasks`): the model, batches, default plugins and prototypes
         self.task = create_task(protocol.task, self)
         defaults = self.task.default_plugins()
         #: what the loop fires: the defaults the method does not replace, then the method's plugins
@@ -164,7 +164,7 @@ class ContinualTrainer:
         ``per_sample``: return every sample's prototype, (N_c, D) per class, instead of their mean (D,).
         ``complement``: prototypes of each class's complement (the authors' per-class background).
         The train/eval mode of every module is restored afterwards. The task computes them
-        (:meth:`jascl.tasks.Task.compute_prototypes`: pixel features, or RoI features of boxes).
+        (:meth:`jascl.engine.tasks.Task.compute_prototypes`: pixel features, or RoI features of boxes).
         """
         return self.task.compute_prototypes(model, t, classes, normalize_pixels, per_sample, complement)
 

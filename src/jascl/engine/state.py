@@ -44,7 +44,7 @@ class LoopState:
         batch: the current batch (``image`` (B, C, *spatial), ``label`` (B, *spatial) global ids).
         target: the current batch's labels as classifier rows (B, *spatial) on the device (255 = ignore).
         has_ignore: whether ``target`` holds ignored pixels (None = unknown without a host read).
-        boxes: detection (:mod:`jascl.tasks.detection`): the batch's targets, ``{"boxes", "labels"}`` per image with
+        boxes: detection (:mod:`jascl.engine.tasks.detection`): the batch's targets, ``{"boxes", "labels"}`` per image with
             labels as classifier rows, on the device (``target`` is None there).
         metrics: in-session values plugins share (scalars are kept in resumable checkpoints);
             ``metrics["eval"]`` is the session's :class:`~jascl.evaluation.evaluator.EvalResult`.

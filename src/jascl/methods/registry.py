@@ -23,7 +23,7 @@ freezing policies -- with one line naming both. A composition can also be
 registered under its name (:meth:`MethodRegistry.register_composition`) so that it
 is listed and tested like every method.
 
-A method is registered for the segmentation task. Another task (detection, :mod:`jascl.tasks`) gets its own
+A method is registered for the segmentation task. Another task (detection, :mod:`jascl.engine.tasks`) gets its own
 implementation under the same name and options block with ``task=``::
 
     @METHODS.register("jascl", options=JasclOptions, options_key="jascl", task="detection")

@@ -32,7 +32,7 @@ OTHER_CLASS_POLICIES = ("background", "ignore")
 
 METRICS = ("dice", "iou", "map")
 
-#: what a protocol's sessions learn: dense labels (the default) or boxes (``jascl.tasks``)
+#: what a protocol's sessions learn: dense labels (the default) or boxes (``jascl.engine.tasks``)
 TASKS = ("segmentation", "detection")
 
 
@@ -277,7 +277,7 @@ class Protocol:
             (empty for synthetic protocols).
         file: absolute path of the YAML file it was read from (None when parsed from a mapping).
         task: "segmentation" (default) or "detection" (boxes; :class:`~jascl.data.types.DetectionSplit` data,
-            a detector, mAP; :mod:`jascl.tasks`).
+            a detector, mAP; :mod:`jascl.engine.tasks`).
     """
 
     name: str

@@ -9,7 +9,7 @@ Teacher):
 * **eq. 4 for boxes**: a detection is kept when ``score > tau_conf`` and ``cos(f, P_c) > tau_sim``, where the
   score is the softmax probability of c (torchvision's detection score, eq. 4's ``conf``) and P_c the
   prototype of c (the best of its anchors, as for pixels): the session's RoI-feature prototypes
-  (:meth:`jascl.tasks.detection.DetectionTask.compute_prototypes`) recomputed at every unlabelled phase, stored
+  (:meth:`jascl.engine.tasks.detection.DetectionTask.compute_prototypes`) recomputed at every unlabelled phase, stored
   ones for the classes the session does not teach (:func:`jascl.methods.pas.prototype_matrix`);
 * **eq. 5 for boxes**: the kept boxes are the set V; at each, the student's class distribution (its box
   head and classifier on the same box, on its own view of the image, GAS noise included) is pulled towards the
@@ -37,11 +37,11 @@ from jascl import distributed
 from jascl.data.datasets import BatchStream
 from jascl.data.sampling import derive_seed, seeded_loader, split_key
 from jascl.engine.plugin import Plugin
+from jascl.engine.tasks.detection import detection_split
 from jascl.methods.gas import clean_state_dict
 from jascl.methods.mean_teacher import apply_view, view_transform
 from jascl.methods.pas import AnchorGroups, EMAPairs, best_anchor_similarity, prototype_matrix
 from jascl.networks.base import eval_mode
-from jascl.tasks.detection import detection_split
 
 if TYPE_CHECKING:
     from jascl.data.types import DetectionSplit

@@ -4,7 +4,7 @@ segmentation; :mod:`jascl.methods.presets`).
 JASCL on boxes is the same three components on the detector's box classifier:
 
 * GAS (eq. 1) on the box predictor's classification weight (``layer: classifier``), training forwards only;
-* prototype replay: the stored RoI-feature prototypes (eq. 2 over boxes, :mod:`jascl.tasks.detection`) and
+* prototype replay: the stored RoI-feature prototypes (eq. 2 over boxes, :mod:`jascl.engine.tasks.detection`) and
   their complements trained through the box classifier (:class:`~jascl.methods.replay.PrototypeReplayPlugin`,
   unchanged);
 * PAS on the teacher's detections (:mod:`jascl.methods.detection.pas`).

@@ -22,10 +22,10 @@ from jascl.engine.defaults import (
     SupervisedLoss,
 )
 from jascl.engine.prototypes import PrototypeAccumulator
+from jascl.engine.tasks.base import Task
 from jascl.errors import ConfigError
 from jascl.networks.base import Segmenter, SegmenterOutput, create_segmenter, encoder_modules, eval_mode
 from jascl.protocols.schema import IGNORE_INDEX
-from jascl.tasks.base import Task
 
 if TYPE_CHECKING:
     from jascl.engine.plugin import Plugin

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jascl.tasks.base import Task
+from jascl.engine.tasks.base import Task
 
 if TYPE_CHECKING:
     from jascl.engine.loop import ContinualTrainer
@@ -28,11 +28,11 @@ __all__ = ["Task", "create_task"]
 def create_task(name: str, trainer: ContinualTrainer) -> Task:
     """The task ``name`` ("segmentation" or "detection") for ``trainer``."""
     if name == "segmentation":
-        from jascl.tasks.segmentation import SegmentationTask
+        from jascl.engine.tasks.segmentation import SegmentationTask
 
         return SegmentationTask(trainer)
     if name == "detection":
-        from jascl.tasks.detection import DetectionTask
+        from jascl.engine.tasks.detection import DetectionTask
 
         return DetectionTask(trainer)
     raise ValueError(f"unknown task {name!r}: segmentation or detection")

@@ -50,11 +50,11 @@ from jascl.data.types import DetectionSplit, SessionData, Split
 from jascl.engine.defaults import ClassifierGrowth, ModelSelection, SessionCheckpoint, StorePrototypes
 from jascl.engine.plugin import Plugin
 from jascl.engine.prototypes import PrototypeAccumulator
+from jascl.engine.tasks.base import Task
 from jascl.errors import ConfigError
 from jascl.evaluation.detection import DetectionMetrics
 from jascl.evaluation.metrics import harmonic_mean
 from jascl.networks.base import eval_mode
-from jascl.tasks.base import Task
 
 if TYPE_CHECKING:
     from jascl.engine.state import LoopState
