@@ -190,6 +190,15 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     if args.seed is not None:
         protocol = dataclasses.replace(protocol, seed=args.seed)
     roots = parse_root_args(args.root)
+    if protocol.task == "detection" and protocol.uses_datasets:  # COCO-format copies (coco-o)
+        from jascl.data.detection_real import check_detection_protocol
+
+        print(f"jascl data check: protocol {protocol.name} (seed {protocol.seed}, file {protocol.path})")
+        problems = check_detection_protocol(protocol, roots, args.roots, args.cache_dir, echo=print)
+        for line in problems:
+            print(f"error: {line}")
+        print(f"{len(problems)} problem(s) found" if problems else "no problems found")
+        return 2 if problems else 0
     from jascl.data.check import check_protocol
 
     print(f"jascl data check: protocol {protocol.name} (seed {protocol.seed}, file {protocol.path})")

@@ -1,4 +1,11 @@
-"""Reading the ``datasets`` section of a protocol on public datasets and the sessions' ``sources``."""
+"""Reading the ``datasets`` section of a protocol on public datasets and the sessions' ``sources``.
+
+COCO-format entries (layouts in :data:`NAME_MAPPED_LAYOUTS`, read by :mod:`jascl.data.detection_real`) name their
+categories, so ``labels`` may be left out: every protocol class then maps the category of the same name. In a
+detection protocol such an entry may give per-class unlabelled pool sizes as ``options: {unlabelled: {bench: 41,
+car: 224}}`` (class names or ids taught from the entry); the session teaching those classes then sets
+``unlabelled`` to their sum (:func:`check_unlabelled_option`).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from jascl.protocols.reader import _free_mapping, _Reader, _string_list
-from jascl.protocols.schema import IGNORE_INDEX, OTHER_CLASS_POLICIES, ClassSpec, DatasetSpec, DomainSpec, SourceSpec
+from jascl.protocols.schema import (
+    IGNORE_INDEX,
+    OTHER_CLASS_POLICIES,
+    ClassSpec,
+    DatasetSpec,
+    DomainSpec,
+    SessionSpec,
+    SourceSpec,
+)
+
+#: layouts whose native labels are category names (COCO-format instances JSONs): ``labels`` is optional, every
+#: protocol class then maps the category of the same name
+NAME_MAPPED_LAYOUTS = ("coco", "coco-o")
 
 _DATASET_KEYS = {
     "layout",
@@ -91,8 +110,12 @@ def _parse_datasets(
         name = r.string(str(dname), key)
         if "/" in name:
             raise r.fail(key, "entry names must not contain '/' (sample ids are '<entry>/<record id>')")
-        e = r.mapping(entry, key, _DATASET_KEYS, required={"layout", "labels"})
+        e = r.mapping(entry, key, _DATASET_KEYS, required={"layout"})
         layout = r.string(e["layout"], f"{key}.layout")
+        if "labels" not in e:
+            if layout not in NAME_MAPPED_LAYOUTS:
+                raise r.fail(f"{key}.labels", "is required")
+            e["labels"] = {c.name: c.id for c in classes if c.id != 0}
         root = r.string(e.get("root", name), f"{key}.root")
         domain = r.string(e.get("domain", name), f"{key}.domain")
         if domains and domain not in domains:
@@ -156,3 +179,49 @@ def _parse_datasets(
             preprocess=preprocess,
         )
     return out
+
+
+def check_unlabelled_option(
+    r: _Reader, datasets: Mapping[str, DatasetSpec], sessions: list[SessionSpec], classes: tuple[ClassSpec, ...]
+) -> None:
+    """Per-class unlabelled pool sizes of detection protocols: ``datasets.<entry>.options.unlabelled``.
+
+    Each key is a class (name or id) that some session teaches from the entry, each value a non-negative
+    count; a session teaching such classes sets ``unlabelled`` to the sum of their counts (so its manifest
+    and summaries count the pool) and no ``unlabelled_per_class``.
+
+    Raises:
+        ConfigError: one line naming the file and the key.
+    """
+    by_name = {c.name: c.id for c in classes}
+    counts: dict[str, dict[int, int]] = {}
+    for name, spec in datasets.items():
+        raw = spec.options.get("unlabelled")
+        if raw is None:
+            continue
+        key = f"datasets.{name}.options.unlabelled"
+        if not isinstance(raw, Mapping) or not raw:
+            raise r.fail(key, "must be a mapping class (name or id) -> unlabelled images, e.g. {bench: 41, car: 224}")
+        taught = {c for s in sessions for src in s.sources if src.dataset == name for c in src.classes}
+        out: dict[int, int] = {}
+        for cls, n in raw.items():
+            cid = by_name.get(cls, cls) if isinstance(cls, str) else cls
+            if isinstance(cid, bool) or not isinstance(cid, int) or cid not in taught:
+                raise r.fail(f"{key}.{cls}", f"is not a class that a session teaches from dataset {name!r}")
+            out[cid] = r.integer(n, f"{key}.{cls}", minimum=0)
+        counts[name] = out
+    for s in sessions:
+        total = sum(counts[src.dataset].get(c, 0) for src in s.sources if src.dataset in counts for c in src.classes)
+        if not any(c in counts.get(src.dataset, {}) for src in s.sources for c in src.classes):
+            continue
+        if s.unlabelled_per_class:
+            raise r.fail(
+                f"sessions[{s.index}].unlabelled_per_class",
+                "does not combine with the per-class counts of datasets.<entry>.options.unlabelled; remove it",
+            )
+        if s.unlabelled != total:
+            raise r.fail(
+                f"sessions[{s.index}].unlabelled",
+                f"must be {total}, the sum of the per-class unlabelled counts its datasets' options.unlabelled give "
+                f"(got {s.unlabelled})",
+            )

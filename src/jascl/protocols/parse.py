@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from jascl.errors import ConfigError
-from jascl.protocols.datasets import _parse_datasets, _parse_sources
+from jascl.protocols.datasets import _parse_datasets, _parse_sources, check_unlabelled_option
 from jascl.protocols.reader import _Reader
 from jascl.protocols.schema import (
     APPEARANCE_KEYS,
@@ -112,6 +112,8 @@ def parse_protocol(data: Any, source: str = "<protocol>", name: str | None = Non
         introduced.update(s.new_classes)
         sessions.append(s)
     check_unlabelled_sources(r, sessions)
+    if task == "detection":  # COCO-format entries' per-class unlabelled pools (datasets.<entry>.options.unlabelled)
+        check_unlabelled_option(r, datasets, sessions, classes)
     never = sorted(class_ids - introduced - {0})
     if never:
         raise r.fail(
