@@ -1,4 +1,4 @@
-"""Methods on the detection task (:mod:`jascl.tasks.detection`): the same names and options blocks as their
+"""Methods on the detection task (:mod:`jascl.engine.tasks.detection`): the same names and options blocks as their
 segmentation implementations, registered with ``task="detection"``.
 
 ================  ============================================================================================
@@ -18,4 +18,4 @@ pooled feature maps, pixel pseudo-labels, copy-paste of masks, SAM prompts) do n
 detection protocol with the list of methods that are implemented.
 """
 
-from jascl.methods.detection import pas, presets  # noqa: F401  (register the methods)
+from jascl.methods.detection import baselines, pas, presets  # noqa: F401  (register the methods)
