@@ -3,6 +3,7 @@ continued with ``jascl run --resume`` ends with exactly the results.json of an u
 ``--resume`` refuses folders that are not runs and options the folder fixes."""
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import toy_protocol_dict
@@ -18,6 +20,41 @@ from jascl.engine.checkpoint import load_progress
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+
+#: what a run imports, imported once by the forkserver that starts the killed runs' processes
+PRELOAD = ["jascl.cli", "jascl.cli.run", "jascl.experiments.runner", "jascl.engine.loop", "jascl.results.report"]
+PRELOAD += ["jascl.methods.registry", "kill_run"]
+
+
+@pytest.fixture(scope="module")
+def processes():
+    """Starts the processes the tests kill: each one a fresh process (forked from a forkserver that has imported
+    torch and jascl once and run nothing), so a test does not pay its own imports (most of a toy run's time)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def _kill_run_process(point_args: list[str], stdout: str, stderr: str) -> None:
+    """A killed run's process: ``python tests/kill_run.py POINT jascl-args...``, its output into two files."""
+    for fd, path in ((1, stdout), (2, stderr)):
+        with open(path, "w") as fh:
+            os.dup2(fh.fileno(), fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    sys.argv = [str(ROOT / "tests" / "kill_run.py"), *point_args]
+    import kill_run
+
+    sys.exit(kill_run.main())
+
+
+def _kill_run(processes, point: str, args: list[str], where: Path) -> subprocess.CompletedProcess:
+    """Runs tests/kill_run.py ``point`` ``args`` in a process of its own; its exit code (-9: SIGKILLed) and output."""
+    out, err = where / "kill_run.stdout", where / "kill_run.stderr"
+    process = processes.Process(target=_kill_run_process, args=([point, *args], str(out), str(err)))
+    process.start()
+    process.join()
+    return subprocess.CompletedProcess(point, process.exitcode, out.read_text(), err.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +96,14 @@ def _checkpoint_position(out: Path) -> tuple:
 
 
 def _resume_and_compare(out: Path, expected: str) -> None:
-    resumed = subprocess.run(
-        [sys.executable, "-m", "jascl", "run", "--resume", str(out), "--no-progress"],
-        env=ENV,
-        capture_output=True,
-        text=True,
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    """``jascl run --resume out`` (the command's own entry point) in this process: the run was killed in another
+    one, and starting a third would add only its imports (torch, MONAI: most of a toy run's time)."""
+    threads = torch.get_num_threads()
+    try:
+        code = main(["run", "--resume", str(out), "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)  # the run set its own (threads=1)
+    assert code == 0
     assert (out / "results.json").read_text() == expected
     assert not list(out.rglob("progress.safetensors")), "finished sessions keep no progress checkpoint"
 
@@ -86,15 +124,10 @@ def _resume_and_compare(out: Path, expected: str) -> None:
         ("write:progress.safetensors:3", STEPS, (0, None)),
     ],
 )
-def test_killed_run_resumes_to_identical_results(point, extra, where, setup, tmp_path):
+def test_killed_run_resumes_to_identical_results(point, extra, where, setup, processes, tmp_path):
     root, args, expected = setup
     out = tmp_path / "run"
-    killed = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "kill_run.py"), point, *args, *extra, "--out", str(out)],
-        env=ENV,
-        capture_output=True,
-        text=True,
-    )
+    killed = _kill_run(processes, point, [*args, *extra, "--out", str(out)], tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (out / "results.json").exists()
     if where is not None:
@@ -108,15 +141,10 @@ def test_killed_run_resumes_to_identical_results(point, extra, where, setup, tmp
     "point, code, where",
     [("signal:3:SIGTERM", 143, (1, 1)), ("signal:3:SIGINT", 130, (1, 1)), ("signal:4:SIGUSR1", 138, (1, None))],
 )
-def test_a_stop_signal_checkpoints_after_the_step_and_exits_resumable(point, code, where, setup, tmp_path):
+def test_a_stop_signal_checkpoints_after_the_step_and_exits_resumable(point, code, where, setup, processes, tmp_path):
     root, args, expected = setup
     out = tmp_path / "run"
-    stopped = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "kill_run.py"), point, *args, "--out", str(out)],
-        env=ENV,
-        capture_output=True,
-        text=True,
-    )
+    stopped = _kill_run(processes, point, [*args, "--out", str(out)], tmp_path)
     assert stopped.returncode == code, stopped.stderr
     name = point.rsplit(":", 1)[1]
     text = " ".join(stopped.stdout.split())  # rich wraps lines
@@ -126,15 +154,10 @@ def test_a_stop_signal_checkpoints_after_the_step_and_exits_resumable(point, cod
     _resume_and_compare(out, expected)
 
 
-def test_a_second_ctrl_c_aborts_at_once_keeping_the_last_checkpoint(setup, tmp_path):
+def test_a_second_ctrl_c_aborts_at_once_keeping_the_last_checkpoint(setup, processes, tmp_path):
     root, args, expected = setup
     out = tmp_path / "run"
-    aborted = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "kill_run.py"), "signal:3:SIGINT,SIGINT", *args, "--out", str(out)],
-        env=ENV,
-        capture_output=True,
-        text=True,
-    )
+    aborted = _kill_run(processes, "signal:3:SIGINT,SIGINT", [*args, "--out", str(out)], tmp_path)
     assert aborted.returncode == 130, aborted.stderr
     assert "press Ctrl-C again to abort now" in aborted.stderr
     text = " ".join(aborted.stdout.split())
