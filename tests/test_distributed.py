@@ -22,6 +22,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import toy_protocol_dict
+from jascl.cli import main
 from jascl.data.sampling import SeededBatchSampler, derive_seed
 from jascl.engine.config import resolve_config
 from jascl.networks.base import create_segmenter
@@ -134,7 +135,7 @@ def _batches(traces: Path, rank: int) -> dict[int, list[list[tuple[int, int]]]]:
 
 
 @pytest.mark.slow
-def test_two_processes_train_as_one_and_only_rank0_writes(tmp_path):
+def test_two_processes_train_as_one_and_only_rank0_writes(tmp_path, monkeypatch, capfd):
     spec = toy_protocol_dict(2)
     spec["sessions"][1]["unlabelled"] = 4
     # one epoch per session: the first steps, where the two runs are still equal up to rounding
@@ -148,17 +149,17 @@ def test_two_processes_train_as_one_and_only_rank0_writes(tmp_path):
     reports = tmp_path / "reports"
     for name in ("reports", "trace-one", "trace-two"):
         (tmp_path / name).mkdir()
-    env = {
-        **os.environ,
+    # both launchers (the one-process run, and jascl run --devices 2 that starts torchrun and waits) run in this
+    # process, with the command's own entry point; torchrun and the two ranks are processes of their own, started
+    # with this environment
+    for name, value in {
         "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT / "src")]),
         "OMP_NUM_THREADS": "1",
         "JASCL_AUDIT_DIR": str(tmp_path / "two"),
         "JASCL_AUDIT_REPORT": str(reports),
-    }
+    }.items():
+        monkeypatch.setenv(name, value)
     args = [
-        sys.executable,
-        "-m",
-        "jascl",
         "run",
         "--protocol",
         str(protocol),
@@ -170,22 +171,30 @@ def test_two_processes_train_as_one_and_only_rank0_writes(tmp_path):
         str(tmp_path / "cache"),
         "--no-progress",
     ]
-    one = subprocess.run(
-        [*args, "--out", str(tmp_path / "one")],
-        capture_output=True,
-        text=True,
-        env={**env, "JASCL_TRACE_DIR": str(tmp_path / "trace-one")},
-    )
-    assert one.returncode == 0, one.stderr
+    handed = []  # the one-process run's batches, traced as SITECUSTOMIZE traces each rank's
+    threads = torch.get_num_threads()
+    with monkeypatch.context() as patch:
+        original = SeededBatchSampler.__iter__
+
+        def traced(self):
+            for batch in original(self):
+                handed.append([self.seed, [list(k) for k in batch]])
+                yield batch
+
+        patch.setattr(SeededBatchSampler, "__iter__", traced)
+        try:
+            code = main([*args, "--out", str(tmp_path / "one")])
+        finally:
+            torch.set_num_threads(threads)  # the run set its own (threads=1)
+    assert code == 0, capfd.readouterr().err
+    (tmp_path / "trace-one" / "rank0-0.json").write_text(json.dumps(handed))
     # checkpoints inside epochs too: every rank checks the loss there (a collective), rank 0 alone writes
-    two = subprocess.run(
-        [*args, "--devices", "2", "--set", "checkpoint_steps=1", "--out", str(tmp_path / "two")],
-        env={**env, "JASCL_TRACE_DIR": str(tmp_path / "trace-two")},
-        capture_output=True,
-        text=True,
-    )
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "2 processes" in " ".join(two.stdout.split())  # rich wraps lines
+    monkeypatch.setenv("JASCL_TRACE_DIR", str(tmp_path / "trace-two"))
+    capfd.readouterr()
+    code = main([*args, "--devices", "2", "--set", "checkpoint_steps=1", "--out", str(tmp_path / "two")])
+    two = capfd.readouterr()
+    assert code == 0, two.err[-3000:]
+    assert "2 processes" in " ".join(two.out.split())  # rich wraps lines
     assert json.loads((reports / "rank1.json").read_text()) == []  # rank 1 never wrote into the run folder
 
     # the sample ids: each global batch of the one-process run, split between the ranks without overlap
