@@ -157,6 +157,9 @@ def test_selection_helpers_by_hand():
     assert hold_out_test(list("abcde"), shows, 0.2) == ["a", "b"]
     # 0.9: round(2.7) = 3 capped at n_c - 1 = 2: class 1 holds a, b; class 2 has b already, adds c
     assert hold_out_test(list("abcde"), shows, 0.9) == ["a", "b", "c"]
+    # an image held for class 1 would take class 2's only image: passed over (class 1 takes its next image)
+    lone = {"a": {1, 2}, "b": {1}, "c": {1}, "d": {1}}.__getitem__
+    assert hold_out_test(list("abcd"), lone, 0.5) == ["b", "c"]
     taken = {"a"}
     drawn, short = draw_per_class(list("abcde"), shows, {1: 2, 2: 2}, taken)
     # both classes have 3 candidates not taken... class 1: b, e (a taken); class 2 then c, d (b drawn for 1)

@@ -199,23 +199,25 @@ def hold_out_test(order: Sequence[str], shows: Callable[[str], Iterable[int]], f
 
     Returns:
         The held-out ids, in ``order``. Classes are served rarest first (then by id); an image held for one
-        class counts for every class it shows.
+        class counts for every class it shows, and is passed over when holding it would leave a class it
+        shows without a training image.
     """
     per_class: dict[int, list[str]] = {}
     for r in order:
         for c in shows(r):
             per_class.setdefault(c, []).append(r)
     held: set[str] = set()
+    held_of = dict.fromkeys(per_class, 0)
     for c in sorted(per_class, key=lambda c: (len(per_class[c]), c)):
-        n = len(per_class[c])
-        want = min(int(np.floor(fraction * n + 0.5)), n - 1)
-        have = sum(r in held for r in per_class[c])
+        want = min(int(np.floor(fraction * len(per_class[c]) + 0.5)), len(per_class[c]) - 1)
         for r in per_class[c]:
-            if have >= want:
+            if held_of[c] >= want:
                 break
-            if r not in held:
-                held.add(r)
-                have += 1
+            if r in held or any(held_of[o] + 1 >= len(per_class[o]) for o in shows(r)):
+                continue
+            held.add(r)
+            for o in shows(r):
+                held_of[o] += 1
     return [r for r in order if r in held]
 
 
