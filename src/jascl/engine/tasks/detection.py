@@ -78,11 +78,16 @@ def detection_split(split: Split | DetectionSplit | None, what: str) -> Detectio
 
 
 def taught_targets(target: dict[str, np.ndarray], taught: Sequence[int]) -> dict[str, torch.Tensor]:
-    """The boxes of ``target`` whose class is in ``taught`` (global ids kept): ``{"boxes" (M, 4), "labels" (M,)}``."""
+    """The boxes of ``target`` whose class is in ``taught`` (global ids kept): ``{"boxes" (M, 4), "labels" (M,)}``,
+    with ``"iscrowd"`` (M,) when the target has it (crowd boxes and the test splits' ignore regions: pycocotools
+    neither rewards nor penalises detections on them)."""
     boxes = torch.as_tensor(np.asarray(target["boxes"], dtype=np.float32)).reshape(-1, 4)
     labels = torch.as_tensor(np.asarray(target["labels"], dtype=np.int64)).reshape(-1)
     keep = torch.isin(labels, torch.as_tensor(list(taught), dtype=torch.int64))
-    return {"boxes": boxes[keep], "labels": labels[keep]}
+    out = {"boxes": boxes[keep], "labels": labels[keep]}
+    if "iscrowd" in target:
+        out["iscrowd"] = torch.as_tensor(np.asarray(target["iscrowd"], dtype=np.int64)).reshape(-1)[keep]
+    return out
 
 
 class DetectionDataset(Dataset):
@@ -106,6 +111,9 @@ class DetectionDataset(Dataset):
         pass_index, index = split_key(key)
         image = torch.as_tensor(np.asarray(self.split.images[index], dtype=np.float32))
         target = taught_targets(self.split.targets[index], self.taught)
+        if "iscrowd" in target:  # crowd boxes are no training target (torchvision's reference drops them too)
+            keep = target["iscrowd"] == 0
+            target = {"boxes": target["boxes"][keep], "labels": target["labels"][keep]}
         boxes = target["boxes"]
         if self.augment and np.random.default_rng(derive_seed(self.seed, pass_index, index)).random() < 0.5:
             width = image.shape[-1]
@@ -210,9 +218,11 @@ def score_detector(
                     preds = model.predict(batch)
                 targets = [taught_targets(split.targets[i], fg) for i in chunk]
                 for target in targets:
-                    for c in target["labels"].tolist():
+                    crowd = target.get("iscrowd")
+                    scored = target["labels"] if crowd is None else target["labels"][crowd == 0]
+                    for c in scored.tolist():
                         boxes[c] = boxes.get(c, 0) + 1
-                    for c in set(target["labels"].tolist()):
+                    for c in set(scored.tolist()):
                         images[c] = images.get(c, 0) + 1
                 metrics.update(
                     [
