@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import toy_protocol_dict
+from jascl.cli import main
 from jascl.engine.checkpoint import load_progress
 from jascl.engine.stop import REQUEST, StopRequest
 
@@ -63,22 +64,19 @@ if os.environ.get("RANK") == "1" and os.environ.get("JASCL_SIGNAL_STEP"):
 
 
 @pytest.mark.slow
-def test_a_signal_to_one_rank_stops_every_rank_at_the_same_checkpoint(tmp_path):
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_checkpoint(tmp_path, monkeypatch, capfd):
     spec = toy_protocol_dict(2)
     spec["training"].update(epochs_base=2, epochs_incremental=2, batch_size=4, threads=1)
     protocol = tmp_path / "toy.yaml"
     protocol.write_text(yaml.safe_dump(spec))
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT / "src")]),
-        "OMP_NUM_THREADS": "1",
-    }
+    # the launcher (jascl run --devices 2: it starts torchrun and waits) runs in this process, with the command's
+    # own entry point; torchrun and the two ranks are processes of their own, started with this environment
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), str(ROOT / "src")]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("JASCL_SIGNAL_STEP", raising=False)
     args = [
-        sys.executable,
-        "-m",
-        "jascl",
         "run",
         "--protocol",
         str(protocol),
@@ -94,31 +92,28 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_checkpoint(tmp_path):
         str(tmp_path / "cache"),
         "--no-progress",
     ]
-    whole = subprocess.run([*args, "--out", str(tmp_path / "whole")], env=env, capture_output=True, text=True)
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    code = main([*args, "--out", str(tmp_path / "whole")])
+    whole = capfd.readouterr()
+    assert code == 0, whole.err[-3000:]
 
     out = tmp_path / "stopped"
     # 8 base images at a global batch of 4: step 3 is the first of base epoch 1; rank 1 alone gets the signal
-    stopped = subprocess.run(
-        [*args, "--out", str(out)], env={**env, "JASCL_SIGNAL_STEP": "3"}, capture_output=True, text=True
-    )
-    assert stopped.returncode != 0
-    text = " ".join(stopped.stdout.split())
+    monkeypatch.setenv("JASCL_SIGNAL_STEP", "3")
+    code = main([*args, "--out", str(out)])
+    stopped = capfd.readouterr()
+    assert code != 0
+    text = " ".join(stopped.out.split())
     assert (
         "stopped (another process received a stop signal) in base session 0 (base): its training state inside "
         "epoch 1, after step 1 is saved in" in text
-    ), stopped.stdout + stopped.stderr[-3000:]
+    ), stopped.out + stopped.err[-3000:]
     meta, _ = load_progress(out / "base" / "progress.safetensors")
     assert (meta["epoch"], meta["step"]) == (1, 1)
     assert not (out / "results.json").exists()
 
-    resumed = subprocess.run(
-        [sys.executable, "-m", "jascl", "run", "--resume", str(out), "--devices", "2", "--no-progress"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    monkeypatch.delenv("JASCL_SIGNAL_STEP")
+    code = main(["run", "--resume", str(out), "--devices", "2", "--no-progress"])
+    assert code == 0, capfd.readouterr().err[-3000:]
     assert (
         json.loads((out / "results.json").read_text())["methods"]
         == json.loads((tmp_path / "whole" / "results.json").read_text())["methods"]
