@@ -355,7 +355,7 @@ def run_benchmark(
         out.mkdir(parents=True, exist_ok=True)
     handler = _setup_logging(out)
     try:
-        if protocol.uses_datasets and config.patch_size is None:
+        if protocol.uses_datasets and protocol.task == "segmentation" and config.patch_size is None:
             raise ConfigError(
                 f"{protocol.path}: patch_size is null; protocols on datasets train on patches and "
                 "evaluate with a sliding window of that size: set training.patch_size or "
