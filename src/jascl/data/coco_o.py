@@ -20,11 +20,12 @@ The sessions (the paper's appendix "Detection results", Table ``det:methods_sess
 mAP), then session 1 on the Weather domain adds three novel classes, person, car and bench, from 30 labelled
 images per class and 41 / 224 / 174 unlabelled images of bench / car / person.
 
-Which 77 classes: the paper does not list them. COCO has 80 classes; the 77 base classes are taken as *the
-COCO classes other than person, car and bench that have at least one annotation (crowd ones included) in
-Painting* (:func:`base_classes`), which gives 77 exactly when Painting annotates every COCO class (80 - 3).
-The list needs the real data: ``jascl data coco-o-classes --root ROOT`` prints it with its count and warns when
-the count is not 77.
+Which 77 classes: the paper does not list them; the authors' split script (``Detection/tools/prepare_split.py``)
+takes COCO's 80 classes other than person, car and bench, and the built-in ``coco-o`` protocol lists exactly
+those. That is also *the non-novel COCO classes with at least one annotation in Painting* (:func:`base_classes`)
+when Painting annotates every COCO class; ``jascl data coco-o-classes --root ROOT`` prints the classes Painting
+annotates, with their count, and warns when it is not 77, and loading the protocol warns about every base class
+without a box in Painting (its AP is then undefined and left out of the means).
 """
 
 from __future__ import annotations

@@ -74,7 +74,9 @@ class DetectionSplit:
         targets: per sample ``{"boxes": (M, 4) float32 [x1, y1, x2, y2] in pixels, "labels": (M,) int64
             global class ids}``: every box of the image (the session's loader keeps those of the classes it
             teaches). An unlabelled pool's targets are its hidden ground truth, used only to measure
-            pseudo-label quality, or empty.
+            pseudo-label quality, or empty. Test and validation targets of datasets may add ``"iscrowd": (M,) int64``:
+            1 marks an ignore region (a crowd box, or a box of a class that domain does not teach), neither rewarded
+            nor penalised by mAP.
         ids: stable sample ids (K-shot manifests).
     """
 
