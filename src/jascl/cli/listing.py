@@ -88,6 +88,16 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
     if getattr(args, "paper", False):
         return _paper_methods()
+    task = getattr(args, "task", None) or "segmentation"
+    if task != "segmentation" and not args.name:
+        table = Table(title=f"methods on the {task} task (same names and --set method_args.<key> as segmentation)")
+        table.add_column("name")
+        table.add_column("description")
+        for name in METHODS.task_methods(task):
+            doc = (METHODS._task_entries[task][name].__doc__ or "").strip().splitlines()
+            table.add_row(name, doc[0] if doc else "")
+        _console().print(table)
+        return 0
     if not args.name:
         return _list_registry(METHODS, "methods")
     info = describe_method(args.name)

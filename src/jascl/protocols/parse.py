@@ -128,6 +128,8 @@ def parse_protocol(data: Any, source: str = "<protocol>", name: str | None = Non
     if not isinstance(training, Mapping):
         raise r.fail("training", "must be a mapping of run-configuration defaults")
     noise = r.string(top.get("unlabelled_noise", "none"), "unlabelled_noise", NOISE_SCHEDULES)
+    if task == "detection" and noise != "none":
+        raise r.fail("unlabelled_noise", "degrades dense labels' boundaries; detection protocols take 'none'")
     return Protocol(
         unlabelled_noise=noise,
         name=proto_name,
