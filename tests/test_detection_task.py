@@ -233,3 +233,19 @@ def test_jascl_trains_every_term_on_boxes_and_resumes_bit_identically(toy_det, t
     b = load_file(broken / "jascl" / "s1-inc" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert a["roi_heads.box_predictor.classifier.weight"].shape[0] == 4  # background + 3 classes, no GAS leftovers
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"task": "boxes"}, r"toy-det.yaml: task: must be one of segmentation, detection \(got 'boxes'\)"),
+        ({"metric": "dice"}, r"toy-det.yaml: task: detection protocols are 2D and scored with metric 'map'"),
+        ({"unlabelled_noise": "heavy"}, r"toy-det.yaml: unlabelled_noise: degrades dense labels' boundaries"),
+        ({"task": "segmentation", "metric": "map"}, r"toy-det.yaml: metric: 'map' scores boxes: set task: detection"),
+    ],
+)
+def test_the_task_key_is_checked_in_one_line(change, message):
+    spec = {**toy_detection_dict(), **change}
+    with pytest.raises(ConfigError, match=message):
+        parse_protocol(spec, source="toy-det.yaml")
+    assert parse_protocol(toy_detection_dict(), source="toy-det.yaml").metric == "map"
