@@ -39,7 +39,9 @@ def test_synthetic_2d_vanilla_forgets_jascl_retains(tmp_path):
 @pytest.mark.slow
 def test_synthetic_3d_runs_end_to_end_with_the_3d_unet(tmp_path):
     protocol = get_protocol("synthetic-3d")
-    config = resolve_config(protocol.training, protocol.path, overrides=["epochs_base=2", "epochs_incremental=2"])
+    # one epoch per session: what this checks (every session of both methods trains and scores all seven classes
+    # with the 3D U-Net, and no score is NaN) needs no more; the scores themselves are not compared
+    config = resolve_config(protocol.training, protocol.path, overrides=["epochs_base=1", "epochs_incremental=1"])
     results = run_benchmark(
         protocol,
         config,
