@@ -1,5 +1,6 @@
 """Qualitative overlays: test samples with their ground truth and each method's prediction after a session, the
-models read from the run folder's checkpoints (never trained again)."""
+models read from the run folder's checkpoints (never trained again). Detection runs (``task: detection``) draw
+boxes instead of label maps: :mod:`jascl.results.box_overlays`."""
 
 from __future__ import annotations
 
@@ -57,21 +58,22 @@ def _predict(model, image: np.ndarray, roi: Sequence[int] | None, device) -> np.
     return torch.as_tensor(logits).argmax(1)[0].cpu().numpy()
 
 
-def _qualitative(
+def run_inputs(
     run: Path,
     results: RunResults,
-    methods: Sequence[str],
-    samples: int,
     device: str,
     cache_dir: str | Path | None,
-    prefix: str,
     echo: Callable[[str], None],
     roots: RootOptions | None = None,
-    slices: int = 1,
-) -> list[ReportBlock]:
+) -> tuple[Any, Any, list, Any]:
+    """What the overlays of run folder ``run`` need: its protocol, its configuration (on ``device``), its
+    sessions' data (checked against its ``manifest.json``) and the torch device the models run on.
+
+    Raises:
+        ConfigError: a test split that differs from the run's manifest.
+    """
     import torch
 
-    from jascl.engine.checkpoint import read_session_model
     from jascl.engine.config import resolve_config
 
     protocol = _load_protocol(run, results)
@@ -84,11 +86,33 @@ def _qualitative(
         for d in data:
             if listed.get(d.session.index, d.test.ids) != d.test.ids:
                 raise ConfigError(f"the test split of session {d.session.index} differs from {manifest}")
-    names = {c.id: c.name for c in protocol.classes}
-    colours = plots.class_colours([c.id for c in protocol.classes])
     target = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
     )
+    return protocol, config, data, target
+
+
+def _qualitative(
+    run: Path,
+    results: RunResults,
+    methods: Sequence[str],
+    samples: int,
+    device: str,
+    cache_dir: str | Path | None,
+    prefix: str,
+    echo: Callable[[str], None],
+    roots: RootOptions | None = None,
+    slices: int = 1,
+) -> list[ReportBlock]:
+    from jascl.engine.checkpoint import read_session_model
+
+    protocol, config, data, target = run_inputs(run, results, device, cache_dir, echo, roots)
+    if protocol.task == "detection":
+        from jascl.results.box_overlays import box_qualitative
+
+        return box_qualitative(run, results, methods, samples, protocol, config, data, target, prefix, echo)
+    names = {c.id: c.name for c in protocol.classes}
+    colours = plots.class_colours([c.id for c in protocol.classes])
     cache: dict[tuple[str, int], Any] = {}
 
     def model_after(method: str, t: int):

@@ -605,6 +605,7 @@ def pseudo_label_plot(
     session_labels: Sequence[str],
     series: Mapping[str, Mapping[str, Sequence[Sequence[float]]]],
     y_range: tuple[float, float] | None = None,
+    ylabels: Mapping[str, str] | None = None,
 ) -> bytes:
     """Pseudo-label coverage and precision per session, one line per method (PAS vs confidence-only).
 
@@ -612,6 +613,8 @@ def pseudo_label_plot(
         session_labels: x tick labels of the sessions that had an unlabelled phase.
         series: ``{"coverage": {method: per-session per-seed values}, "precision": {...}}``.
         y_range: the y limits of both panels; default fitted to the values (:func:`curves_range`).
+        ylabels: the two panels' y labels (``"coverage"``, ``"precision"``); default the pixel ones (dense
+            pseudo-labels; a detection run passes box ones).
 
     Returns:
         PNG bytes with two panels.
@@ -619,7 +622,9 @@ def pseudo_label_plot(
     return session_curves(
         session_labels,
         {"coverage": series["coverage"], "precision": series["precision"]},
-        {"coverage": "coverage (kept / all unlabelled pixels)", "precision": "precision (correct / kept pixels)"},
+        dict(ylabels)
+        if ylabels is not None
+        else {"coverage": "coverage (kept / all unlabelled pixels)", "precision": "precision (correct / kept pixels)"},
         y_range,
         xlabel="session (its unlabelled phase)",
     )

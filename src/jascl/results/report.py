@@ -12,7 +12,8 @@ A run's results are a plain JSON-serialisable dict::
 Scores are fractions in ``[0, 1]``. Missing values may be ``NaN`` (in memory)
 or ``None`` (after a JSON round trip); both are shown as ``—`` and written
 as ``null`` (JSON) or an empty field (CSV). For metric ``"iou"`` tables show
-mIoU ×100 with one decimal, as the paper does; otherwise three decimals.
+mIoU ×100 with one decimal, as the paper does; otherwise three decimals. Metric ``"map"`` (detection
+protocols) is COCO mAP: the splits are mean per-class AP and there is no background score.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ ResultsLike = RunResults | Mapping[str, Any]
 
 __all__ = [
     "format_score",
+    "is_detection_metric",
+    "metric_name",
     "table_title",
     "comparison_table",
     "session_detail_table",
@@ -46,6 +49,19 @@ __all__ = [
 ]
 
 MISSING = "—"
+
+#: how a metric is named in titles, labels and captions (any other: capitalised, e.g. "Dice")
+_METRIC_NAMES = {"iou": "IoU", "miou": "IoU", "jaccard": "IoU", "map": "mAP"}
+
+
+def metric_name(metric: str) -> str:
+    """The metric as a report names it: ``"dice"`` -> ``"Dice"``, ``"iou"`` -> ``"IoU"``, ``"map"`` -> ``"mAP"``."""
+    return _METRIC_NAMES.get(metric.lower(), metric.capitalize())
+
+
+def is_detection_metric(metric: str) -> bool:
+    """Whether ``metric`` scores boxes (COCO mAP of a detection protocol) rather than dense labels."""
+    return metric.lower() == "map"
 
 
 def _as_float(value: Any) -> float:
@@ -80,6 +96,9 @@ def table_title(results: ResultsLike) -> str:
     excluded) · eval: sliding-window · seed 1024"``.
     """
     results = RunResults.from_json(results)
+    if is_detection_metric(results.metric):  # whole images, boxes: no background class, no sliding window
+        parts = [results.protocol, "mAP (COCO AP at IoU 0.50:0.95, mean over the classes seen so far)"]
+        return " · ".join(parts + ([f"seed {results.seed}"] if results.seed is not None else []))
     bg = results.background
     if "exclud" in bg.lower():
         averaging = "mean over foreground classes; background excluded"
@@ -87,7 +106,7 @@ def table_title(results: ResultsLike) -> str:
         averaging = "mean over all classes; background included"
     else:
         averaging = f"background: {bg}"
-    name = "mIoU ×100" if results.is_iou else results.metric.capitalize()
+    name = "mIoU ×100" if results.is_iou else metric_name(results.metric)
     parts = [results.protocol, f"{name} ({averaging})"]
     if results.eval_mode:
         parts.append(f"eval: {results.eval_mode}")

@@ -16,7 +16,7 @@ from jascl import __version__
 from jascl.errors import DataError
 from jascl.results import plots, tables
 from jascl.results.blocks import ReportBlock, _figure, _safe, _table, _text
-from jascl.results.report import table_title
+from jascl.results.report import is_detection_metric, metric_name, table_title
 from jascl.results.runs import RunInput, _config_of, _load_protocol, _mean_std, _read_json, _values, fmt_values
 
 
@@ -38,6 +38,19 @@ def sessions_section(run: RunInput) -> list[ReportBlock]:
     """Per method: all / old / new / HM / base-class / background per session, the other metric, training time."""
     background_in_mean = bool(_config_of(run.runs[0]).get("background_in_mean", False))
     blocks = [tables.sessions_table(run, m, background_in_mean) for m in run.methods()]
+    if is_detection_metric(run.metric):
+        blocks.append(
+            _text(
+                "All = mean AP (COCO, IoU 0.50:0.95) over the classes seen so far that have test boxes; Old = classes "
+                "of earlier sessions; New = classes introduced in the session; HM = harmonic mean of Old and New "
+                "(undefined in session 0); Base classes = session-0 classes; a detector scores no background class, "
+                "so there is no background column. All (mAP@0.5): mAP at IoU 0.5 over the same classes. Evaluated on "
+                f"the whole test images of every session so far. {tables.seeds_note(run).capitalize()}. Train time: "
+                "wall-clock seconds of the session's training and evaluation (its metrics.json); a session 0 reused "
+                "from the shared base shows the base's time."
+            )
+        )
+        return blocks
     blocks.append(
         _text(
             "All = mean over the foreground classes seen so far; Old = classes of earlier sessions; "
@@ -62,7 +75,7 @@ def methods_section(run: RunInput) -> list[ReportBlock]:
 
 
 def _metric_name(run: RunInput) -> str:
-    return "IoU" if run.metric == "iou" else run.metric.capitalize()
+    return metric_name(run.metric)
 
 
 def curves_section(run: RunInput, prefix: str) -> list[ReportBlock]:
@@ -77,6 +90,8 @@ def curves_section(run: RunInput, prefix: str) -> list[ReportBlock]:
         panels[base][m] = [_values(recs, t, "base") for t in range(len(labels))]
     metric = _metric_name(run)
     ylabels = {every: f"{metric} (mean over all classes seen)", base: f"{metric} (mean over base classes)"}
+    if is_detection_metric(run.metric):  # a class's score is its AP: "mAP over base classes" reads as it is
+        ylabels = {every: "mAP (over all classes seen)", base: "mAP (over base classes)"}
     lo, hi = plots.curves_range(panels)
     png = plots.session_curves(labels, panels, ylabels, (lo, hi))
     seeds = (
@@ -120,7 +135,7 @@ def heatmaps_section(run: RunInput, prefix: str) -> list[ReportBlock]:
     lo, hi = plots.fitted_range(np.concatenate(values)) if values else (0.0, 1.0)
     iou = run.metric == "iou"
     scale = 100.0 if iou else 1.0
-    metric = "IoU ×100" if iou else _metric_name(run)
+    metric = "IoU ×100" if iou else "AP" if is_detection_metric(run.metric) else _metric_name(run)
     blocks = [
         _text(
             "Rows are foreground classes, columns sessions (the model after that session); grey = class "
@@ -163,6 +178,18 @@ _PL_COLUMNS = (
     ("teacher_error_final", "Teacher error (final)"),
 )
 
+#: the detection PAS record (:mod:`jascl.methods.detection.pas`): box counts, then fractions
+_PL_BOX_COUNTS = (
+    ("teacher_boxes", "Teacher boxes"),
+    ("kept", "Kept boxes"),
+    ("confidence_only_kept", "Conf.-only kept"),
+)
+_PL_BOX_FRACTIONS = (
+    ("coverage", "Kept / teacher boxes"),
+    ("precision", "Precision (IoU ≥ 0.5)"),
+    ("confidence_only_precision", "Conf.-only precision (IoU ≥ 0.5)"),
+)
+
 
 def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
     """Per semi-supervised method: pseudo-label statistics per session (``metrics.json`` ``pseudo_labels``), and a plot."""
@@ -180,7 +207,10 @@ def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
                 "phase ran: the protocol has no unlabelled pools or pas.start_epoch ≥ the epochs)."
             )
         ]
-    header = ["Session", "Name", "Filter", "Phases", *[title for _, title in _PL_COLUMNS]]
+    boxes = is_detection_metric(run.metric)
+    counts = [("phases", "Phases"), *(_PL_BOX_COUNTS if boxes else ())]
+    fractions = _PL_BOX_FRACTIONS if boxes else _PL_COLUMNS
+    header = ["Session", "Name", "Filter", *[title for _, title in (*counts, *fractions)]]
     for m, ts in with_stats.items():
         recs = run.records(m)
 
@@ -201,8 +231,8 @@ def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
                     str(t),
                     sessions[t][1],
                     "/".join(filters),
-                    fmt_values(stat(t, "phases"), "count"),
-                    *[fmt_values(stat(t, key), "frac") for key, _ in _PL_COLUMNS],
+                    *[fmt_values(stat(t, key), "count") for key, _ in counts],
+                    *[fmt_values(stat(t, key), "frac") for key, _ in fractions],
                 ]
             )
         blocks.append(_table(f"pseudo-labels:{m}", header, rows, heading=m))
@@ -212,14 +242,29 @@ def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
         recs = run.records(m)
         for key in series:
             series[key][m] = [[p[t].pseudo_label_value(key) if t < len(p) else math.nan for p in recs] for t in shown]
+    if not any(math.isfinite(v) for per_m in series.values() for per_t in per_m.values() for vs in per_t for v in vs):
+        blocks.append(
+            _text(
+                "No plot: no pseudo-label was kept or measured in any session (phases 0: pas.start_epoch ≥ the "
+                "epochs, or the teacher gave none)."
+            )
+        )
+        return blocks
     lo, hi = plots.curves_range(series)
-    png = plots.pseudo_label_plot([f"S{t} {sessions[t][1]}" for t in shown], series, (lo, hi))
+    ylabels = {"coverage": "kept / teacher boxes", "precision": "precision (IoU ≥ 0.5, same class)"} if boxes else None
+    png = plots.pseudo_label_plot([f"S{t} {sessions[t][1]}" for t in shown], series, (lo, hi), ylabels)
+    words = (
+        "Kept / teacher boxes = boxes PAS kept / the teacher's detections on the unlabelled images; precision = "
+        "kept boxes matching a hidden ground-truth box of the same class at IoU ≥ 0.5 / kept boxes"
+        if boxes
+        else "Coverage = kept / all unlabelled pixels; precision = "
+        "kept pixels whose pseudo-label equals the hidden ground truth / kept pixels"
+    )
     blocks.append(
         _figure(
             f"{prefix}-pseudo-labels",
             png,
-            "Coverage = kept / all unlabelled pixels; precision = "
-            "kept pixels whose pseudo-label equals the hidden ground truth / kept pixels"
+            words
             + ("; line: mean over seeds, band: ± std" if run.multi_seed else "")
             + f"; y axes fitted to the values: {plots.format_range(lo, hi)}",
         )
@@ -242,8 +287,8 @@ def config_section(run: RunInput) -> list[ReportBlock]:
     protocol = _load_protocol(folder, run.first)  # ConfigError: the section cannot be produced
     blocks.append(
         _text(
-            f"Protocol {protocol.name} ({protocol.spatial_dims}D, metric {protocol.metric}, "
-            f"unlabelled noise {protocol.unlabelled_noise}): {protocol.description}"
+            f"Protocol {protocol.name} ({protocol.spatial_dims}D, {protocol.task}, metric "
+            f"{metric_name(protocol.metric)}, unlabelled noise {protocol.unlabelled_noise}): {protocol.description}"
         )
     )
     cls = lambda ids: ", ".join(f"{c} {protocol.class_name(c)}" for c in ids) or "—"  # noqa: E731

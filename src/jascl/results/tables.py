@@ -11,7 +11,9 @@ Conventions, the same in every table:
 * IoU is ×100 with one decimal, other scores three decimals (:func:`jascl.results.report.format_score`);
 * the support of a per-class score is the number of test pixels / voxels of the class in the scored
   ground truth and the number of test samples containing it, after that session (``results.json``'s
-  ``support`` / ``samples``; runs written before jascl saved them show "—").
+  ``support`` / ``samples``; runs written before jascl saved them show "—");
+* detection runs (metric ``map``): scores are AP / mAP, the support is test boxes and images, there is no
+  background column, and the metric beside the protocol's is mAP at IoU 0.5 (the record's ``map_50``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 from jascl.evaluation.metrics import summarise
 from jascl.results.blocks import ReportBlock, _table, _text
 from jascl.results.records import SPLITS, SessionRecord
-from jascl.results.report import MISSING
+from jascl.results.report import MISSING, is_detection_metric, metric_name
 from jascl.results.runs import TOTAL_DROP_ROW, RunInput, _config_of, _mean_std, _read_json, _session_folder, fmt_values
 
 HIGHER, LOWER = 1, -1
@@ -54,12 +56,18 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def other_metric(run: RunInput) -> str:
-    """The metric shown beside the protocol's: IoU beside Dice, Dice beside IoU."""
+    """The metric shown beside the protocol's: IoU beside Dice, Dice beside IoU, mAP@0.5 (``map_50``) beside mAP."""
+    if is_detection_metric(run.metric):
+        return "map_50"
     return "dice" if run.metric == "iou" else "iou"
 
 
 def other_mean(rec: SessionRecord, metric: str, background_in_mean: bool) -> float:
-    """The all-class mean of ``metric`` over the classes the record's ``all`` averages (NaN if not saved)."""
+    """The all-class mean of ``metric`` over the classes the record's ``all`` averages (NaN if not saved);
+    ``"map_50"``: the record's mAP at IoU 0.5."""
+    if metric == "map_50":
+        value = rec.extra.get("map_50")
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
     scores = rec.dice if metric == "dice" else rec.iou
     if not scores:
         return math.nan
@@ -79,7 +87,9 @@ def session_seconds(run: RunInput, method: str, t: int, name: str) -> list[float
 
 
 def _metric_label(metric: str) -> str:
-    return "IoU ×100" if metric == "iou" else metric.capitalize()
+    if metric == "map_50":
+        return "mAP@0.5"
+    return "IoU ×100" if metric == "iou" else metric_name(metric)
 
 
 def summary_table(run: RunInput) -> ReportBlock:
@@ -122,15 +132,18 @@ def sessions_table(run: RunInput, method: str, background_in_mean: bool) -> Repo
     """One method's sessions: all / old / new / HM / base / background, the other metric's all, training time."""
     recs = run.records(method)
     other = other_metric(run)
-    header = ["Session", "Name", "Domains", "All", "Old", "New", "HM", "Base classes", "Background"]
+    # a detector scores no background class: its column would be empty
+    splits = [k for k in SPLITS if k != "background"] if is_detection_metric(run.metric) else list(SPLITS)
+    header = ["Session", "Name", "Domains", "All", "Old", "New", "HM", "Base classes", "Background"][: 3 + len(splits)]
     header += [f"All ({_metric_label(other)})", "Train time (s)"]
     rows = []
     for t, name in run.sessions():
         if t >= max(len(r) for r in recs):
             continue
         domains = ", ".join(recs[0][t].domains) if t < len(recs[0]) else ""
-        cells = [fmt_values([r[t].score(k) for r in recs if t < len(r)], run.metric) for k in SPLITS]
-        cells.append(fmt_values([other_mean(r[t], other, background_in_mean) for r in recs if t < len(r)], other))
+        cells = [fmt_values([r[t].score(k) for r in recs if t < len(r)], run.metric) for k in splits]
+        values = [other_mean(r[t], other, background_in_mean) for r in recs if t < len(r)]
+        cells.append(fmt_values(values, run.metric if other == "map_50" else other))
         seconds = session_seconds(run, method, t, name)
         shared = t == 0 and not (run.runs[0] / method / f"s0-{name}" / "model.safetensors").is_file()
         time = fmt_values(seconds, "count") + (" (shared base)" if shared and time_known(seconds) else "")
@@ -156,7 +169,10 @@ def per_class_table(run: RunInput, method: str) -> ReportBlock:
     recs = run.records(method)
     sessions = run.sessions()
     names = run.first.classes
-    header = ["Class", *[f"S{t}" for t, _ in sessions], "Forgetting", "Test pixels/voxels", "Test samples"]
+    support = (
+        ["Test boxes", "Test images"] if is_detection_metric(run.metric) else ["Test pixels/voxels", "Test samples"]
+    )
+    header = ["Class", *[f"S{t}" for t, _ in sessions], "Forgetting", *support]
     rows = []
     for key in _class_keys(recs):
         row = [f"{key} {names.get(key, '')}".strip()]
@@ -189,6 +205,13 @@ def _support(last: Sequence[SessionRecord], key: str, what: str) -> str:
 
 
 def per_class_notes(run: RunInput) -> ReportBlock:
+    if is_detection_metric(run.metric):
+        return _text(
+            f"Per class (AP, COCO IoU 0.50:0.95) after each session; {seeds_note(run)}. Forgetting = best AP in an "
+            "earlier session − AP after the last session (positive: the class lost ground; — for a class first "
+            "scored in the last session). The support columns give how much test data the last session's AP rests "
+            "on: ground-truth boxes of the class and test images showing it; an AP on a few boxes is a weak finding."
+        )
     return _text(
         f"Per class ({_metric_label(run.metric)}) after each session; {seeds_note(run)}. Forgetting = best score "
         "in an earlier session − score after the last session (positive: the class lost ground; — for a class "
