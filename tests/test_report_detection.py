@@ -4,6 +4,7 @@ two-session detection run (one epoch per session)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -112,6 +113,21 @@ def test_the_pseudo_label_section_shows_the_records_kept_boxes(det_run):
     figure = next(b for b in blocks if b.kind == "figure")
     assert "kept boxes matching a hidden ground-truth box of the same class at IoU ≥ 0.5" in figure.text
     assert "pixels" not in figure.text
+
+
+def test_a_session_without_an_unlabelled_phase_lists_zero_boxes_and_draws_no_plot(det_run, tmp_path):
+    folder = tmp_path / "no-phase"
+    shutil.copytree(det_run["run"], folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    results = json.loads((folder / "results.json").read_text())
+    results["methods"]["jascl"]["sessions"][1]["pseudo_labels"] = {
+        "filter": "pas", "phases": 0, "teacher_boxes": 0, "kept": 0, "coverage": None, "precision": None,
+        "confidence_only_kept": 0, "confidence_only_precision": None,
+    }  # fmt: skip
+    (folder / "results.json").write_text(json.dumps(results))
+    blocks = pseudo_label_section(open_run(folder), "p0")
+    assert [b.kind for b in blocks] == ["table", "text"]
+    assert blocks[0].rows == [["1", "inc", "pas", "0", "0", "0", "0", "—", "—", "—"]]
+    assert blocks[1].text.startswith("No plot: no pseudo-label was kept or measured")
 
 
 def _axes(fig, title: str) -> list:

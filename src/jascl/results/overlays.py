@@ -110,7 +110,8 @@ def _qualitative(
     if protocol.task == "detection":
         from jascl.results.box_overlays import box_qualitative
 
-        return box_qualitative(run, results, methods, samples, protocol, config, data, target, prefix, echo)
+        note = [_text(f"--slices {slices}: detection images are 2D, one panel each.")] if slices > 1 else []
+        return note + box_qualitative(run, results, methods, samples, protocol, config, data, target, prefix, echo)
     names = {c.id: c.name for c in protocol.classes}
     colours = plots.class_colours([c.id for c in protocol.classes])
     cache: dict[tuple[str, int], Any] = {}
