@@ -21,9 +21,11 @@ Every input folder becomes one part of the report with these sections
 * ``heatmaps``: per-class score by session, one heat map per method (forgetting at a glance);
 * ``losses``: training loss per epoch per method, the sessions in order (from each run's ``log.txt``);
 * ``qualitative``: input, ground truth and each method's prediction for a few test
-  samples of every session (the model after that session, and after the last one);
+  samples of every session (the model after that session, and after the last one); on a detection run the
+  ground-truth boxes and the detections scoring at least 0.5 (:mod:`jascl.results.box_overlays`);
 * ``pseudo-labels``: coverage and precision of the kept pseudo-labels per session
-  (semi-supervised methods);
+  (semi-supervised methods); on a detection run the teacher's boxes, the kept boxes and their precision at
+  IoU 0.5;
 * ``methods``: each method's description, paper and options as run;
 * ``config``: the resolved run configuration and the protocol's sessions;
 * ``versions``: library versions, devices, seeds and batch sizes;
@@ -33,6 +35,9 @@ A section that cannot be produced (data roots that moved, a missing run-folder f
 load) raises :class:`SectionError` and nothing is written, unless its id is in ``skip`` (``--skip``).
 Dataset roots: ``--root`` > ``--roots`` > recorded in the run folder > ``JASCL_ROOT_<NAME>``
 (:func:`jascl.results.runs.run_roots`).
+
+A detection run (metric ``map``) is reported with the same sections in its own words: mAP / AP for the scores,
+mAP@0.5 beside mAP, test boxes and images as the support, no background column.
 
 Tables print the numbers of ``results.json`` with the formatting of
 :func:`jascl.results.report.format_score` (IoU ×100 with one decimal, otherwise
