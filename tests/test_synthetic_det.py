@@ -175,6 +175,7 @@ def test_builtin_synthetic_det():
     ]
     assert [s.num_labelled for s in p.sessions] == [160, 20, 10]
     cfg = resolve_config(p.training, "synthetic-det")
-    assert (cfg.backbone, cfg.epochs_base, cfg.epochs_incremental, cfg.batch_size) == ("fasterrcnn-small", 12, 12, 8)
-    assert (cfg.lr_base, cfg.lr_incremental, cfg.freeze_incremental) == (0.02, 0.01, "none")
+    assert (cfg.backbone, cfg.epochs_base, cfg.epochs_incremental, cfg.batch_size) == ("fasterrcnn-small", 20, 12, 8)
+    assert (cfg.lr_base, cfg.lr_incremental, cfg.freeze_incremental) == (0.02, 0.01, "all_but_classifier")
+    assert cfg.method_args["jascl"]["base"] == "shared"  # one base for every row, as the paper's detection table
     DetectionRenderer(p)  # every shape known, nothing the detection generator refuses
