@@ -249,3 +249,33 @@ def test_the_task_key_is_checked_in_one_line(change, message):
     with pytest.raises(ConfigError, match=message):
         parse_protocol(spec, source="toy-det.yaml")
     assert parse_protocol(toy_detection_dict(), source="toy-det.yaml").metric == "map"
+
+
+def test_a_detection_sessions_model_and_tables_read_back_from_its_folder(toy_det):
+    from jascl.engine.checkpoint import read_session_model
+    from jascl.networks.detector import Detector
+    from jascl.results.report import session_detail_table
+
+    protocol, config, data, root = toy_det
+    model = read_session_model(root / "base", protocol, config, 0)
+    trainer = ContinualTrainer(protocol, config, Method("vanilla"), data, progress=False)
+    loaded, _, record = trainer.load_session(root / "base", 0)
+    assert isinstance(model, Detector) and not model.training and model.num_classes == 3
+    own, other = model.state_dict(), loaded.state_dict()
+    assert own.keys() == other.keys() and all(torch.equal(own[k], other[k].cpu()) for k in own)
+    bad = resolve_config(protocol.training, "toy-det.yaml", overrides=["backbone=unet"])
+    with pytest.raises(ConfigError, match=r"^backbone='unet': a detection protocol trains a detector; choose one of"):
+        read_session_model(root / "base", protocol, bad, 0)
+    results = {"metric": "map", "protocol": "toy-det", "methods": {"base": {"sessions": [record], "total_drop": 0.0}}}
+    header, rows = session_detail_table(results, "base")
+    assert header[-1] == "Base" and len(rows[0]) == len(header)  # no background column for a detector
+
+
+def test_a_box_without_area_is_a_one_line_error_naming_the_sample():
+    from jascl.errors import DataError
+
+    target = {"boxes": np.array([[3, 1, 3, 4]], np.float32), "labels": np.array([1], np.int64)}
+    split = DetectionSplit(np.zeros((1, 1, 6, 6), np.float32), [target], ["mine/0007"])
+    with pytest.raises(DataError, match=r"^sample mine/0007: box \[3.0, 1.0, 3.0, 4.0\] has no area") as info:
+        DetectionDataset(split, taught=[1])[0]
+    assert "\n" not in str(info.value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -17,6 +18,9 @@ from jascl.errors import CheckpointError
 from jascl.fileio import atomic_write
 from jascl.networks.base import Segmenter, create_segmenter
 from jascl.protocols.schema import Protocol
+
+if TYPE_CHECKING:
+    from jascl.networks.detector import Detector
 
 
 def save_model(model: Segmenter, path: str | Path, meta: dict) -> None:
@@ -85,12 +89,35 @@ def session_meta(protocol: Protocol, config: RunConfig, session: int) -> dict:
     }
 
 
+def detector_for_run(protocol: Protocol, config: RunConfig, num_classes: int) -> Detector:
+    """The detector of a detection run (``config.backbone``, :data:`jascl.networks.detector.DETECTOR_BACKBONES`) with
+    ``num_classes`` rows, on the CPU; a synthetic protocol's image size sets the small detector's anchors."""
+    from jascl.networks.detector import detector_for_backbone
+
+    options = dict(config.backbone_args)
+    if protocol.synthetic is not None:
+        options.setdefault("image_size", int(max(protocol.synthetic.size)))
+    return detector_for_backbone(
+        config.backbone,
+        protocol.in_channels,
+        num_classes,
+        cosine=config.classifier == "cosine",
+        temperature=config.temperature,
+        **options,
+    )
+
+
 def read_session_model(folder: str | Path, protocol: Protocol, config: RunConfig, session: int) -> Segmenter:
     """The model a finished session saved in ``folder``, built from the run's protocol and configuration.
 
     A checkpoint reader for whoever needs a trained model without training (reports, your own analysis):
     the model is on the CPU in eval mode; a checkpoint that does not fit is a one-line :class:`CheckpointError`.
+    A detection protocol's session gives its detector (:func:`detector_for_run`).
     """
+    if protocol.task == "detection":
+        detector = detector_for_run(protocol, config, len(protocol.seen_classes(session)))
+        load_model(detector, Path(folder) / "model.safetensors", session_meta(protocol, config, session))  # type: ignore[arg-type]
+        return detector.eval()  # type: ignore[return-value]
     model = create_segmenter(
         config.backbone,
         protocol.spatial_dims,

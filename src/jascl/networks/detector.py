@@ -542,6 +542,20 @@ def create_detector(variant: str, in_channels: int, num_classes: int, **kwargs: 
     return Detector(num_classes, variant=variant, in_channels=in_channels, **kwargs)
 
 
+#: the ``backbone`` names of detection protocols (``training.backbone``, ``--set backbone=``) -> detector variants
+DETECTOR_BACKBONES = {"fasterrcnn-small": "small", "fasterrcnn-resnet50-fpn": "resnet50-fpn"}
+
+
+def detector_for_backbone(backbone: str, in_channels: int, num_classes: int, **kwargs: Any) -> Detector:
+    """The detector a run's ``backbone`` names (:data:`DETECTOR_BACKBONES`); another name is a one-line ConfigError."""
+    if backbone not in DETECTOR_BACKBONES:
+        raise ConfigError(
+            f"backbone={backbone!r}: a detection protocol trains a detector; choose one of "
+            f"{', '.join(DETECTOR_BACKBONES)} (--set backbone=...)"
+        )
+    return create_detector(DETECTOR_BACKBONES[backbone], in_channels, num_classes, **kwargs)
+
+
 # torchvision's pre-0.13 names (e.g. its fasterrcnn_resnet50_fpn_coco-258fb6c6.pth) -> today's; torchvision maps them
 # through state-dict version metadata, which a tensor-by-tensor load (or a .safetensors file) does not carry
 _LEGACY_NAMES = (

@@ -151,7 +151,7 @@ def session_detail_table(results: ResultsLike, method: str) -> tuple[list[str], 
 
     Returns:
         ``(header, rows)`` with columns Session, Name, All, Old, New, HM (of old and new), Base,
-        Background; one row per session.
+        Background (not for detection runs: a detector scores no background class); one row per session.
 
     Raises:
         KeyError: If ``method`` is not one of the run's methods.
@@ -159,9 +159,12 @@ def session_detail_table(results: ResultsLike, method: str) -> tuple[list[str], 
     results = RunResults.from_json(results)
     m = results.methods[method]
     header = ["Session", "Name", "All", "Old", "New", "HM", "Base", "Background"]
+    splits = list(SPLITS)
+    if is_detection_metric(results.metric):  # a detector scores no background class
+        header, splits = header[:-1], [k for k in splits if k != "background"]
     rows = []
     for s in m.sessions:
-        rows.append([str(s.session), s.name] + [format_score(s.score(k), results.metric) for k in SPLITS])
+        rows.append([str(s.session), s.name] + [format_score(s.score(k), results.metric) for k in splits])
     return header, rows
 
 

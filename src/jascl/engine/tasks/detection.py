@@ -51,20 +51,19 @@ from jascl.engine.defaults import ClassifierGrowth, ModelSelection, SessionCheck
 from jascl.engine.plugin import Plugin
 from jascl.engine.prototypes import PrototypeAccumulator
 from jascl.engine.tasks.base import Task
-from jascl.errors import ConfigError
+from jascl.errors import DataError
 from jascl.evaluation.detection import DetectionMetrics
 from jascl.evaluation.metrics import harmonic_mean
 from jascl.networks.base import eval_mode
 
 if TYPE_CHECKING:
+    from jascl.engine.config import RunConfig
     from jascl.engine.state import LoopState
     from jascl.networks.detector import Detector, DetectorOutput
     from jascl.protocols.schema import Protocol
 
 log = logging.getLogger("jascl")
 
-#: ``backbone`` names of the detection task -> :data:`jascl.networks.detector.DETECTOR_VARIANTS`
-DETECTORS = {"fasterrcnn-small": "small", "fasterrcnn-resnet50-fpn": "resnet50-fpn"}
 
 #: background boxes (:func:`background_boxes`): at most this IoU with any ground-truth box
 BACKGROUND_MAX_IOU = 0.3
@@ -115,6 +114,12 @@ class DetectionDataset(Dataset):
             keep = target["iscrowd"] == 0
             target = {"boxes": target["boxes"][keep], "labels": target["labels"][keep]}
         boxes = target["boxes"]
+        bad = (boxes[:, 2] <= boxes[:, 0]) | (boxes[:, 3] <= boxes[:, 1])
+        if bool(bad.any()):  # torchvision's box losses would be NaN
+            raise DataError(
+                f"sample {self.split.ids[index]}: box {boxes[bad][0].tolist()} has no area (x2 <= x1 or y2 <= y1); "
+                "drop or fix it in the data ('jascl data check' reports such boxes of COCO-format copies)"
+            )
         if self.augment and np.random.default_rng(derive_seed(self.seed, pass_index, index)).random() < 0.5:
             width = image.shape[-1]
             image = image.flip(-1)
@@ -332,6 +337,13 @@ class DetectionModelSelection(ModelSelection):
         return sum(valid) / len(valid) if valid else math.nan
 
 
+def build_detector(protocol: Protocol, config: RunConfig, num_classes: int) -> Detector:
+    """The run's detector with ``num_classes`` rows, on the CPU (:func:`jascl.engine.checkpoint.detector_for_run`)."""
+    from jascl.engine.checkpoint import detector_for_run
+
+    return detector_for_run(protocol, config, num_classes)
+
+
 class _DetectionTrainForward(nn.Module):
     """``forward_train`` as a module returning tensors, the form DistributedDataParallel wraps."""
 
@@ -357,33 +369,10 @@ class DetectionTask(Task):
     name = "detection"
     collate = staticmethod(detection_collate)
 
-    def _variant(self) -> str:
-        backbone = self.trainer.config.backbone
-        if backbone not in DETECTORS:
-            raise ConfigError(
-                f"backbone={backbone!r}: a detection protocol trains a detector; choose one of "
-                f"{', '.join(DETECTORS)} (--set backbone=...)"
-            )
-        return DETECTORS[backbone]
-
     def new_model(self, num_classes: int) -> nn.Module:
-        from jascl.networks.detector import create_detector
-
         trainer = self.trainer
-        cfg, protocol = trainer.config, trainer.protocol
         torch.manual_seed(trainer.seed)
-        options = dict(cfg.backbone_args)
-        if protocol.synthetic is not None:
-            options.setdefault("image_size", int(max(protocol.synthetic.size)))
-        model = create_detector(
-            self._variant(),
-            protocol.in_channels,
-            num_classes,
-            cosine=cfg.classifier == "cosine",
-            temperature=cfg.temperature,
-            **options,
-        )
-        return model.to(trainer.device)
+        return build_detector(trainer.protocol, trainer.config, num_classes).to(trainer.device)
 
     def load_weights(self, model: nn.Module, path: str) -> None:
         from jascl.networks.detector import load_detector_weights
