@@ -279,3 +279,10 @@ def test_a_box_without_area_is_a_one_line_error_naming_the_sample():
     with pytest.raises(DataError, match=r"^sample mine/0007: box \[3.0, 1.0, 3.0, 4.0\] has no area") as info:
         DetectionDataset(split, taught=[1])[0]
     assert "\n" not in str(info.value)
+
+
+def test_per_sample_anchors_are_refused_on_boxes():
+    config = resolve_config({}, "x.yaml", overrides=["method_args.jascl.pas.anchors=per-sample"])
+    with pytest.raises(ConfigError, match=r"^method_args.jascl.pas.anchors=per-sample: PAS on boxes compares"):
+        create_method("jascl", config, "detection")
+    assert create_method("jascl-no-pas", config, "detection").name == "jascl-no-pas"  # no teacher: nothing refused

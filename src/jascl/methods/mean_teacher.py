@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -94,7 +94,53 @@ def view_transform(seed: int) -> Compose:
     ).set_random_state(seed)
 
 
-class MeanTeacherPlugin(Plugin):
+class TeacherPhases(Plugin):
+    """What every mean teacher on a session's unlabelled pool shares (pixels: :class:`MeanTeacherPlugin`; boxes:
+    :class:`jascl.methods.detection.pas.DetectionMeanTeacherPlugin`): the teacher, a frozen copy of the student
+    made when an incremental session has a pool (:meth:`start_teacher`), one EMA step after every optimiser step,
+    and the unlabelled phases, every ``every`` epochs from ``start_epoch``, each one pass over the pool's loader
+    (``self._loader``, set by the subclass). Subclasses set ``start_epoch``, ``every`` and ``ema_decay``."""
+
+    start_epoch = 25
+    every = 25
+    ema_decay = 0.99
+    teacher: Any = None
+    _ema: EMAPairs | None = None
+    _loader: Any = None
+    _batches: BatchStream | None = None
+
+    def start_teacher(self, state: LoopState) -> bool:
+        """Make the session's teacher (and its EMA pairs) when it has an unlabelled pool; whether it has one."""
+        self.teacher = None
+        pool = state.data.unlabelled
+        if state.session.index == 0 or pool is None or len(pool) == 0:
+            return False
+        self.teacher = state.new_model(state.model.num_classes)
+        self.teacher.load_state_dict(clean_state_dict(state.model))
+        self.teacher.eval().requires_grad_(False)
+        self._ema = EMAPairs(self.teacher, clean_state_dict(state.model))
+        return True
+
+    def _is_phase(self, epoch: int) -> bool:
+        return epoch >= self.start_epoch and (epoch - self.start_epoch) % max(self.every, 1) == 0
+
+    def epoch_iterations(self, state: LoopState) -> int | None:
+        if self.teacher is not None and self._is_phase(state.epoch):
+            return len(self._loader)
+        return None
+
+    def after_update(self, state: LoopState) -> None:
+        if self.teacher is not None and self._ema is not None:
+            self._ema.step(self.ema_decay)
+
+    def after_session(self, state: LoopState) -> None:
+        self.teacher = None
+        self._ema = None
+        self._loader = None
+        self._batches = None
+
+
+class MeanTeacherPlugin(TeacherPhases):
     """Student-teacher consistency on unlabelled data, filtered by PAS (or by confidence only).
 
     In every incremental session with an unlabelled pool the teacher starts as a
@@ -186,18 +232,12 @@ class MeanTeacherPlugin(Plugin):
     # ---------------------------------------------------------------- events
 
     def before_session(self, state: LoopState) -> None:
-        self.teacher = None
-        pool = state.data.unlabelled
-        if state.session.index == 0 or pool is None or len(pool) == 0:
+        if not self.start_teacher(state):
             return
-        self.teacher = state.new_model(state.model.num_classes)
-        self.teacher.load_state_dict(clean_state_dict(state.model))
-        self.teacher.eval().requires_grad_(False)
-        self._ema = EMAPairs(self.teacher, clean_state_dict(state.model))
         t = state.session.index
         views = (view_transform(state.seed + 1), view_transform(state.seed + 2))
         self._loader = seeded_loader(
-            UnlabelledDataset(pool, views, derive_seed(state.seed, "views", t)),
+            UnlabelledDataset(state.data.unlabelled, views, derive_seed(state.seed, "views", t)),
             self.batch_size or state.config.batch_size,
             derive_seed(state.seed, "unlabelled", t),
             **state.loader_options,
@@ -209,14 +249,6 @@ class MeanTeacherPlugin(Plugin):
         self.counters = FilterCounters(filters=len(self.COUNTED))
         self.eps0: float | None = None
         self.phases = 0
-
-    def _is_phase(self, epoch: int) -> bool:
-        return epoch >= self.start_epoch and (epoch - self.start_epoch) % max(self.every, 1) == 0
-
-    def epoch_iterations(self, state: LoopState) -> int | None:
-        if self.teacher is not None and self._is_phase(state.epoch):
-            return len(self._loader)
-        return None
 
     def before_epoch(self, state: LoopState) -> None:
         self._phase = self.teacher is not None and self._is_phase(state.epoch)
@@ -264,10 +296,6 @@ class MeanTeacherPlugin(Plugin):
         conf_only = (s.conf > self.tau_conf) & (t.conf > self.tau_conf)
         both = torch.stack([valid, conf_only])
         self.counters.update(torch.cat([both, both & (pred_ids != 0)]), pred_ids, batch["truth"].to(state.device))
-
-    def after_update(self, state: LoopState) -> None:
-        if self.teacher is not None:
-            self._ema.step(self.ema_decay)
 
     @torch.no_grad()
     def pool_error(self, state: LoopState, model: torch.nn.Module) -> float:
@@ -320,8 +348,5 @@ class MeanTeacherPlugin(Plugin):
         )
 
     def after_session(self, state: LoopState) -> None:
-        self.teacher = None
-        self._ema = None
-        self._loader = None
-        self._batches = None
+        super().after_session(state)
         self._anchor_source, self._anchors = None, None

@@ -150,21 +150,24 @@ def _replay(o: JasclOptions) -> PrototypeReplayPlugin:
     return PrototypeReplayPlugin(weight=o.replay.weight, reduction=o.replay.reduction, background=o.replay.background)
 
 
-def _mean_teacher(o: JasclOptions, filter: str) -> MeanTeacherPlugin:
+def teacher_options(o: JasclOptions) -> dict:
+    """The keyword arguments every JASCL mean teacher takes from ``method_args.jascl.pas`` (pixels and boxes)."""
     p = o.pas
-    return MeanTeacherPlugin(
-        filter=filter,
-        tau_conf=p.tau_conf,
-        tau_sim=p.tau_sim,
-        weight=p.weight,
-        ema_decay=p.ema_decay,
-        start_epoch=p.start_epoch,
-        every=p.every,
-        batch_size=p.batch_size,
-        normalize_pixels=p.normalize_pixels,
-        anchors=p.anchors,
-        max_anchors=p.max_anchors,
-    )
+    return {
+        "tau_conf": p.tau_conf,
+        "tau_sim": p.tau_sim,
+        "weight": p.weight,
+        "ema_decay": p.ema_decay,
+        "start_epoch": p.start_epoch,
+        "every": p.every,
+        "batch_size": p.batch_size,
+        "normalize_pixels": p.normalize_pixels,
+        "max_anchors": p.max_anchors,
+    }
+
+
+def _mean_teacher(o: JasclOptions, filter: str) -> MeanTeacherPlugin:
+    return MeanTeacherPlugin(filter=filter, anchors=o.pas.anchors, **teacher_options(o))
 
 
 def _family(name: str, doc: str):

@@ -36,11 +36,9 @@ from torchvision.ops import box_iou
 from jascl import distributed
 from jascl.data.datasets import BatchStream
 from jascl.data.sampling import derive_seed, seeded_loader, split_key
-from jascl.engine.plugin import Plugin
 from jascl.engine.tasks.detection import detection_split
-from jascl.methods.gas import clean_state_dict
-from jascl.methods.mean_teacher import apply_view, view_transform
-from jascl.methods.pas import AnchorGroups, EMAPairs, best_anchor_similarity, prototype_matrix
+from jascl.methods.mean_teacher import TeacherPhases, apply_view, view_transform
+from jascl.methods.pas import AnchorGroups, best_anchor_similarity, prototype_matrix
 from jascl.networks.base import eval_mode
 
 if TYPE_CHECKING:
@@ -147,7 +145,7 @@ def _collate(items: list[dict]) -> dict:
     return {key: [item[key] for item in items] for key in items[0]}
 
 
-class DetectionMeanTeacherPlugin(Plugin):
+class DetectionMeanTeacherPlugin(TeacherPhases):
     """Mean teacher with PAS on detection pseudo-labels (module docstring); the schedule of the segmentation one.
 
     In every incremental session with an unlabelled pool the teacher starts as a copy of the student and follows
@@ -189,28 +187,22 @@ class DetectionMeanTeacherPlugin(Plugin):
         self.batch_size = batch_size
         self.normalize_pixels = normalize_pixels
         self.max_anchors = max_anchors
-        self.teacher: Any = None
-        self._ema: EMAPairs | None = None
-        self._loader: Any = None
-        self._batches: BatchStream | None = None
+        self.teacher = None
+        self._ema = None
+        self._loader = None
+        self._batches = None
         self._anchor_source: torch.Tensor | None = None
         self._anchors: AnchorGroups | None = None
         self._phase = False
         self.counts = [0, 0, 0, 0, 0, 0]  # detections, kept, kept correct, kept known, conf kept, conf correct
 
     def before_session(self, state: LoopState) -> None:
-        self.teacher = None
-        pool = state.data.unlabelled
-        if state.session.index == 0 or pool is None or len(pool) == 0:
+        if not self.start_teacher(state):
             return
-        model: Any = state.model
-        self.teacher = state.new_model(model.num_classes)
-        self.teacher.load_state_dict(clean_state_dict(model))
-        self.teacher.eval().requires_grad_(False)
-        self._ema = EMAPairs(self.teacher, clean_state_dict(model))
         t = state.session.index
+        pool = detection_split(state.data.unlabelled, "unlabelled pool")
         self._loader = seeded_loader(
-            UnlabelledDetectionDataset(detection_split(pool, "unlabelled pool"), derive_seed(state.seed, "views", t)),
+            UnlabelledDetectionDataset(pool, derive_seed(state.seed, "views", t)),
             self.batch_size or state.config.batch_size,
             derive_seed(state.seed, "unlabelled", t),
             collate_fn=_collate,
@@ -220,14 +212,6 @@ class DetectionMeanTeacherPlugin(Plugin):
         self.counts = [0, 0, 0, 0, 0, 0]
         self.conf_known = 0
         self.phases = 0
-
-    def _is_phase(self, epoch: int) -> bool:
-        return epoch >= self.start_epoch and (epoch - self.start_epoch) % max(self.every, 1) == 0
-
-    def epoch_iterations(self, state: LoopState) -> int | None:
-        if self.teacher is not None and self._is_phase(state.epoch):
-            return len(self._loader)
-        return None
 
     def before_epoch(self, state: LoopState) -> None:
         self._phase = self.teacher is not None and self._is_phase(state.epoch)
@@ -285,10 +269,6 @@ class DetectionMeanTeacherPlugin(Plugin):
         self.counts[5] += c_correct
         self.conf_known += c_known
 
-    def after_update(self, state: LoopState) -> None:
-        if self.teacher is not None and self._ema is not None:
-            self._ema.step(self.ema_decay)
-
     def after_training(self, state: LoopState) -> None:
         if self.teacher is None:
             return
@@ -313,8 +293,5 @@ class DetectionMeanTeacherPlugin(Plugin):
         log.info("session %d box pseudo-labels: %s", state.session.index, state.report["pseudo_labels"])
 
     def after_session(self, state: LoopState) -> None:
-        self.teacher = None
-        self._ema = None
-        self._loader = None
-        self._batches = None
+        super().after_session(state)
         self._anchor_source, self._anchors = None, None

@@ -18,27 +18,22 @@ from __future__ import annotations
 
 from jascl.engine.config import RunConfig
 from jascl.engine.plugin import Method, Plugin
+from jascl.errors import ConfigError
 from jascl.methods.detection.pas import DetectionMeanTeacherPlugin
-from jascl.methods.presets import PAPER, JasclOptions, _base, _gas, _replay
+from jascl.methods.presets import PAPER, JasclOptions, _base, _gas, _replay, teacher_options
 from jascl.methods.registry import METHODS
 
 TASK = "detection"
 
 
 def _teacher(o: JasclOptions, filter: str) -> DetectionMeanTeacherPlugin:
-    p = o.pas
-    return DetectionMeanTeacherPlugin(
-        filter=filter,
-        tau_conf=p.tau_conf,
-        tau_sim=p.tau_sim,
-        weight=p.weight,
-        ema_decay=p.ema_decay,
-        start_epoch=p.start_epoch,
-        every=p.every,
-        batch_size=p.batch_size,
-        normalize_pixels=p.normalize_pixels,
-        max_anchors=p.max_anchors,
-    )
+    """PAS on boxes with ``method_args.jascl.pas`` (``anchors``: the mean prototypes only)."""
+    if o.pas.anchors != "mean":
+        raise ConfigError(
+            f"method_args.jascl.pas.anchors={o.pas.anchors}: PAS on boxes compares with each class's mean RoI "
+            "prototype (eq. 2); per-sample anchors are implemented for pixels only: set it to mean"
+        )
+    return DetectionMeanTeacherPlugin(filter=filter, **teacher_options(o))
 
 
 def _family(name: str):
