@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
             "--set", action="append", metavar="KEY=VALUE", help="override a configuration key, e.g. --set epochs_base=5"
         )
         p.add_argument(
+            "--preset",
+            default=None,
+            metavar="NAME",
+            help="a named set of configuration values, e.g. 'authors' (the authors' training path; "
+            "docs/method.md); --config and --set still override any of its keys",
+        )
+        p.add_argument(
             "--ablate",
             default=None,
             metavar="PARTS",
@@ -170,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--seeds", default="1024,", help="a count (from 1024) or a list, e.g. 1024,7; one seed: 1024, (default 1024,)"
     )
     reproduce.add_argument("--out", default=None, help="folder (default runs/reproduce-<table>); reused to resume")
+    reproduce.add_argument(
+        "--preset", default=None, metavar="NAME", help="a named configuration preset in every job, e.g. authors"
+    )
     reproduce.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override a configuration key in every job"
     )

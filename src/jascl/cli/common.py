@@ -43,7 +43,8 @@ def _protocol_and_overrides(args: argparse.Namespace):
     protocol = get_protocol(args.protocol)
     if args.seed is not None:
         protocol = dataclasses.replace(protocol, seed=args.seed)
-    overrides = list(args.set or [])
+    preset = getattr(args, "preset", None)
+    overrides = ([f"preset={preset}"] if preset else []) + list(args.set or [])
     for flag, key in (
         ("backbone", "backbone"),
         ("device", "device"),

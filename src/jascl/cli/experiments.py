@@ -192,7 +192,11 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                 seeds,
                 out,
                 stand_in=args.stand_in,
-                overrides=[*(args.set or []), *([f"device={args.device}"] if args.device else [])],
+                overrides=[
+                    *([f"preset={args.preset}"] if args.preset else []),
+                    *(args.set or []),
+                    *([f"device={args.device}"] if args.device else []),
+                ],
                 echo=_echo(console),
                 cache_dir=args.cache_dir,
                 progress=not args.no_progress,

@@ -40,6 +40,7 @@ _RESUME_CONFLICTS = (
     "protocol",
     "seed",
     "config",
+    "preset",
     "ablate",
     "backbone",
     "weights",

@@ -24,6 +24,10 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "poly")
 PRECISIONS = ("auto", "fp32", "bf16")
 MODEL_SELECTIONS = ("last", "best_val_new", "best_val_all")
+CLASS_WEIGHTS = ("none", "authors")
+DICE_FORMS = ("monai", "authors")
+FROZEN_MODES = ("eval", "train")
+PROTOTYPE_FORMS = ("eq2", "authors")
 
 
 @dataclass
@@ -48,7 +52,22 @@ class RunConfig:
         lr_power: exponent of the poly schedule.
         momentum, weight_decay, nesterov: SGD options (authors: 0.9, 1e-4, True); weight_decay
             also applies to Adam/AdamW.
-        lambda_ce / lambda_dice: weights of MONAI's DiceCE loss terms.
+        lambda_ce / lambda_dice: weights of the supervised loss's cross-entropy and Dice terms.
+        lambda_ce_base / lambda_dice_base: the same in session 0 (null: ``lambda_ce`` / ``lambda_dice``; the
+            authors' base code: 0.5 and 0.5, their incremental code 1 and 1).
+        class_weights: "none", or "authors": per-class weights [0.25] + [0.75] * (K - 1) over the K classifier
+            rows (background first) in both terms, as the authors' medical code.
+        dice: "monai" (soft Dice per sample and class, MONAI's default) or "authors" (one soft Dice per class
+            over the whole batch, squared terms in the denominator: the authors' ``DiceLoss``).
+        frozen_mode: what frozen modules do while the rest trains: "eval" (no dropout, BatchNorm uses and keeps
+            its running statistics) or "train" (the authors' code: the whole model in train mode, so BatchNorm
+            normalises with batch statistics and updates its running ones on the new data).
+        imprint: how new classifier rows are initialised from their prototypes: "eq2" (eq. 2: the mean of the
+            unit-normalised per-sample means of raw features) or "authors" (the mean of per-sample means of
+            L2-normalised pixel features, the per-sample means not renormalised: their ``get_prototype``).
+        preset: a named set of configuration values applied over the protocol's ``training`` section and
+            under a config file and ``--set`` (:mod:`jascl.engine.config_presets`; ``authors``: the authors'
+            training path). Recorded for provenance; the values it set are in the resolved configuration.
         freeze_incremental: "all_but_classifier" (paper's medical setting), "none" (natural) or "encoder"
             (partially frozen: the backbone's encoder frozen, its decoder and the classifier trained; the
             paper's frozen / partially frozen / unfrozen study).
@@ -112,6 +131,13 @@ class RunConfig:
     nesterov: bool = True
     lambda_ce: float = 1.0
     lambda_dice: float = 1.0
+    lambda_ce_base: float | None = None
+    lambda_dice_base: float | None = None
+    class_weights: str = "none"
+    dice: str = "monai"
+    frozen_mode: str = "eval"
+    imprint: str = "eq2"
+    preset: str | None = None
     freeze_incremental: str = "all_but_classifier"
     patch_size: list | None = None
     augment: bool = True
@@ -159,6 +185,18 @@ class RunConfig:
             raise bad(
                 "freeze_incremental", f"must be one of {', '.join(FREEZE_POLICIES)} (got {self.freeze_incremental!r})"
             )
+        for key, choices in (
+            ("class_weights", CLASS_WEIGHTS),
+            ("dice", DICE_FORMS),
+            ("frozen_mode", FROZEN_MODES),
+            ("imprint", PROTOTYPE_FORMS),
+        ):
+            if getattr(self, key) not in choices:
+                raise bad(key, f"must be one of {', '.join(choices)} (got {getattr(self, key)!r})")
+        for key in ("lambda_ce", "lambda_dice", "lambda_ce_base", "lambda_dice_base"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise bad(key, f"must be a number >= 0{' or null' if key.endswith('_base') else ''} (got {value!r})")
         if self.eval_mode not in EVAL_MODES:
             raise bad("eval_mode", f"must be one of {', '.join(EVAL_MODES)} (got {self.eval_mode!r})")
         if self.eval_mc_samples < 0:
@@ -313,17 +351,33 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+def _preset_name(*sources: Mapping[str, Any] | None) -> str | None:
+    """The ``preset`` the last of ``sources`` that names one names (None when none does)."""
+    name = None
+    for source in sources:
+        if source and source.get("preset") is not None:
+            name = source["preset"]
+    if name is not None and not isinstance(name, str):
+        raise ConfigError(f"preset: must be a preset name (got {name!r})")
+    return name
+
+
 def resolve_config(
     protocol_defaults: Mapping[str, Any] | None = None,
     protocol_source: str = "protocol",
     config_file: str | Path | None = None,
     overrides: list[str] | None = None,
 ) -> RunConfig:
-    """Defaults < protocol ``training`` section < config file < ``--set`` overrides."""
+    """Defaults < protocol ``training`` section < the named preset < config file < ``--set`` overrides.
+
+    The preset is the one the last of these sources names (``preset: NAME``; ``--preset NAME`` on the command
+    line is ``--set preset=NAME`` before the other ``--set``); its values (:mod:`jascl.engine.config_presets`)
+    apply right above the protocol's, so a config file and ``--set`` still override any of them.
+    """
+    from jascl.engine.config_presets import preset_mapping
+
     cfg = RunConfig()
-    if protocol_defaults:
-        apply_mapping(cfg, translate_legacy(protocol_defaults), f"{protocol_source}: training")
-        cfg.validate(f"{protocol_source}: training")
+    file_data: Mapping[str, Any] | None = None
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
@@ -337,9 +391,20 @@ def resolve_config(
             raise ConfigError(f"{path}:{where} not valid YAML ({problem})") from None
         if not isinstance(data, Mapping):
             raise ConfigError(f"{path}: must contain a mapping of configuration keys")
-        apply_mapping(cfg, translate_legacy(data), path.name)
-        cfg.validate(path.name)
-    if overrides:
-        apply_mapping(cfg, translate_legacy(parse_overrides(overrides)), "--set")
+        file_data = translate_legacy(data)
+    set_data = translate_legacy(parse_overrides(overrides)) if overrides else None
+    preset = _preset_name(protocol_defaults, file_data, set_data)
+    if protocol_defaults:
+        apply_mapping(cfg, translate_legacy(protocol_defaults), f"{protocol_source}: training")
+        cfg.validate(f"{protocol_source}: training")
+    if preset is not None:
+        apply_mapping(cfg, preset_mapping(preset), f"preset {preset}")
+        cfg.validate(f"preset {preset}")
+    if file_data is not None:
+        assert config_file is not None
+        apply_mapping(cfg, file_data, Path(config_file).name)
+        cfg.validate(Path(config_file).name)
+    if set_data is not None:
+        apply_mapping(cfg, set_data, "--set")
     cfg.validate("--set" if overrides else "config")
     return cfg

@@ -56,6 +56,8 @@ class ClassifierGrowth(Plugin):
     """Grows the classifier to the session's classes; new rows imprinted from their eq. 2 prototypes.
 
     Rows whose class has no labelled pixel in the session get a random initialisation (with a warning).
+    ``imprint=authors`` (configuration) imprints the authors' prototype values instead
+    (:mod:`jascl.engine.prototypes`, ``form="authors"``).
     """
 
     name = "classifier-growth"
@@ -64,7 +66,7 @@ class ClassifierGrowth(Plugin):
         new = state.seen[state.model.num_classes :]
         if not new:
             return
-        protos = state.compute_prototypes(new)
+        protos = state.compute_prototypes(new, form=state.config.imprint)
         if all(c in protos for c in new):
             init = torch.stack([protos[c] for c in new])
         else:
@@ -76,22 +78,19 @@ class ClassifierGrowth(Plugin):
 
 
 class SupervisedLoss(Plugin):
-    """``losses["seg"]``: lambda_ce * CE + lambda_dice * Dice of the logits against ``state.target``."""
+    """``losses["seg"]``: lambda_ce * CE + lambda_dice * Dice of the logits against ``state.target``
+    (:meth:`jascl.engine.losses.SegmentationLoss.for_session`: the configuration's weights for the session)."""
 
     name = "supervised-loss"
 
-    def __init__(self, lambda_ce: float = 1.0, lambda_dice: float = 1.0) -> None:
-        self.loss = SegmentationLoss(lambda_ce, lambda_dice)
-
     def state_dict(self) -> dict:
-        return {}  # stateless (its MONAI loss modules hold only their settings)
+        return {}  # stateless (the MONAI loss modules it uses hold only their settings)
 
     def after_forward(self, state: LoopState) -> None:
-        assert state.output is not None and state.target is not None  # set by the loop before after_forward
-        state.losses["seg"] = self.loss(state.output.logits, state.target, state.has_ignore)
+        state.losses["seg"] = default_supervised_loss(state)
 
 
-_LOSSES: dict[tuple[float, float], SegmentationLoss] = {}
+_LOSSES: dict[tuple, SegmentationLoss] = {}
 
 
 def default_supervised_loss(state: LoopState) -> torch.Tensor:
@@ -101,10 +100,27 @@ def default_supervised_loss(state: LoopState) -> torch.Tensor:
     needs the previous model, so its base session keeps the default's).
     """
     assert state.output is not None and state.target is not None  # set by the loop before after_forward
-    key = (state.config.lambda_ce, state.config.lambda_dice)
+    return session_loss(state.config, state.session.index, state.output.logits.shape[1])(
+        state.output.logits, state.target, state.has_ignore
+    )
+
+
+def session_loss(config: RunConfig, session: int, num_classes: int) -> SegmentationLoss:
+    """The configuration's supervised loss of ``session`` with ``num_classes`` classifier rows, made once."""
+    cfg = config
+    key = (
+        cfg.lambda_ce,
+        cfg.lambda_dice,
+        cfg.lambda_ce_base if session == 0 else None,
+        cfg.lambda_dice_base if session == 0 else None,
+        session == 0,
+        cfg.class_weights,
+        cfg.dice,
+        num_classes if cfg.class_weights != "none" else None,
+    )
     if key not in _LOSSES:
-        _LOSSES[key] = SegmentationLoss(*key)
-    return _LOSSES[key](state.output.logits, state.target, state.has_ignore)
+        _LOSSES[key] = SegmentationLoss.for_session(cfg, session, num_classes)
+    return _LOSSES[key]
 
 
 class StorePrototypes(Plugin):

@@ -155,6 +155,7 @@ class ContinualTrainer:
         normalize_pixels: bool = False,
         per_sample: bool = False,
         complement: bool = False,
+        form: str = "eq2",
     ) -> dict[int, torch.Tensor]:
         """Eq. 2 prototypes of ``classes`` from session ``t``'s labelled data (eval mode, no GAS noise).
 
@@ -163,10 +164,11 @@ class ContinualTrainer:
         ``normalize_pixels``: see :func:`jascl.engine.prototypes.per_sample_prototypes`.
         ``per_sample``: return every sample's prototype, (N_c, D) per class, instead of their mean (D,).
         ``complement``: prototypes of each class's complement (the authors' per-class background).
+        ``form``: "eq2", or "authors" (their ``get_prototype``: :mod:`jascl.engine.prototypes`).
         The train/eval mode of every module is restored afterwards. The task computes them
         (:meth:`jascl.engine.tasks.Task.compute_prototypes`: pixel features, or RoI features of boxes).
         """
-        return self.task.compute_prototypes(model, t, classes, normalize_pixels, per_sample, complement)
+        return self.task.compute_prototypes(model, t, classes, normalize_pixels, per_sample, complement, form)
 
     def setup_model(self, model: Segmenter, t: int) -> None:
         """Fire ``setup_model`` of session ``t`` on ``model`` alone (the classifier grows to its classes)."""
@@ -272,8 +274,9 @@ class ContinualTrainer:
             state.epoch = epoch
             schedule_lr(state.optimizer, cfg, epoch, epochs)
             model.train()
-            for module in state.frozen:
-                module.eval()
+            if cfg.frozen_mode == "eval":  # "train": as the authors' code, frozen BatchNorm follows the new data
+                for module in state.frozen:
+                    module.eval()
             running = torch.zeros((), device=self.device)
             recent: list[tuple[torch.Tensor, object]] = []  # (loss, sample ids) of the steps since the last sync
             steps, due = 0, False

@@ -40,12 +40,16 @@ def align_labels(labels: torch.Tensor, spatial: Sequence[int]) -> torch.Tensor:
     return F.interpolate(labels[:, None].float(), size=tuple(spatial), mode="nearest")[:, 0].long()
 
 
+FORMS = ("eq2", "authors")
+
+
 def per_sample_prototypes(
     features: torch.Tensor,
     labels: torch.Tensor,
     classes: list[int],
     normalize_pixels: bool = False,
     complement: bool = False,
+    form: str = "eq2",
 ) -> dict[int, list[torch.Tensor]]:
     """Per-sample normalised prototypes p_c^(i)/|p_c^(i)| (the summands of eq. 2).
 
@@ -64,12 +68,17 @@ def per_sample_prototypes(
         complement: for class c, average the pixels of c's samples that are *not* c
             (ignore pixels excluded) instead of those that are; a sample counts when it
             has both (the module docstring's per-class background).
+        form: "eq2" (above) or "authors" (the module docstring: unit pixels, sample means not
+            renormalised, ignore pixels in the complement, only samples with both c and not-c pixels).
 
     Returns:
-        class id -> list of (D,) unit vectors, one per sample containing the class.
+        class id -> list of (D,) vectors, one per sample containing the class (unit vectors with "eq2").
     """
+    if form not in FORMS:
+        raise ValueError(f"prototype form must be one of {', '.join(FORMS)}, got {form!r}")
+    authors = form == "authors"
     labels = align_labels(labels, features.shape[2:])
-    if normalize_pixels:
+    if normalize_pixels or authors:
         features = F.normalize(features, dim=1)
     out: dict[int, list[torch.Tensor]] = {c: [] for c in classes}
     flat = features.flatten(2)  # (B, D, N)
@@ -77,12 +86,13 @@ def per_sample_prototypes(
     for b in range(features.shape[0]):
         for c in classes:
             mask = lab[b] == c
-            if complement and mask.any():
-                mask = (lab[b] != c) & (lab[b] != IGNORE_INDEX)
-            elif complement:
+            other = lab[b] != c
+            if not authors:
+                other = other & (lab[b] != IGNORE_INDEX)
+            if not mask.any() or ((complement or authors) and not other.any()):
                 continue
-            if mask.any():
-                out[c].append(F.normalize(flat[b][:, mask].mean(dim=1), dim=0))
+            mean = flat[b][:, other if complement else mask].mean(dim=1)
+            out[c].append(mean if authors else F.normalize(mean, dim=0))
     return out
 
 
@@ -92,12 +102,13 @@ def class_prototypes(
     classes: list[int],
     normalize_pixels: bool = False,
     complement: bool = False,
+    form: str = "eq2",
 ) -> dict[int, torch.Tensor]:
     """Eq. 2 on one batch: P_c = mean over samples containing c of the normalised per-sample means
-    (of c's complement with ``complement``)."""
+    (of c's complement with ``complement``; the authors' values with ``form="authors"``)."""
     return {
         c: torch.stack(v).mean(0)
-        for c, v in per_sample_prototypes(features, labels, classes, normalize_pixels, complement).items()
+        for c, v in per_sample_prototypes(features, labels, classes, normalize_pixels, complement, form).items()
         if v
     }
 
@@ -106,15 +117,22 @@ class PrototypeAccumulator:
     """Streams eq. 2 over many batches (sums of normalised per-sample prototypes and counts).
 
     ``keep_samples``: also keep every per-sample prototype, for :meth:`samples`;
-    ``complement``: prototypes of each class's complement (see :func:`per_sample_prototypes`).
+    ``complement``: prototypes of each class's complement; ``form``: "eq2" or "authors" (see
+    :func:`per_sample_prototypes`).
     """
 
     def __init__(
-        self, classes: list[int], normalize_pixels: bool = False, keep_samples: bool = False, complement: bool = False
+        self,
+        classes: list[int],
+        normalize_pixels: bool = False,
+        keep_samples: bool = False,
+        complement: bool = False,
+        form: str = "eq2",
     ) -> None:
         self.classes = classes
         self.normalize_pixels = normalize_pixels
         self.complement = complement
+        self.form = form
         self.sums: dict[int, torch.Tensor] = {}
         self.counts: dict[int, int] = {c: 0 for c in classes}
         self.vectors: dict[int, list[torch.Tensor]] | None = {c: [] for c in classes} if keep_samples else None
@@ -122,7 +140,7 @@ class PrototypeAccumulator:
     @torch.no_grad()
     def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
         for c, vectors in per_sample_prototypes(
-            features.float(), labels, self.classes, self.normalize_pixels, self.complement
+            features.float(), labels, self.classes, self.normalize_pixels, self.complement, self.form
         ).items():
             if vectors:
                 s = torch.stack(vectors).sum(0).cpu()
@@ -154,7 +172,8 @@ class PrototypeAccumulator:
         return {c: self.sums[c] / self.counts[c] for c in self.classes if self.counts[c]}
 
     def samples(self) -> dict[int, torch.Tensor]:
-        """The summands of eq. 2: class id -> (N_c, D) per-sample prototypes (unit vectors); needs ``keep_samples``."""
+        """The summands of eq. 2: class id -> (N_c, D) per-sample prototypes (unit vectors with ``form="eq2"``),
+        in the order the samples were seen; needs ``keep_samples``."""
         if self.vectors is None:
             raise RuntimeError("PrototypeAccumulator(keep_samples=False) does not keep per-sample prototypes")
         return {c: torch.stack(v) for c, v in self.vectors.items() if v}

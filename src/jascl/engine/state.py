@@ -33,7 +33,7 @@ class LoopState:
         method_name: the method being trained (its run-folder name).
         freeze_incremental: the method's freezing policy of incremental sessions, resolved
             ("all_but_classifier" or "none"; session 0 freezes nothing but always-frozen modules).
-        frozen: the modules frozen this session (kept in eval mode while training).
+        frozen: the modules frozen this session (kept in eval mode while training, unless ``frozen_mode=train``).
         seen: global class ids covered by the classifier, in row order (row 0 = background).
         new_model: builds a fresh model of the same architecture with K classes (e.g. a teacher).
         compute_prototypes: eq. 2 prototypes of the given classes from the session's labelled

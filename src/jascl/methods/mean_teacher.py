@@ -97,13 +97,17 @@ def view_transform(seed: int) -> Compose:
 class TeacherPhases(Plugin):
     """What every mean teacher on a session's unlabelled pool shares (pixels: :class:`MeanTeacherPlugin`; boxes:
     :class:`jascl.methods.detection.pas.DetectionMeanTeacherPlugin`): the teacher, a frozen copy of the student
-    made when an incremental session has a pool (:meth:`start_teacher`), one EMA step after every optimiser step,
-    and the unlabelled phases, every ``every`` epochs from ``start_epoch``, each one pass over the pool's loader
-    (``self._loader``, set by the subclass). Subclasses set ``start_epoch``, ``every`` and ``ema_decay``."""
+    made when an incremental session has a pool (:meth:`start_teacher`), its EMA, and the unlabelled phases,
+    every ``every`` epochs from ``start_epoch``, each one pass over the pool's loader (``self._loader``, set by
+    the subclass). Subclasses set ``start_epoch``, ``every``, ``ema_decay`` and ``ema``: "step" (one EMA step of
+    parameters and buffers after every optimiser step, the standard mean teacher) or "phase" (one EMA step of the
+    parameters at the end of each unlabelled phase, the teacher's buffers kept: the authors' ``update_teacher``).
+    """
 
     start_epoch = 25
     every = 25
     ema_decay = 0.99
+    ema = "step"
     teacher: Any = None
     _ema: EMAPairs | None = None
     _loader: Any = None
@@ -118,7 +122,7 @@ class TeacherPhases(Plugin):
         self.teacher = state.new_model(state.model.num_classes)
         self.teacher.load_state_dict(clean_state_dict(state.model))
         self.teacher.eval().requires_grad_(False)
-        self._ema = EMAPairs(self.teacher, clean_state_dict(state.model))
+        self._ema = EMAPairs(self.teacher, clean_state_dict(state.model), buffers=self.ema == "step")
         return True
 
     def _is_phase(self, epoch: int) -> bool:
@@ -130,7 +134,11 @@ class TeacherPhases(Plugin):
         return None
 
     def after_update(self, state: LoopState) -> None:
-        if self.teacher is not None and self._ema is not None:
+        if self.ema == "step" and self.teacher is not None and self._ema is not None:
+            self._ema.step(self.ema_decay)
+
+    def after_epoch(self, state: LoopState) -> None:
+        if self.ema == "phase" and self.teacher is not None and self._ema is not None and self._is_phase(state.epoch):
             self._ema.step(self.ema_decay)
 
     def after_session(self, state: LoopState) -> None:
@@ -184,6 +192,7 @@ class MeanTeacherPlugin(TeacherPhases):
             :func:`jascl.methods.pas.select_anchors`; 0 = all): every pixel is compared with each.
         anchors: "mean" (eq. 2: one prototype per class) or "per-sample" (eq. 2's summands, one
             anchor per labelled sample of the class; a pixel's sim is its best-matching anchor's).
+        ema: "step" or "phase" (:class:`TeacherPhases`).
     """
 
     name = "cons"
@@ -208,9 +217,13 @@ class MeanTeacherPlugin(TeacherPhases):
         normalize_pixels: bool = False,
         anchors: str = "mean",
         max_anchors: int = 16,
+        ema: str = "step",
     ) -> None:
         if filter not in ("pas", "confidence"):
             raise ValueError(f"filter must be 'pas' or 'confidence', got {filter!r}")
+        if ema not in ("step", "phase"):
+            raise ValueError(f"ema must be 'step' or 'phase', got {ema!r}")
+        self.ema = ema
         if anchors not in ("mean", "per-sample"):
             raise ValueError(f"anchors must be 'mean' or 'per-sample', got {anchors!r}")
         self.anchors = anchors

@@ -389,10 +389,15 @@ class EMAPairs:
     Args:
         teacher: the EMA model.
         student_state: a clean state dict of the student (same keys as the teacher's).
+        buffers: also average the floating buffers (BatchNorm running statistics) and copy the integer ones;
+            False: parameters only, the teacher's buffers left as they are (the authors' ``update_teacher``).
     """
 
-    def __init__(self, teacher: torch.nn.Module, student_state: dict[str, torch.Tensor]) -> None:
+    def __init__(self, teacher: torch.nn.Module, student_state: dict[str, torch.Tensor], buffers: bool = True) -> None:
         own = teacher.state_dict()
+        if not buffers:
+            names = {name for name, _ in teacher.named_parameters()}
+            own = {k: v for k, v in own.items() if k in names}
         self.teacher = [t for t in own.values() if t.dtype.is_floating_point]
         self.student = [student_state[k] for k, t in own.items() if t.dtype.is_floating_point]
         self.teacher_other = [t for t in own.values() if not t.dtype.is_floating_point]

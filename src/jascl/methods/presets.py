@@ -54,11 +54,21 @@ class ReplayOptions:
         background: "per-class" (default, the authors' store: each class's prototype with the
             prototype of its complement, target background) or "session" (one background
             prototype per session; see :mod:`jascl.methods.replay`).
+        values: "eq2" (default: the prototype store's eq. 2 prototypes) or "authors" (per sample the mean
+            of L2-normalised pixel features, averaged over samples without renormalising; the complement
+            includes ignore pixels: their ``get_prototype``).
+        base_samples: with values=authors, the session-0 prototypes average this many randomly chosen
+            (seeded) samples of each class (authors: 10; 0 = every labelled sample).
+        noise_draws: "shared" (one classifier call, hence one GAS noise draw, for all replayed prototypes
+            of a step) or "per-prototype" (one call and draw per prototype, as the authors' loop does).
     """
 
     weight: float = option(0.1, ge=0)
     reduction: str = option("sum", choices=("sum", "mean"))
     background: str = option("per-class", choices=("per-class", "session"))
+    values: str = option("eq2", choices=("eq2", "authors"))
+    base_samples: int = option(0, ge=0)
+    noise_draws: str = option("shared", choices=("shared", "per-prototype"))
 
 
 @dataclass
@@ -84,6 +94,9 @@ class PASOptions:
             per-sample prototypes, and the cosine to it) or "per-sample" (every labelled sample's
             prototype, the summands of eq. 2; the best match counts: the ``jascl-anchors`` variant).
         max_anchors: per class at most this many per-sample anchors, a spread-out subset (0 = all).
+        ema: "step" (default: the teacher follows the student by one EMA step after every optimiser step)
+            or "phase" (one EMA step over the parameters at the end of each unlabelled phase: the authors'
+            ``update_teacher``).
     """
 
     tau_conf: float = option(0.7, ge=0, le=1)
@@ -96,6 +109,7 @@ class PASOptions:
     normalize_pixels: bool = False
     anchors: str = option("mean", choices=("per-sample", "mean"))
     max_anchors: int = option(16, ge=0)
+    ema: str = option("step", choices=("step", "phase"))
 
 
 @dataclass
@@ -147,7 +161,15 @@ def _gas(o: JasclOptions) -> GASPlugin:
 
 
 def _replay(o: JasclOptions) -> PrototypeReplayPlugin:
-    return PrototypeReplayPlugin(weight=o.replay.weight, reduction=o.replay.reduction, background=o.replay.background)
+    r = o.replay
+    return PrototypeReplayPlugin(
+        weight=r.weight,
+        reduction=r.reduction,
+        background=r.background,
+        values=r.values,
+        base_samples=r.base_samples,
+        noise_draws=r.noise_draws,
+    )
 
 
 def teacher_options(o: JasclOptions) -> dict:
@@ -163,6 +185,7 @@ def teacher_options(o: JasclOptions) -> dict:
         "batch_size": p.batch_size,
         "normalize_pixels": p.normalize_pixels,
         "max_anchors": p.max_anchors,
+        "ema": p.ema,
     }
 
 

@@ -16,6 +16,17 @@ The complements are computed after each session's training from its labelled sam
 the same model as the store's prototypes (:func:`jascl.engine.prototypes.per_sample_prototypes`
 with ``complement=True``), saved with the session checkpoint, and computed again when a session
 is reused from a folder that lacks them (a base shared with another method).
+
+Two options give the authors' training path (the ``authors`` configuration preset):
+
+* ``values="authors"``: the plugin replays its own prototypes instead of the store's eq. 2 ones,
+  computed like the authors' ``get_prototype`` (:mod:`jascl.engine.prototypes`, ``form="authors"``):
+  per sample the mean of unit pixel features, averaged without renormalising; in session 0 over
+  ``base_samples`` randomly chosen samples per class (their 10), later over every labelled sample
+  (the K shots). Class and complement come from the same samples.
+* ``noise_draws="per-prototype"``: one classifier call per prototype, so a GAS-perturbed classifier
+  draws its noise once per prototype, as the authors' loop over prototypes does (``"shared"``: one
+  batched call, one draw for all of a step's prototypes).
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ if TYPE_CHECKING:
     from jascl.engine.state import LoopState
 
 BACKGROUNDS = ("per-class", "session")
+VALUES = ("eq2", "authors")
+NOISE_DRAWS = ("shared", "per-prototype")
 
 
 def prototype_replay_loss(
@@ -39,6 +52,7 @@ def prototype_replay_loss(
     targets: torch.Tensor,
     reduction: str = "sum",
     unit: bool = False,
+    per_prototype: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of the classifier applied to stored prototypes.
 
@@ -49,8 +63,17 @@ def prototype_replay_loss(
         reduction: "sum" over prototypes (the authors' code) or "mean".
         unit: ``prototypes`` are already L2-normalised rows, for a cosine
             :class:`~jascl.networks.classifier.PixelClassifier` (which then skips normalising them).
+        per_prototype: call the classifier once per prototype (a stochastic classifier, e.g. under GAS,
+            then draws its weights once per prototype) instead of once for all.
     """
-    logits = classifier(prototypes, unit=True) if unit else classifier(prototypes)
+
+    def logits_of(x: torch.Tensor) -> torch.Tensor:
+        return classifier(x, unit=True) if unit else classifier(x)
+
+    if per_prototype:
+        logits = torch.cat([logits_of(prototypes[i : i + 1]) for i in range(len(prototypes))])
+    else:
+        logits = logits_of(prototypes)
     return F.cross_entropy(logits, targets, reduction=reduction)
 
 
@@ -96,46 +119,95 @@ class PrototypeReplayPlugin(Plugin):
         reduction: "sum" (authors) or "mean" over prototypes.
         background: which background prototypes are replayed: "per-class" (authors, default) or
             "session" (see the module docstring).
+        values: "eq2" (the prototype store's) or "authors" (the plugin's own, computed as the authors do).
+        base_samples: with ``values="authors"``, session-0 prototypes average at most this many randomly
+            chosen samples per class (0 = all).
+        noise_draws: "shared" (one classifier call per step) or "per-prototype" (one per prototype).
     """
 
     name = "proto"
     loss_terms = ("proto",)
 
-    def __init__(self, weight: float = 0.1, reduction: str = "sum", background: str = "per-class") -> None:
-        if background not in BACKGROUNDS:
-            raise ValueError(f"prototype replay: background={background!r}, expected one of {', '.join(BACKGROUNDS)}")
+    def __init__(
+        self,
+        weight: float = 0.1,
+        reduction: str = "sum",
+        background: str = "per-class",
+        values: str = "eq2",
+        base_samples: int = 0,
+        noise_draws: str = "shared",
+    ) -> None:
+        for key, value, choices in (
+            ("background", background, BACKGROUNDS),
+            ("values", values, VALUES),
+            ("noise_draws", noise_draws, NOISE_DRAWS),
+        ):
+            if value not in choices:
+                raise ValueError(f"prototype replay: {key}={value!r}, expected one of {', '.join(choices)}")
         self.weight = weight
         self.reduction = reduction
         self.background = background
+        self.values = values
+        self.base_samples = base_samples
+        self.noise_draws = noise_draws
         self.complements: dict[tuple[int, int], torch.Tensor] = {}
+        #: values="authors": the plugin's own class prototypes, (session, class) -> (D,)
+        self.own: dict[tuple[int, int], torch.Tensor] = {}
         self._protos: torch.Tensor | None = None
         self._targets: torch.Tensor | None = None
         self._unit = False
 
-    # -------------------------------------------------- the complements (per-class backgrounds)
+    # -------------------------------------------------- the prototypes this plugin computes itself
 
-    def _add_complements(self, state: LoopState) -> None:
+    def _add_own(self, state: LoopState) -> None:
+        """After session t's training: the complements (``per-class``) and, with ``values="authors"``, the
+        class prototypes, of the session's classes not computed yet."""
         t = state.session.index
+        if self.values == "authors":
+            classes = [0, *state.session.classes] if self.background == "session" else list(state.session.classes)
+            wanted = [c for c in classes if (t, c) not in self.own]
+            if wanted:
+                self._add_authors(state, wanted)
+            return
         wanted = [c for c in state.session.classes if (t, c) not in self.complements]
         if self.background != "per-class" or not wanted:
             return
         for c, vector in state.compute_prototypes(wanted, complement=True).items():
             self.complements[(t, int(c))] = vector.detach().float().cpu()
 
+    def _add_authors(self, state: LoopState, classes: list[int]) -> None:
+        t = state.session.index
+        samples = state.compute_prototypes(classes, per_sample=True, form="authors")
+        complements = (
+            state.compute_prototypes(classes, per_sample=True, complement=True, form="authors")
+            if self.background == "per-class"
+            else {}
+        )
+        for c, vectors in samples.items():
+            chosen = base_sample_indices(len(vectors), self.base_samples if t == 0 else 0, state.seed, t, int(c))
+            self.own[(t, int(c))] = vectors[chosen].mean(0).detach().float().cpu()
+            if c in complements:  # the same samples, in the same order (form="authors" counts a sample for both)
+                self.complements[(t, int(c))] = complements[c][chosen].mean(0).detach().float().cpu()
+
     def before_eval(self, state: LoopState) -> None:
-        self._add_complements(state)
+        self._add_own(state)
 
     def session_restored(self, state: LoopState) -> None:
-        self._add_complements(state)
+        self._add_own(state)
 
     def extra_state(self) -> dict[str, torch.Tensor]:
-        return {f"bg.s{s}.c{c}": v.contiguous() for (s, c), v in self.complements.items()}
+        out = {f"bg.s{s}.c{c}": v.contiguous() for (s, c), v in self.complements.items()}
+        out.update({f"own.s{s}.c{c}": v.contiguous() for (s, c), v in self.own.items()})
+        return out
 
     def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
         for key, value in tensors.items():
-            if key.startswith("bg."):
-                s, c = key[3:].split(".")
-                self.complements[(int(s[1:]), int(c[1:]))] = value.float()
+            kind, _, rest = key.partition(".")
+            if kind not in ("bg", "own"):
+                continue
+            s, c = rest.split(".")
+            target = self.complements if kind == "bg" else self.own
+            target[(int(s[1:]), int(c[1:]))] = value.float()
 
     # -------------------------------------------------- training
 
@@ -143,8 +215,12 @@ class PrototypeReplayPlugin(Plugin):
         self._protos = None
         if state.session.index == 0:
             return
-        store = state.prototypes.before(state.session.index).entries
-        complements = {k: v for k, v in self.complements.items() if k[0] < state.session.index}
+        t = state.session.index
+        if self.values == "authors":
+            store = {k: v for k, v in self.own.items() if k[0] < t}
+        else:
+            store = state.prototypes.before(t).entries
+        complements = {k: v for k, v in self.complements.items() if k[0] < t}
         protos, class_ids = replay_set(store, complements, self.background)
         if len(class_ids):
             from jascl.networks.classifier import PixelClassifier
@@ -160,6 +236,20 @@ class PrototypeReplayPlugin(Plugin):
     def after_forward(self, state: LoopState) -> None:
         if self._protos is not None and self._targets is not None and self.weight > 0:
             loss = prototype_replay_loss(
-                state.model.classifier, self._protos, self._targets, self.reduction, unit=self._unit
+                state.model.classifier,
+                self._protos,
+                self._targets,
+                self.reduction,
+                unit=self._unit,
+                per_prototype=self.noise_draws == "per-prototype",
             )
             state.losses[self.name] = self.weight * loss
+
+
+def base_sample_indices(n: int, k: int, seed: int, session: int, class_id: int) -> torch.Tensor:
+    """Which of a class's ``n`` per-sample prototypes to average: all when ``k`` is 0 or >= ``n``, else ``k``
+    drawn without replacement from a generator seeded by (seed, session, class), in increasing order."""
+    if k <= 0 or k >= n:
+        return torch.arange(n)
+    generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + session * 1009 + class_id)
+    return torch.randperm(n, generator=generator)[:k].sort().values

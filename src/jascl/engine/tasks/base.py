@@ -85,6 +85,7 @@ class Task:
         normalize_pixels: bool = False,
         per_sample: bool = False,
         complement: bool = False,
+        form: str = "eq2",
     ) -> dict[int, torch.Tensor]:
         """Eq. 2 prototypes of ``classes`` from session ``t``'s labelled data (see
         :meth:`jascl.engine.loop.ContinualTrainer.compute_prototypes`)."""

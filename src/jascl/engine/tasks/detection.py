@@ -446,6 +446,7 @@ class DetectionTask(Task):
         normalize_pixels: bool = False,
         per_sample: bool = False,
         complement: bool = False,
+        form: str = "eq2",
     ) -> dict[int, torch.Tensor]:
         """Eq. 2 over RoI features: an image is a sample, its ground-truth boxes (label: their class) and its
         :func:`background_boxes` (label 0) are its pixels; see the module docstring."""
@@ -453,7 +454,7 @@ class DetectionTask(Task):
         detector: Any = model
         session = trainer.protocol.sessions[t]
         split = detection_split(trainer.data[t].train, f"session {t} training split")
-        acc = PrototypeAccumulator(classes, normalize_pixels, keep_samples=per_sample, complement=complement)
+        acc = PrototypeAccumulator(classes, normalize_pixels, keep_samples=per_sample, complement=complement, form=form)
         batch_size = trainer.config.batch_size
         indices = distributed.shard(range(len(split)))
         with eval_mode(detector), trainer.autocast():

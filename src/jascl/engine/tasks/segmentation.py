@@ -135,10 +135,10 @@ class SegmentationTask(Task):
         return lambda x: SegmenterOutput(*ddp(x))
 
     def default_plugins(self) -> list[Plugin]:
-        trainer, cfg = self.trainer, self.trainer.config
+        trainer = self.trainer
         return [
             ClassifierGrowth(),
-            SupervisedLoss(cfg.lambda_ce, cfg.lambda_dice),
+            SupervisedLoss(),
             ModelSelection(trainer.data, trainer.autocast),
             StorePrototypes(),
             Evaluation(trainer.data, trainer.autocast, trainer.progress),
@@ -154,10 +154,11 @@ class SegmentationTask(Task):
         normalize_pixels: bool = False,
         per_sample: bool = False,
         complement: bool = False,
+        form: str = "eq2",
     ) -> dict[int, torch.Tensor]:
         assert isinstance(model, Segmenter)
         trainer = self.trainer
-        acc = PrototypeAccumulator(classes, normalize_pixels, keep_samples=per_sample, complement=complement)
+        acc = PrototypeAccumulator(classes, normalize_pixels, keep_samples=per_sample, complement=complement, form=form)
         dataset = self.labelled_dataset(t, augment=False, crop=False)
         # whole samples: batch them only when they all have one size (real datasets vary)
         uniform = getattr(trainer.data[t].train.images, "uniform", True)

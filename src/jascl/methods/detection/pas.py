@@ -157,7 +157,7 @@ class DetectionMeanTeacherPlugin(TeacherPhases):
 
     Args:
         filter: "pas" or "confidence".
-        tau_conf, tau_sim, weight, ema_decay, start_epoch, every, batch_size, normalize_pixels, max_anchors:
+        tau_conf, tau_sim, weight, ema_decay, start_epoch, every, batch_size, normalize_pixels, max_anchors, ema:
             as :class:`jascl.methods.mean_teacher.MeanTeacherPlugin` (``normalize_pixels``: average unit RoI features).
     """
 
@@ -176,9 +176,13 @@ class DetectionMeanTeacherPlugin(TeacherPhases):
         batch_size: int | None = None,
         normalize_pixels: bool = False,
         max_anchors: int = 16,
+        ema: str = "step",
     ) -> None:
         if filter not in ("pas", "confidence"):
             raise ValueError(f"filter must be 'pas' or 'confidence', got {filter!r}")
+        if ema not in ("step", "phase"):
+            raise ValueError(f"ema must be 'step' or 'phase', got {ema!r}")
+        self.ema = ema
         self.filter = filter
         self.tau_conf, self.tau_sim = tau_conf, tau_sim
         self.weight = weight

@@ -219,7 +219,7 @@ class MAMLPlugin(Plugin):
         self._loss: SegmentationLoss | None = None
 
     def before_session(self, state: LoopState) -> None:
-        self._loss = SegmentationLoss(state.config.lambda_ce, state.config.lambda_dice)
+        self._loss = SegmentationLoss.for_session(state.config, state.session.index, state.model.num_classes)
 
     def after_forward(self, state: LoopState) -> None:
         if state.session.index == 0:

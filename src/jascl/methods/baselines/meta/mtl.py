@@ -173,7 +173,7 @@ class MTLPlugin(Plugin):
         self.task_mask = torch.zeros(0, 0, dtype=torch.bool)
 
     def before_session(self, state: LoopState) -> None:
-        self._loss = SegmentationLoss(state.config.lambda_ce, state.config.lambda_dice)
+        self._loss = SegmentationLoss.for_session(state.config, state.session.index, state.model.num_classes)
         t = state.session.index
         row_of = {c: r for r, c in enumerate(state.seen)}
         self.current_rows = [row_of[c] for c in (0, *state.session.classes)]
