@@ -6,7 +6,8 @@ A page writes a marker; the hook replaces it when the site is built:
 - ``<!-- generated:events -->``: the loop's events in firing order;
 - ``<!-- generated:defaults -->``: the loop's default plugins and what each does;
 - ``<!-- generated:paper-tables -->``: the paper's tables shipped as data (``jascl reproduce --list``);
-- ``<!-- generated:backbones -->`` and ``<!-- generated:protocols -->``: the other registries.
+- ``<!-- generated:backbones -->`` and ``<!-- generated:protocols -->``: the other registries;
+- ``<!-- generated:preset-authors -->``: the ``authors`` configuration preset, item by item.
 """
 
 from __future__ import annotations
@@ -82,7 +83,18 @@ def _paper_tables() -> str:
     return "\n".join(rows)
 
 
-GENERATORS = {"paper-tables": _paper_tables, "methods": _methods, "events": _events, "defaults": _defaults, "backbones": _backbones,
+def _preset_authors() -> str:
+    from jascl.engine.config_presets import AUTHORS
+
+    rows = ["| item | keys (`--preset authors` sets) | jascl default | the authors' code | why the default |",
+            "|---|---|---|---|---|"]
+    for item in AUTHORS:
+        keys = "<br>".join(f"`{k}={v}`" for k, v in item.values.items()) or "— (the protocol's)"
+        rows.append(f"| {_cell(item.item)} | {keys} | {_cell(item.default)} | {_cell(item.preset)} | {_cell(item.why)} |")
+    return "\n".join(rows)
+
+
+GENERATORS = {"preset-authors": _preset_authors, "paper-tables": _paper_tables, "methods": _methods, "events": _events, "defaults": _defaults, "backbones": _backbones,
               "protocols": _protocols}
 
 
