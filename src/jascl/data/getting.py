@@ -70,8 +70,9 @@ def download_dataset(
     root = find_root(entry, folder)
     if root is None:
         raise DataError(
-            f"{folder}: the archives unpacked, but no {entry.marker} was found in it or two levels down, so it is not "
-            f"a {entry.layout} root; the archive's layout may have changed (see {entry.source})"
+            f"{folder}: no {entry.marker} in it or two levels down, so it holds no {entry.layout} root (the archive's "
+            f"layout may have changed, see {entry.source}, or the unpacked files were moved); delete its .jascl-ready "
+            "and .*.extracted files to unpack the kept archives again"
         )
     if not ready.is_file():
         atomic_write_text(ready, f"{root}\n")
