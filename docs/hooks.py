@@ -7,7 +7,10 @@ A page writes a marker; the hook replaces it when the site is built:
 - ``<!-- generated:defaults -->``: the loop's default plugins and what each does;
 - ``<!-- generated:paper-tables -->``: the paper's tables shipped as data (``jascl reproduce --list``);
 - ``<!-- generated:backbones -->`` and ``<!-- generated:protocols -->``: the other registries;
-- ``<!-- generated:preset-authors -->``: the ``authors`` configuration preset, item by item.
+- ``<!-- generated:preset-authors -->``: the ``authors`` configuration preset, item by item;
+- ``<!-- generated:datasets -->``, ``<!-- generated:dataset-archives -->``, ``<!-- generated:dataset-manual -->``, ``<!-- generated:dataset-verification -->`` and
+  ``<!-- generated:weights -->``: the dataset catalogue and the released checkpoints (``jascl data list``,
+  ``jascl weights list``).
 """
 
 from __future__ import annotations
@@ -94,8 +97,75 @@ def _preset_authors() -> str:
     return "\n".join(rows)
 
 
+def _datasets() -> str:
+    from jascl.data.catalogue import CATALOGUE, protocol_roots
+
+    users = protocol_roots()
+    rows = ["| root name | dataset | layout | protocols | licence | size | how to get it | checksum |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name in sorted(CATALOGUE, key=lambda n: (n not in users, n)):
+        e = CATALOGUE[name]
+        rows.append(f"| `{name}` | {_cell(e.title)} | `{e.layout}` | {', '.join(sorted(users.get(name, {}))) or '—'} | "
+                    f"{_cell(e.licence)} | {_cell(e.size) or 'not recorded'} | {_cell(e.how)} | {_cell(e.verification)} |")
+    return "\n".join(rows)
+
+
+def _dataset_archives() -> str:
+    from jascl.data.catalogue import CATALOGUE
+
+    rows = ["| root name | file | URL | checksum | where the checksum comes from |", "|---|---|---|---|---|"]
+    for e in CATALOGUE.values():
+        for a in e.resolved_archives() if e.downloadable else ():
+            check = f"{a.checksum_kind} `{a.sha256 or a.md5}`" if a.verified else "**none recorded** (`--no-verify`)"
+            rows.append(f"| `{e.name}` | `{a.filename}` | <{a.url}> | {check} | {_cell(a.checksum_note) or '—'} |")
+    return "\n".join(rows)
+
+
+def _dataset_verification() -> str:
+    from jascl.data.catalogue import CATALOGUE
+    from jascl.download import PUBLISHED, RECORDED
+
+    groups = {PUBLISHED: [], RECORDED: [], "": []}
+    for e in CATALOGUE.values():
+        if e.downloadable:
+            sources = {a.checksum_source if a.verified else "" for a in e.resolved_archives()}
+            groups["" if "" in sources else sorted(sources)[0]].append(f"`{e.name}`")
+    return "\n".join([
+        f"- **Verified against a checksum its host publishes**: {', '.join(groups[PUBLISHED]) or 'none'}.",
+        f"- **Verified against a checksum recorded by others** (the host publishes none; a file the host changed "
+        f"would fail although genuine, and the error names both digests): {', '.join(groups[RECORDED]) or 'none'}.",
+        f"- **Not verified** (no checksum recorded: the download prints the SHA-256 it got and needs `--no-verify`): "
+        f"{', '.join(groups['']) or 'none'}.",
+    ])
+
+
+def _dataset_manual() -> str:
+    from jascl.data.catalogue import CATALOGUE
+
+    rows = ["| root name | access | register | fetch | unpack (the root) |", "|---|---|---|---|---|"]
+    for e in CATALOGUE.values():
+        if not e.downloadable:
+            rows.append(f"| `{e.name}` | {_cell(e.access)} | {_cell(e.register)} | {_cell(e.fetch)} | {_cell(e.unpack)} |")
+    return "\n".join(rows)
+
+
+def _weights() -> str:
+    from jascl.networks.released import WEIGHTS
+
+    rows = ["| name | model | file | checksum | licence | use |", "|---|---|---|---|---|---|"]
+    for w in WEIGHTS.values():
+        a = w.archive
+        check = f"{a.checksum_kind} `{a.sha256 or a.md5}` ({_cell(a.checksum_note)})" if a.verified else \
+            "**none recorded** (`--no-verify`)"
+        rows.append(f"| `{w.name}` | {_cell(w.title)} | <{a.url}> | {check} | {_cell(w.licence)} | "
+                    f"`{_cell(w.use.format(path='FILE'))}` |")
+    return "\n".join(rows)
+
+
 GENERATORS = {"preset-authors": _preset_authors, "paper-tables": _paper_tables, "methods": _methods, "events": _events, "defaults": _defaults, "backbones": _backbones,
-              "protocols": _protocols}
+              "protocols": _protocols, "datasets": _datasets, "dataset-archives": _dataset_archives,
+              "dataset-manual": _dataset_manual,
+              "dataset-verification": _dataset_verification, "weights": _weights}
 
 
 def on_page_markdown(markdown: str, **kwargs) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from jascl import __version__
 from jascl.cli.common import DEFAULT_METHODS, DEFAULT_PROTOCOL, add_root_arguments, import_modules
 from jascl.cli.experiments import cmd_bench, cmd_compare, cmd_report, cmd_reproduce, cmd_sweep
+from jascl.cli.getting import add_weights_parser
 from jascl.cli.listing import add_data_parser, add_model_info_parser, cmd_backbones, cmd_methods, cmd_protocols
 from jascl.cli.run import cmd_run
 from jascl.cli.text_embeddings import add_text_embeddings_parser
@@ -291,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_info_parser(sub)
     add_data_parser(sub)
     add_text_embeddings_parser(sub)
+    add_weights_parser(sub)
     return parser
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 
 from jascl.cli.common import _console, add_root_arguments
+from jascl.cli.getting import add_data_getting_parsers
 
 
 def cmd_protocols(args: argparse.Namespace) -> int:
@@ -259,8 +260,10 @@ def cmd_data_coco_o_classes(args: argparse.Namespace) -> int:
 
 
 def add_data_parser(subparsers) -> argparse.ArgumentParser:
-    """``jascl data check --protocol NAME --root NAME=PATH ...``."""
-    data = subparsers.add_parser("data", help="check local copies of the public datasets against a protocol")
+    """``jascl data check --protocol NAME --root NAME=PATH ...``, ``data download`` and ``data list``."""
+    data = subparsers.add_parser(
+        "data", help="get the public datasets (download, list) and check local copies against a protocol"
+    )
     data_sub = data.add_subparsers(dest="data_command", required=True)
     check = data_sub.add_parser(
         "check",
@@ -283,6 +286,7 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     )
     classes.add_argument("--root", required=True, help="the COCO-O root (the folder holding the six domains)")
     classes.set_defaults(func=cmd_data_coco_o_classes)
+    add_data_getting_parsers(data_sub)
     return data
 
 

@@ -1,5 +1,5 @@
 """Dataset roots: where each dataset entry of a protocol lives on this machine (``--root NAME=PATH``, a roots
-file, or ``JASCL_ROOT_<NAME>``; never code or protocols)."""
+file, ``JASCL_ROOT_<NAME>``, or what ``jascl data download`` put under ``$JASCL_DATA``; never code or protocols)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from jascl.data.catalogue import CATALOGUE, default_root
 from jascl.errors import ConfigError, DataError
 from jascl.protocols.schema import Protocol
 
@@ -66,7 +67,8 @@ def resolve_roots(
     environ: Mapping[str, str] | None = None,
     problems: list[str] | None = None,
 ) -> dict[str, Path]:
-    """Folder of every root name the protocol uses: ``given`` (``--root``) > roots file > environment.
+    """Folder of every root name the protocol uses: ``given`` (``--root``) > roots file > ``JASCL_ROOT_<NAME>`` >
+    the root ``jascl data download NAME`` made ready under ``$JASCL_DATA`` (:func:`jascl.data.catalogue.default_root`).
 
     Args:
         problems: if given, unset roots are appended here as one-line messages
@@ -88,13 +90,15 @@ def resolve_roots(
     from_file = read_roots_file(roots_file) if roots_file is not None else {}
     out: dict[str, Path] = {}
     for name, users in sorted(names.items()):
-        path = given.get(name) or from_file.get(name) or environ.get(env_var(name))
+        path = given.get(name) or from_file.get(name) or environ.get(env_var(name)) or default_root(name, environ)
         if path:
             out[name] = Path(path).expanduser()
             continue
         message = (
             f"dataset root {name!r} ({', '.join(users)}) is not set; pass --root {name}=PATH or set {env_var(name)}"
         )
+        if name in CATALOGUE:
+            message += f" ('jascl data download {name}' fetches it or says how to get it)"
         if problems is None:
             raise DataError(f"{protocol.path}: {message}")
         problems.append(message)
