@@ -387,7 +387,13 @@ def test_other_backbone_drops_protocol_backbone_args_and_bad_args_are_config_err
             ablate=None,
         )
 
-    assert _protocol_and_overrides(args("deeplabv3plus", []))[1] == ["backbone=deeplabv3plus", "backbone_args={}"]
+    assert _protocol_and_overrides(args("deeplabv3plus", []))[1] == ["backbone_args={}", "backbone=deeplabv3plus"]
+    # the reset comes before --set, so a key set there survives it
+    one = _protocol_and_overrides(args("swinunetr", ["backbone_args.feature_size=12"]))[1]
+    assert one == ["backbone_args={}", "backbone_args.feature_size=12", "backbone=swinunetr"]
+    from jascl.engine.config import parse_overrides
+
+    assert parse_overrides(one)["backbone_args"] == {"feature_size": 12}
     assert _protocol_and_overrides(args("unet", []))[1] == ["backbone=unet"]  # the protocol's own backbone
     kept = _protocol_and_overrides(args("swinunetr", ["backbone_args={feature_size: 12}"]))[1]
     assert kept == ["backbone_args={feature_size: 12}", "backbone=swinunetr"]

@@ -44,7 +44,16 @@ def _protocol_and_overrides(args: argparse.Namespace):
     if args.seed is not None:
         protocol = dataclasses.replace(protocol, seed=args.seed)
     preset = getattr(args, "preset", None)
-    overrides = ([f"preset={preset}"] if preset else []) + list(args.set or [])
+    overrides = [f"preset={preset}"] if preset else []
+    user = list(args.set or [])
+    if (
+        args.backbone is not None
+        and args.backbone != protocol.training.get("backbone")
+        and not any(o.startswith("backbone_args=") for o in user)
+    ):
+        # the protocol's backbone_args belong to its own backbone; reset before --set backbone_args.KEY=V
+        overrides.append("backbone_args={}")
+    overrides += user
     for flag, key in (
         ("backbone", "backbone"),
         ("device", "device"),
@@ -54,12 +63,6 @@ def _protocol_and_overrides(args: argparse.Namespace):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
-    if (
-        args.backbone is not None
-        and args.backbone != protocol.training.get("backbone")
-        and not any(o.startswith("backbone_args=") for o in overrides)
-    ):
-        overrides.append("backbone_args={}")  # the protocol's backbone_args belong to its own backbone
     for part in filter(None, (args.ablate or "").split(",")):
         if part.strip() not in ABLATIONS:
             raise ConfigError(f"--ablate {part.strip()}: choose any of {', '.join(ABLATIONS)} (comma-separated)")
