@@ -126,12 +126,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         protocol, overrides = _protocol_and_overrides(args)
         config = resolve_config(protocol.training, protocol.path, args.config, overrides)
         methods = [m.strip() for m in (args.methods or DEFAULT_METHODS).split(",") if m.strip()]
-        data_args = {**_data_args(args), "imports": recorded_imports(args.imports)}
         if args.seeds is None:
             from jascl.methods.registry import create_method
 
             for name in methods:  # an unknown name or a composition's overlap (a+b) is refused before any work
                 create_method(name, config, protocol.task)
+        data_args = {**_data_args(args), "imports": recorded_imports(args.imports)}
         if args.seeds is not None:
             return _run_seeds(args, protocol, config, methods)
         out = (
@@ -139,6 +139,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             if args.out
             else Path("runs") / f"{protocol.name}-seed{protocol.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
         )
+    from jascl.experiments.preflight import check_device, check_writable, preflight
+
+    check_writable(out, "--resume" if args.resume is not None else "--out")  # before any work: one line each
+    check_device(config.device)
+    preflight(out, protocol, config)  # and the backbone against the patch size
     # Heavy imports (torch, MONAI) only after the protocol and configuration are valid,
     # so that input errors are reported at once.
     from jascl import distributed

@@ -16,10 +16,11 @@ classes and labelled / unlabelled / test counts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jascl.data.check_geometry import planned_shape_report
 from jascl.data.real import DatasetSource, SessionPlan, open_source, plan_sessions, resolve_roots, session_summary
 from jascl.data.synthetic import default_cache_dir
 from jascl.errors import DataError
@@ -85,8 +86,13 @@ def check_protocol(
     cache_dir: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
     echo: Callable[[str], None] = print,
+    patch_size: Sequence[int] | None = None,
 ) -> CheckReport:
     """Check the local dataset copies named by ``roots`` (and the environment) against ``protocol``.
+
+    ``patch_size``: the training patch; volumes smaller after preprocessing are reported as padded
+    (:func:`jascl.data.check_geometry.planned_shape_report`, which also refuses a shape that resampling
+    collapses or inflates past the voxel limit).
 
     Raises:
         ConfigError: the protocol is not on datasets, or ``roots`` names a root it does not use.
@@ -122,6 +128,9 @@ def check_protocol(
             if found:
                 problems.extend(str(p) for p in found)
                 src.excluded.add(rid)
+        shape_problems, shape_warnings = planned_shape_report({name: src}, patch_size)
+        problems += shape_problems
+        report.warnings += shape_warnings
         src.index(cache, echo=echo, problems=problems)
         if src.known is not None:
             for rid in sorted(src.presence):

@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -47,6 +48,7 @@ from jascl.engine.plugin import Method, Plugin
 from jascl.engine.prototypes import PrototypeStore
 from jascl.errors import ConfigError, JasclError
 from jascl.evaluation.metrics import per_class_forgetting, total_drop
+from jascl.experiments.preflight import RunFolder, preflight
 from jascl.experiments.provenance import environment
 from jascl.fileio import atomic_write_text
 from jascl.methods.presets import jascl_options
@@ -284,7 +286,8 @@ def read_run_file(out: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(
             f"{out}: not a jascl run folder (no run.json); give the --out folder of an earlier "
-            "'jascl run' (runs made before jascl 0.2 resume by rerunning their command with --out)"
+            "'jascl run' (a folder written before run folders kept run.json resumes by rerunning its command "
+            "with --out)"
         )
     try:
         record = json.loads(path.read_text())
@@ -346,6 +349,11 @@ def run_benchmark(
         raise ConfigError(f"--methods: a method is listed twice ({','.join(methods)})")
     out = Path(out)
     main = distributed.is_main()
+    hold = main and stage != "cell"  # a launcher's cell jobs share the folder the "base" stage prepared
+    if hold:
+        preflight(out, protocol, config)
+    folder = RunFolder(out, hold)
+    folder.open()  # locked before anything is written into it (log.txt included)
     extras = list(extra_plugins)
     if config.tensorboard and main:  # live scalars; last plugin, so it sees every loss term and statistic
         from jascl.results.tensorboard import TensorBoardPlugin
@@ -452,6 +460,10 @@ def run_benchmark(
         if main and stage != "cell":
             write_all(results, out)
         return results
+    except BaseException as exc:  # the folder's log says why the run stopped
+        log.error("stopped: %s", (str(exc).splitlines() or [type(exc).__name__])[0])
+        raise
     finally:
         log.removeHandler(handler)
         handler.close()
+        folder.close(failed=sys.exc_info()[0] is not None)
