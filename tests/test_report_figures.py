@@ -98,8 +98,11 @@ def test_several_slices_spread_over_the_foreground():
     label[:2, :2, 5:16] = 1  # z = 5..15 hold some foreground
     label[:, :, 9] = 2  # z = 9 the most
     views = plots.choose_slices(label, label.shape, count=3)
-    assert [v.index for v in views] == [9, 5, 15]  # 5, 10, 15 evenly; 10 replaced by the fullest, shown first
-    assert [v.index for v in plots.choose_slices(label, label.shape, count=2)] == [9, 15]
+    # z = 5..15 in three parts of 11/3 slices, centred on floor(6.83, 10.5, 14.17) = 6, 10, 14; 10 replaced by
+    # the fullest, shown first
+    assert [v.index for v in views] == [9, 6, 14]
+    # two parts centred on floor(7.75, 13.25) = 7, 13 (not the edge slice 15); 7 replaced by the fullest
+    assert [v.index for v in plots.choose_slices(label, label.shape, count=2)] == [9, 13]
     assert [v.index for v in plots.choose_slices(label, label.shape)] == [9]
     assert len(plots.choose_slices(label, label.shape, count=50)) == 11  # no more than the extent holds
 

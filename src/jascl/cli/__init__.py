@@ -50,6 +50,26 @@ def add_launcher_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_split_manifest(p: argparse.ArgumentParser, where: str = "", repeat: bool = False) -> None:
+    p.add_argument(
+        "--split-manifest",
+        default=[] if repeat else None,
+        action="append" if repeat else "store",
+        metavar="FILE",
+        help=f"reuse the samples (K shots, test, unlabelled) of an earlier run's manifest.json{where}",
+    )
+
+
+def add_num_seeds(p: argparse.ArgumentParser, start: str = "the protocol's seed") -> None:
+    p.add_argument(
+        "--num-seeds",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"run N seeds counted from {start} (N, N+1, ...) instead of --seeds",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jascl", description="Continual semantic segmentation under joint nonstationarity.")
     parser.add_argument("--version", action="version", version=f"jascl {__version__}")
@@ -127,16 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--seeds",
         default=None,
-        help="run several seeds in sequence (a count up to 100, or a list such as 1024,7; one seed: 1024,) and "
-        "aggregate mean ± std; resumable",
+        help="run these seeds in sequence (e.g. 1024,7) into OUT/seed-<s>/ and aggregate mean ± std; resumable",
     )
+    add_num_seeds(run)
     add_root_arguments(run)
-    run.add_argument(
-        "--split-manifest",
-        default=None,
-        metavar="FILE",
-        help="reuse the samples (K shots, test, unlabelled) of an earlier run's manifest.json",
-    )
+    add_split_manifest(run)
     run.set_defaults(func=cmd_run)
 
     compare = sub.add_parser(
@@ -150,11 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated methods, or 'all' (default {DEFAULT_METHODS}; see 'jascl methods')",
     )
     add_root_arguments(compare)
+    add_split_manifest(compare, " for every seed (a fixed split: only the training seed varies)")
     compare.add_argument(
-        "--seeds",
-        default="1",
-        help="a count up to 100 (seeds from the protocol's) or a list, e.g. 1024,7; one seed: 1024, (default 1)",
+        "--seeds", default=None, help="the seeds, e.g. 1024,7 (default: the protocol's seed; a count: --num-seeds)"
     )
+    add_num_seeds(compare)
     compare.add_argument(
         "--out", default=None, help="compare folder (default runs/compare-<protocol>); reused to resume"
     )
@@ -174,9 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the table's methods on its embedded stand-in benchmark (synthetic-2d or synthetic-2d-ss)",
     )
-    reproduce.add_argument(
-        "--seeds", default="1024,", help="a count (from 1024) or a list, e.g. 1024,7; one seed: 1024, (default 1024,)"
-    )
+    reproduce.add_argument("--seeds", default=None, help="the seeds, e.g. 1024,7 (default 1024; a count: --num-seeds)")
+    add_num_seeds(reproduce, "1024")
     reproduce.add_argument("--out", default=None, help="folder (default runs/reproduce-<table>); reused to resume")
     reproduce.add_argument(
         "--preset", default=None, metavar="NAME", help="a named configuration preset in every job, e.g. authors"
@@ -190,7 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_root_arguments(reproduce)
     add_launcher_arguments(reproduce)
     add_import(reproduce)
-    reproduce.set_defaults(func=cmd_reproduce, split_manifest=None)
+    add_split_manifest(
+        reproduce,
+        " in the jobs on its protocol (repeat for several protocols; other jobs select their own)",
+        repeat=True,
+    )
+    reproduce.set_defaults(func=cmd_reproduce)
 
     sweep = sub.add_parser("sweep", help="run a grid of configurations (sensitivity / retention / layer-choice tables)")
     common(sweep)
@@ -200,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated grids: eps, sigma2, shots, tau, gas-layer, or 'all' (default tau)",
     )
     sweep.add_argument("--method", default="jascl", help="method to sweep (default jascl)")
+    add_root_arguments(sweep)
+    add_split_manifest(sweep, " at every point (a 'shots' point selects its own)")
     sweep.add_argument(
         "--out", default=None, help="sweep folder (default runs/sweep-<protocol>-seed<seed>); reused to resume"
     )
@@ -307,7 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (args.command != "run" or getattr(args, "seeds", None)):
+    several = getattr(args, "seeds", None) is not None or getattr(args, "num_seeds", None) is not None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (args.command != "run" or several):
         print(
             f"jascl: error: '{args.command}{' --seeds' if args.command == 'run' else ''}' runs in one process; "
             "only 'jascl run' (one seed) trains with several processes",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jascl.cli.common import _console, _echo, _protocol_and_overrides
+from jascl.cli.common import _console, _data_args, _echo, _protocol_and_overrides
 from jascl.cli.run import _run_seeds
 from jascl.errors import ConfigError
 
@@ -49,6 +49,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 cache_dir=args.cache_dir,
                 progress=not args.no_progress,
                 echo=_echo(console),
+                **_data_args(args),
             )
     except Stopped as exc:
         console.print(f"{exc}; rerun the same command to resume the sweep in {out}")
@@ -82,19 +83,37 @@ def cmd_report(args: argparse.Namespace) -> int:
     roots = RootOptions(parse_root_args(args.root), args.roots)
     out = Path(args.out) if args.out else Path(args.runs[0]) / "report"
     console = _console()
-    paths = write_report(
-        args.runs,
-        out,
-        samples=args.samples,
-        slices=args.slices,
-        device=args.device,
-        cache_dir=args.cache_dir,
-        echo=lambda msg: console.print(msg, markup=False),  # "[report] ..." is not rich markup
-        roots=roots,
-        skip=skip,
-    )
+    from contextlib import ExitStack
+
+    from jascl.experiments.preflight import RunLock
+
+    with ExitStack() as held:  # a run still writing into a folder the report goes into: one line, nothing written
+        for folder in _folders_written_into(args.runs, out):
+            held.enter_context(RunLock(folder, "jascl report"))
+        paths = write_report(
+            args.runs,
+            out,
+            samples=args.samples,
+            slices=args.slices,
+            device=args.device,
+            cache_dir=args.cache_dir,
+            echo=lambda msg: console.print(msg, markup=False),  # "[report] ..." is not rich markup
+            roots=roots,
+            skip=skip,
+        )
     console.print(f"report written to {paths['html']} (self-contained) and {paths['markdown']} (figures next to it)")
     return 0
+
+
+def _folders_written_into(runs: list[str], out: Path) -> list[Path]:
+    """The run folders a report into ``out`` writes into: each of ``runs`` that holds ``out``, and the run folders
+    below it (a multi-seed folder's ``seed-*/``), so that a run still training there keeps them to itself."""
+    target = out.resolve()
+    folders: list[Path] = []
+    for run in map(Path, runs):
+        if run.is_dir() and target.is_relative_to(run.resolve()):
+            folders += [run, *sorted(p.parent for p in run.glob("**/run.json") if p.parent != run)]
+    return folders
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -173,7 +192,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from jascl.results.reproduce_table import reproduce_table, reproduce_title
 
     table = get_table(args.table)
-    seeds = parse_seeds(args.seeds, 1024)
+    seeds = parse_seeds(args.seeds, 1024, args.num_seeds)
     if args.dry_run:
         for line in describe_plan(plan_table(table, stand_in=args.stand_in), seeds):
             console.print(line, markup=False, highlight=False)
@@ -181,7 +200,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     out = (
         Path(args.out) if args.out else Path("runs") / f"reproduce-{table.label}{'-stand-in' if args.stand_in else ''}"
     )
-    from jascl.cli.common import _data_args, recorded_imports
+    from jascl.cli.common import recorded_imports
     from jascl.engine.stop import REQUEST, Stopped
     from jascl.experiments.launcher import parse_launcher
 

@@ -22,6 +22,16 @@ from jascl.cli.common import (
 from jascl.errors import ConfigError
 
 
+def thread_count(config) -> str:
+    """``"threads N"`` for the run header: ``threads`` when set, else what torch will take (all cores unless
+    OMP_NUM_THREADS says otherwise; on a shared machine that can be slower than one: docs/performance.md)."""
+    import torch
+
+    if config.threads > 0:
+        return f"threads {config.threads}"
+    return f"threads {torch.get_num_threads()} (torch's default; --set threads=N)"
+
+
 def _without_devices(argv: Sequence[str]) -> list[str]:
     """``argv`` minus ``--devices N`` / ``--devices=N`` (what each torchrun process runs)."""
     out, skip = [], False
@@ -48,6 +58,7 @@ _RESUME_CONFLICTS = (
     "methods",
     "out",
     "seeds",
+    "num_seeds",
     "root",
     "roots",
     "split_manifest",
@@ -100,7 +111,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.devices > 1 and not distributed.launched():
             from jascl.errors import ConfigError
 
-            if args.seeds is not None:
+            if args.seeds is not None or args.num_seeds is not None:
                 raise ConfigError("--devices with --seeds: run the seeds one by one (--seed S --devices N)")
             import torch
 
@@ -126,13 +137,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         protocol, overrides = _protocol_and_overrides(args)
         config = resolve_config(protocol.training, protocol.path, args.config, overrides)
         methods = [m.strip() for m in (args.methods or DEFAULT_METHODS).split(",") if m.strip()]
-        if args.seeds is None:
+        several = args.seeds is not None or args.num_seeds is not None
+        if not several:
             from jascl.methods.registry import create_method
 
             for name in methods:  # an unknown name or a composition's overlap (a+b) is refused before any work
                 create_method(name, config, protocol.task)
         data_args = {**_data_args(args), "imports": recorded_imports(args.imports)}
-        if args.seeds is not None:
+        if several:
             return _run_seeds(args, protocol, config, methods)
         out = (
             Path(args.out)
@@ -160,7 +172,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ranks = f", {distributed.world_size()} processes" if distributed.active() else ""
         console.print(
             f"jascl {__version__}: protocol [bold]{protocol.name}[/] (seed {protocol.seed}), "
-            f"methods {', '.join(methods)}, backbone {config.backbone}{ranks}, output {out}"
+            f"methods {', '.join(methods)}, backbone {config.backbone}{ranks}, {thread_count(config)}, output {out}"
         )
     from jascl.engine.stop import REQUEST, Stopped
 
@@ -197,14 +209,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -> int:
-    """``jascl run --seeds N``: one run folder per seed under ``--out``, aggregated as mean ± std."""
+    """``jascl run --seeds S,T`` / ``--num-seeds N``: one run folder per seed under ``--out``, aggregated as mean ± std."""
     from rich.table import Table
 
     from jascl.experiments.compare import compare_table, compare_title, parse_seeds, run_compare
     from jascl.experiments.launcher import parse_launcher
     from jascl.methods.registry import create_method
 
-    seeds = parse_seeds(args.seeds, protocol.seed)
+    seeds = parse_seeds(args.seeds, protocol.seed, getattr(args, "num_seeds", None))
     for name in methods:
         create_method(
             name, config, protocol.task
@@ -213,7 +225,7 @@ def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -
     console = _console()
     console.print(
         f"jascl {__version__}: protocol [bold]{protocol.name}[/], seeds {', '.join(map(str, seeds))}, "
-        f"methods {', '.join(methods)}, backbone {config.backbone}, output {out}"
+        f"methods {', '.join(methods)}, backbone {config.backbone}, {thread_count(config)}, output {out}"
     )
     started = time.time()
     from jascl.engine.stop import REQUEST, Stopped

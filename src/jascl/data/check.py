@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jascl.data.check_geometry import planned_shape_report
-from jascl.data.real import DatasetSource, SessionPlan, open_source, plan_sessions, resolve_roots, session_summary
+from jascl.data.check_geometry import held_out_cases, held_out_lines, manifest_plans, planned_shape_report
+from jascl.data.real import DatasetSource, SessionPlan, open_source, resolve_roots, session_summary
 from jascl.data.synthetic import default_cache_dir
 from jascl.errors import DataError
 from jascl.protocols.schema import Protocol
@@ -42,6 +42,8 @@ class CheckReport:
     warnings: list[str] = field(default_factory=list)
     datasets: list[dict] = field(default_factory=list)
     sessions: list[dict] = field(default_factory=list)
+    #: dataset -> record ids of the test samples of any session (held out: never trained on)
+    held_out: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -69,6 +71,7 @@ class CheckReport:
                 f"shots {s['shots']}; labelled {s['labelled']}, unlabelled {s['unlabelled']}, test {s['test']}"
                 + (f", validation {s['validation']}" if s.get("validation") else "")
             )
+        out += held_out_lines(self.held_out)
         out += [f"warning: {w}" for w in self.warnings]
         out += [f"error: {p}" for p in self.problems]
         out.append(f"{len(self.problems)} problem(s) found" if self.problems else "no problems found")
@@ -87,10 +90,12 @@ def check_protocol(
     environ: Mapping[str, str] | None = None,
     echo: Callable[[str], None] = print,
     patch_size: Sequence[int] | None = None,
+    split_manifest: str | Path | None = None,
 ) -> CheckReport:
     """Check the local dataset copies named by ``roots`` (and the environment) against ``protocol``.
 
-    ``patch_size``: the training patch; volumes smaller after preprocessing are reported as padded
+    ``split_manifest``: a run's ``manifest.json`` whose samples are checked instead of a new selection (as
+    ``jascl run --split-manifest`` uses them). ``patch_size``: the training patch; volumes smaller after preprocessing are reported as padded
     (:func:`jascl.data.check_geometry.planned_shape_report`, which also refuses a shape that resampling
     collapses or inflates past the voxel limit).
 
@@ -120,6 +125,7 @@ def check_protocol(
         if src is None:
             entry["status"] = "could not be opened"
             continue
+        report.warnings += getattr(src.layout, "warnings", [])
         for rid, record in src.records.items():
             try:
                 found = src.layout.check(record)
@@ -153,7 +159,7 @@ def check_protocol(
         )
         sources[name] = src
 
-    plans = plan_sessions(protocol, sources, problems=problems, echo=lambda m: None)
+    plans = manifest_plans(protocol, sources, split_manifest, problems)
     rows = session_summary(protocol, plans)
     for session, plan, row in zip(protocol.sessions, plans, rows):
         missing = sorted({s.dataset for s in session.sources} - set(sources))
@@ -161,6 +167,7 @@ def check_protocol(
             row["skipped"] = f"dataset(s) {', '.join(missing)} unavailable"
         report.warnings += [f"session {plan.session} ({plan.name}): {s}" for s in plan.shortfalls]
     report.sessions = rows
+    report.held_out = held_out_cases(plans)
     report.problems = _unique(problems)
     report.warnings = _unique(report.warnings)
     return report

@@ -1,4 +1,5 @@
-"""``jascl data check``'s look at every volume's shape *after* preprocessing, read from its header.
+"""``jascl data check``'s look at every volume's shape *after* preprocessing, read from its header; and the
+session plans it checks (a new selection or a run's split manifest) with the held-out cases they imply.
 
 A volume can be sound as a file and still be unusable once ``preprocess`` has reoriented and resampled it:
 a header spacing of 0.01 mm resampled to 1.5 mm leaves a 1-voxel-wide volume, a 20 mm spacing resampled
@@ -15,6 +16,7 @@ have (:func:`jascl.data.geometry.planned_shape`, nothing is resampled) and repor
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from jascl.data.geometry import planned_shape_problem
@@ -60,3 +62,40 @@ def planned_shape_report(sources: Mapping[str, Any], patch_size: Sequence[int] |
                 "(image 0, label ignored), so they train and evaluate, mostly on padding where much smaller"
             )
     return problems, warnings
+
+
+def manifest_plans(
+    protocol: Any, sources: Mapping[str, Any], split_manifest: str | Path | None, problems: list[str]
+) -> list[Any]:
+    """The session plans ``jascl data check`` checks: the dry-run selection, or those of ``split_manifest``
+    (a run's ``manifest.json``, read and checked as ``jascl run --split-manifest`` reads it). A manifest that
+    does not fit is one problem line; the selection is then checked instead."""
+    from jascl.data.real import load_manifest, plan_sessions, plans_from_manifest
+    from jascl.errors import JasclError
+
+    if split_manifest is not None:
+        try:
+            manifest = load_manifest(split_manifest, protocol)
+            return plans_from_manifest(manifest, protocol, sources, str(split_manifest))
+        except JasclError as exc:
+            problems.append(f"--split-manifest {split_manifest}: {exc}")
+    return plan_sessions(protocol, sources, problems=problems, echo=lambda m: None)
+
+
+def held_out_cases(plans: Sequence[Any]) -> dict[str, list[str]]:
+    """Dataset -> sorted record ids of every session's test samples (``<dataset>/<id>`` references)."""
+    out: dict[str, set[str]] = {}
+    for plan in plans:
+        for ref in plan.test:
+            dataset, _, rid = str(ref).partition("/")
+            out.setdefault(dataset, set()).add(rid)
+    return {d: sorted(ids) for d, ids in sorted(out.items())}
+
+
+def held_out_lines(held_out: Mapping[str, Sequence[str]]) -> list[str]:
+    """``held out for testing:`` and one line per dataset listing its test cases (never trained on)."""
+    if not held_out:
+        return []
+    lines = ["held out for testing (never trained on):"]
+    lines += [f"  {d} ({len(ids)}): {', '.join(ids)}" for d, ids in held_out.items()]
+    return lines

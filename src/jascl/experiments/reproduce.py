@@ -438,6 +438,13 @@ def run_plan(
     from jascl.experiments.compare import run_compare
 
     out = Path(out)
+    manifests = compare_kwargs.get("split_manifest")
+    names = {_job_protocol(job).name for job in plan.jobs.values()}
+    for path in [manifests] if isinstance(manifests, (str, Path)) else manifests or []:
+        if not any(manifest_for(name, [path]) for name in names):
+            raise ConfigError(
+                f"--split-manifest {path}: written by a run of none of this table's protocols ({', '.join(sorted(names))})"
+            )
     results: dict[str, dict[int, RunResults]] = {}
     first_with_base: dict[tuple, Job] = {}
     for i, job in enumerate(plan.jobs.values()):
@@ -450,9 +457,27 @@ def run_plan(
                     _share_base(base, out / job.key / f"seed-{seed}" / base.name)
         protocol = _job_protocol(job)
         config = resolve_config(protocol.training, protocol.path, None, [*job.overrides, *overrides])
-        run_compare(protocol, config, job.methods, seeds, out / job.key, echo=echo, **compare_kwargs)
+        kwargs = {**compare_kwargs, "split_manifest": manifest_for(protocol.name, compare_kwargs.get("split_manifest"))}
+        run_compare(protocol, config, job.methods, seeds, out / job.key, echo=echo, **kwargs)
         results[job.key] = {s: RunResults.read(out / job.key / f"seed-{s}" / "results.json") for s in seeds}
     return results
+
+
+def manifest_for(protocol: str, manifests: str | Path | Sequence[str | Path] | None) -> str | None:
+    """The split manifest (``--split-manifest``, one or several) written by a run of ``protocol``, or None: each
+    job on that protocol reuses its samples, the table's other jobs select their own."""
+    import json
+
+    if manifests is None:
+        return None
+    for path in [manifests] if isinstance(manifests, (str, Path)) else manifests:
+        try:
+            made_for = json.loads(Path(path).read_text()).get("protocol")
+        except (OSError, ValueError, AttributeError):
+            raise ConfigError(f"--split-manifest {path}: not a readable manifest.json of a run folder") from None
+        if made_for == protocol:
+            return str(path)
+    return None
 
 
 def _share_base(source: Path, link: Path) -> None:

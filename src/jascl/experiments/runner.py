@@ -43,6 +43,7 @@ from jascl import distributed
 from jascl.data.sessions import apply_unlabelled_noise, check_same_samples, load_sessions, write_manifest
 from jascl.data.types import SessionData
 from jascl.engine.config import RunConfig, translate_legacy
+from jascl.engine.console import EpochLines, interactive
 from jascl.engine.loop import ContinualTrainer
 from jascl.engine.plugin import Method, Plugin
 from jascl.engine.prototypes import PrototypeStore
@@ -95,16 +96,18 @@ def ensure_base(
     progress: bool = True,
     echo=print,
     method: Method | None = None,
+    plugins: Sequence[Plugin] = (),
 ) -> None:
     """Train the shared session-0 model into ``base_dir`` unless it is already complete there.
 
     ``method``: the plugins that train a keyed shared base (:meth:`Method.base_method`); default none
-    (the vanilla base every method that leaves session 0 alone shares)."""
+    (the vanilla base every method that leaves session 0 alone shares). ``plugins``: added after the
+    method's (the run's progress display)."""
     if distributed.broadcast_object((base_dir / "metrics.json").exists()):
         return
     method = method or Method("base")
     echo(f"session 0 ({protocol.sessions[0].name}): training the shared base model {base_dir.name}")
-    trainer = ContinualTrainer(protocol, config, method, list(data), progress=progress)
+    trainer = ContinualTrainer(protocol, config, method, list(data), progress=progress, extra_plugins=plugins)
     trainer.run_session(0, trainer.initial_model(len(protocol.seen_classes(0))), PrototypeStore(), base_dir)
     distributed.barrier()  # rank 0 has written it before anyone reads it
 
@@ -352,13 +355,17 @@ def run_benchmark(
     hold = main and stage != "cell"  # a launcher's cell jobs share the folder the "base" stage prepared
     if hold:
         preflight(out, protocol, config)
-    folder = RunFolder(out, hold)
-    folder.open()  # locked before anything is written into it (log.txt included)
+    run_folder = RunFolder(out, hold)
+    run_folder.open()  # locked before anything is written into it (log.txt included)
     extras = list(extra_plugins)
     if config.tensorboard and main:  # live scalars; last plugin, so it sees every loss term and statistic
         from jascl.results.tensorboard import TensorBoardPlugin
 
         extras.append(lambda: TensorBoardPlugin(out))
+    bars = progress and main and interactive()  # a log file gets lines, not carriage-return redraws
+    shown = [EpochLines(echo, bars)] if progress and main else []  # one line per epoch, a step bar in a terminal
+    extras += shown
+    progress = bars
     if main:
         out.mkdir(parents=True, exist_ok=True)
     handler = _setup_logging(out)
@@ -400,10 +407,12 @@ def run_benchmark(
             check_method_options(out / method.name, method.name, config)
         if stage == "base":
             if any(not m.changes_base_session for m in built):
-                ensure_base(protocol, config, data, out / "base", progress, echo)
+                ensure_base(protocol, config, data, out / "base", progress, echo, plugins=shown)
             for m in built:  # keyed bases too, so that the jobs sharing one do not train it side by side
                 if m.base_key is not None:
-                    ensure_base(protocol, config, data, out / f"base-{m.base_key}", progress, echo, m.base_method())
+                    ensure_base(
+                        protocol, config, data, out / f"base-{m.base_key}", progress, echo, m.base_method(), shown
+                    )
             return {}
         bar = tqdm(
             total=len(built) * len(protocol.sessions), desc="sessions", unit="session", disable=not (progress and main)
@@ -416,7 +425,7 @@ def run_benchmark(
             if not method.changes_base_session:
                 base_dir = out / "base"
                 if shared_base is None:
-                    ensure_base(protocol, config, data, base_dir, progress, echo)
+                    ensure_base(protocol, config, data, base_dir, progress, echo, plugins=shown)
                     shared_base = base_dir
                 model, store, record = trainer.load_session(shared_base, 0)
                 trainer.restore_session(0, shared_base, model, store)
@@ -425,7 +434,7 @@ def run_benchmark(
                 start = 1
             elif method.base_key is not None:  # a base shared with the methods of the same key
                 keyed = out / f"base-{method.base_key}"
-                ensure_base(protocol, config, data, keyed, progress, echo, method.base_method())
+                ensure_base(protocol, config, data, keyed, progress, echo, method.base_method(), shown)
                 model, store, record = trainer.load_session(keyed, 0)
                 trainer.restore_session(0, keyed, model, store)
                 records.append(record)
@@ -466,4 +475,4 @@ def run_benchmark(
     finally:
         log.removeHandler(handler)
         handler.close()
-        folder.close(failed=sys.exc_info()[0] is not None)
+        run_folder.close(failed=sys.exc_info()[0] is not None)

@@ -426,9 +426,11 @@ def choose_slices(
             or None (the middle slice).
         shape: the volume's spatial shape (X, Y, Z).
         codes: axis codes (:func:`axis_codes`); None = slices along the last array axis.
-        count: how many slices: ``count`` slices evenly spread over the range of slices that
+        count: how many slices: the centres of ``count`` equal parts of the range of slices that
             contain foreground (the whole volume when there is none), the one nearest the fullest
-            replaced by it; the fullest first, the others in ascending order.
+            replaced by it; the fullest first, the others in ascending order. With 2 slices over
+            z = 5..15 the parts are 5..10.5 and 10.5..16, centred on z = 7 and 13: never an edge slice
+            that shows a few voxels.
         plane: the anatomical plane when ``codes`` are given.
 
     Returns:
@@ -447,8 +449,11 @@ def choose_slices(
         lo, hi = int(present.min()), int(present.max())
     else:
         best, lo, hi = depth // 2, 0, depth - 1
-    # ``count`` slices evenly over the extent, the one nearest the fullest replaced by it
-    spread = sorted(set(np.linspace(lo, hi, max(1, min(count, hi - lo + 1))).round().astype(int).tolist()))
+    # the centres of ``count`` equal parts of the extent (never its edge slices, which may hold a few voxels),
+    # the one nearest the fullest replaced by it
+    parts = max(1, min(count, hi - lo + 1))
+    width = (hi - lo + 1) / parts
+    spread = sorted({int(np.floor(lo + (k + 0.5) * width)) for k in range(parts)})
     spread.pop(int(np.argmin([abs(i - best) for i in spread])))
     picks = [best, *spread]
     return [SliceView(axis, i, depth, plane_name, codes_t) for i in picks]
