@@ -210,7 +210,7 @@ def test_cli_lists_tables_and_prints_a_plan(capsys):
     assert main(["reproduce", "--list"]) == 0
     out = capsys.readouterr().out
     assert "tab_set1_part" in out and "t_drop" in out and "clip_d" in out
-    assert main(["reproduce", "t_drop", "--dry-run", "--seeds", "2"]) == 0
+    assert main(["reproduce", "t_drop", "--dry-run", "--num-seeds", "2"]) == 0
     out = capsys.readouterr().out
     assert "28 cells, 28 to measure; seeds 1024, 1025" in out and "skipped" not in out  # every method registered
     # 21 methods share the vanilla base and JASCL its own keyed base (1 + 1 + 22 x 2 sessions), 6 train their own
@@ -219,7 +219,7 @@ def test_cli_lists_tables_and_prints_a_plan(capsys):
     assert "share the stochastic-classifier session-0 base: jascl" in out
     # JASCL's keyed base counted once per base: med-disjoint 1 + 4 sessions x 4.1 h, med-ss 1 + 4 x 5.3 h, and the
     # med-ss job with borrowed unlabelled data reuses med-ss's base: 4 x 5.3 h; 20.5 + 26.5 + 21.2 = 68.2
-    assert main(["reproduce", "tab:unlabeled_effect", "--dry-run", "--seeds", "1"]) == 0
+    assert main(["reproduce", "tab:unlabeled_effect", "--dry-run", "--seeds", "1024"]) == 0
     assert "about 68 GPU-hours" in " ".join(capsys.readouterr().out.split())
     assert main(["reproduce", "tab_nope"]) == 2
     assert "no paper table 'tab_nope'" in capsys.readouterr().err

@@ -22,6 +22,15 @@ from jascl.cli.common import (
 from jascl.errors import ConfigError
 
 
+def check_method_names(names: Sequence[str]) -> None:
+    """Refuse an unknown method name (with "did you mean") from the registry index, before any method's module is
+    imported: ``--methods vanilla,jascI`` stops at once, without importing torch for vanilla first."""
+    from jascl.methods import METHODS
+
+    for name in names:
+        METHODS.summary(name)
+
+
 def thread_count(config) -> str:
     """``"threads N"`` for the run header: ``threads`` when set, else what torch will take (all cores unless
     OMP_NUM_THREADS says otherwise; on a shared machine that can be slower than one: docs/performance.md)."""
@@ -137,6 +146,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         protocol, overrides = _protocol_and_overrides(args)
         config = resolve_config(protocol.training, protocol.path, args.config, overrides)
         methods = [m.strip() for m in (args.methods or DEFAULT_METHODS).split(",") if m.strip()]
+        check_method_names(methods)
         several = args.seeds is not None or args.num_seeds is not None
         if not several:
             from jascl.methods.registry import create_method
@@ -210,6 +220,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -> int:
     """``jascl run --seeds S,T`` / ``--num-seeds N``: one run folder per seed under ``--out``, aggregated as mean ± std."""
+    check_method_names(methods)  # before the experiments' imports (torch)
     from rich.table import Table
 
     from jascl.experiments.compare import compare_table, compare_title, parse_seeds, run_compare

@@ -6,8 +6,8 @@ an epoch. Per epoch it prints::
 
     [vanilla] session 1 (mri) epoch 3/10: loss 0.8123 (ce 0.4011, dice 0.4112), 12.3 s, ETA 1 min 26 s
 
-(the loss terms are this process's means over the epoch's steps; the ETA is the session's remaining epochs
-at its mean epoch time), and when a session continues from an in-session checkpoint, where::
+(the loss terms are this process's means over the epoch's steps, those since the checkpoint in an epoch that
+resumed inside; the ETA is the session's remaining epochs at its mean epoch time), and when a session continues from an in-session checkpoint, where::
 
     [vanilla] session 1 (mri): resuming after epoch 2 of 10 from its checkpoint
 
@@ -67,6 +67,7 @@ class EpochLines(Plugin):
         self._started = 0.0
         self._times: list[float] = []
         self._first = True
+        self._resumed = False  # the current epoch continues a checkpoint: fewer steps than a whole one
 
     # not part of any training state: nothing is checkpointed or restored
     def state_dict(self) -> dict:
@@ -99,7 +100,7 @@ class EpochLines(Plugin):
         if self._first and (state.epoch > 0 or resumed_inside):
             where = f"inside epoch {state.epoch + 1}" if resumed_inside else f"after epoch {state.epoch}"
             self._say(f"{self._where(state)}: resuming {where} of {epochs} from its checkpoint")
-        self._first = False
+        self._first, self._resumed = False, resumed_inside
         self._sums, self._steps, self._started = {}, 0, time.time()
         if self.bars:
             total = self._last_steps or math.ceil(len(state.data.train) / max(int(state.config.batch_size), 1))
@@ -127,7 +128,8 @@ class EpochLines(Plugin):
             self._bar = None
         seconds = time.time() - self._started
         self._times.append(seconds)
-        self._last_steps = self._steps or self._last_steps
+        if not self._resumed:  # a whole epoch's steps: the next bar's length
+            self._last_steps = self._steps or self._last_steps
         epochs = self._epochs(state)
         steps = max(self._steps, 1)
         terms = {k: float(v) / steps for k, v in self._sums.items()}

@@ -59,6 +59,11 @@ def _strip(name: str, ending: str) -> str:
     return name[: -len(ending)] if name.endswith(ending) else name
 
 
+def _layouts_2d() -> list[str]:
+    """The registered layouts of 2D images (what a PNG dataset wants instead)."""
+    return [n for n in LAYOUTS.list() if getattr(LAYOUTS.get(n), "spatial_dims", 3) == 2]
+
+
 @LAYOUTS.register(
     "msd", doc="Medical Segmentation Decathlon / nnU-Net raw (dataset.json, imagesTr, labelsTr, _0000 channels)"
 )
@@ -156,7 +161,7 @@ class MSDLayout(DatasetLayout):
             raise DataError(
                 f"{self.root}: the msd layout reads NIfTI volumes (.nii.gz, .nii), but this dataset's files are "
                 f"{', '.join(foreign)}" + (f" (e.g. {example})" if example is not None else "") + "; convert them to "
-                "NIfTI, or give a 2D dataset a 2D layout ('jascl data list' names the layouts)"
+                f"NIfTI, or give a 2D dataset a 2D layout ({', '.join(_layouts_2d())})"
             )
 
     @property
