@@ -8,6 +8,8 @@ A page writes a marker; the hook replaces it when the site is built:
 - ``<!-- generated:paper-tables -->``: the paper's tables shipped as data (``jascl reproduce --list``);
 - ``<!-- generated:backbones -->`` and ``<!-- generated:protocols -->``: the other registries;
 - ``<!-- generated:preset-authors -->``: the ``authors`` configuration preset, item by item;
+- ``<!-- generated:protocol-reference -->``: every key of a protocol file (``jascl.protocols.reference``), the
+  ``preprocess`` keys (``jascl.data.preprocess_reference``) and the run-configuration keys of ``training``;
 - ``<!-- generated:datasets -->``, ``<!-- generated:dataset-archives -->``, ``<!-- generated:dataset-manual -->``, ``<!-- generated:dataset-verification -->`` and
   ``<!-- generated:weights -->``: the dataset catalogue and the released checkpoints (``jascl data list``,
   ``jascl weights list``).
@@ -162,7 +164,49 @@ def _weights() -> str:
     return "\n".join(rows)
 
 
-GENERATORS = {"preset-authors": _preset_authors, "paper-tables": _paper_tables, "methods": _methods, "events": _events, "defaults": _defaults, "backbones": _backbones,
+def _rst(text: str) -> str:
+    """Docstring markup as markdown: ``x`` -> `x`, :role:`x` -> `x`."""
+    import re
+
+    return re.sub(r":\w+:`~?([^`]+)`", r"`\1`", str(text)).replace("``", "`")
+
+
+def _protocol_reference() -> str:
+    import dataclasses
+
+    from jascl.data.preprocess_reference import IMAGE_KEYS, VOLUME_KEYS
+    from jascl.engine.config import RunConfig
+    from jascl.protocols.reference import attribute_docs, reference_sections
+
+    out = []
+    for section, rows in reference_sections():
+        out += [f"## {section.title}" + (f" (`{section.path}`)" if section.path else ""), ""]
+        if section.intro:
+            out += [section.intro, ""]
+        out += ["| key | type | default | allowed | what it does | example |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            out.append(f"| `{r['key']}` | {_cell(r['type'])} | {_cell(r['default'])} | {_cell(r['allowed']) or '—'} | "
+                       f"{_cell(_rst(r['doc']))} | `{_cell(r['example'])}` |")
+        out.append("")
+    for title, keys in (("volumes (`spatial_dims: 3`)", VOLUME_KEYS), ("images (`spatial_dims: 2`)", IMAGE_KEYS)):
+        out += [f"## Preprocessing of {title} (`datasets.<name>.preprocess`)", "",
+                "| key | type | default | allowed | what it does | example |", "|---|---|---|---|---|---|"]
+        out += [f"| `{k}` | {_cell(t)} | {_cell(d)} | {_cell(a) or '—'} | {_cell(w)} | `{_cell(e)}` |"
+                for k, t, d, a, w, e in keys]
+        out.append("")
+    docs = attribute_docs(RunConfig)
+    out += ["## Run-configuration keys (`training`)", "",
+            "The same keys as a `--config` file and `--set KEY=VALUE`; the protocol's `training` section gives "
+            "its defaults, a config file and `--set` override them (in that order).", "",
+            "| key | default | what it does |", "|---|---|---|"]
+    for f in dataclasses.fields(RunConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
+        out.append(f"| `{f.name}` | `{_cell(shown)}` | {_cell(_rst(docs.get(f.name, '')))} |")
+    return "\n".join(out)
+
+
+GENERATORS = {"protocol-reference": _protocol_reference, "preset-authors": _preset_authors, "paper-tables": _paper_tables, "methods": _methods, "events": _events, "defaults": _defaults, "backbones": _backbones,
               "protocols": _protocols, "datasets": _datasets, "dataset-archives": _dataset_archives,
               "dataset-manual": _dataset_manual,
               "dataset-verification": _dataset_verification, "weights": _weights}
