@@ -40,8 +40,8 @@ def parse_seeds(spec: str | int | None, base_seed: int, count: int | None = None
     """The seeds of a multi-seed command: ``--seeds`` gives seed values, ``--num-seeds`` a count.
 
     ``"1024"`` -> the seed 1024; ``"1024,7"`` -> those seeds (``"1024,"`` as before: 1024); ``count=3`` ->
-    three seeds from ``base_seed`` (``base, base+1, base+2``); neither -> ``[base_seed]``. A bare number was
-    a count before jascl 0.1.1 (``--seeds 3``); it is a seed value now, so that ``--seeds 1024`` means the
+    three seeds from ``base_seed`` (``base, base+1, base+2``); neither -> ``[base_seed]``. Earlier versions read
+    a bare number as a count (``--seeds 3``); it is a seed value now, so that ``--seeds 1024`` means the
     seed 1024, and counts are ``--num-seeds``. Folders keep their ``seed-<s>/`` names, so a folder made
     with ``--seeds 3`` continues with ``--num-seeds 3``.
 
