@@ -114,6 +114,8 @@ def test_study_end_to_end_matches_the_run_records(tmp_path, capsys):
     td_mean, td_half = _interval(seeds_of("jascl", lambda m: m["total_drop"]))
     assert f"{td_mean:.1f} ± {td_half:.1f} |" in md
     assert "95 % confidence interval over seeds (Student t" in md and "jascl study components --protocol" in md
+    _, difference_row = [line for line in md.splitlines() if line.startswith("| w/o GAS |")]
+    assert difference_row.endswith("| 3 |")  # 3 seed pairs
     # the figure and the CSV behind it
     assert (out / "seen-new-hm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with open(out / "seen-new-hm.csv") as f:
@@ -149,3 +151,26 @@ def test_study_end_to_end_matches_the_run_records(tmp_path, capsys):
 def test_report_of_a_folder_that_is_not_a_study(tmp_path, capsys):
     assert main(["study", "components", "--report", "--out", str(tmp_path)]) == 2
     assert "not a study folder" in capsys.readouterr().err
+
+
+def test_differences_table_marks_intervals_that_exclude_zero_and_short_cells():
+    from jascl.results.study import differences_table
+
+    def diff(quantity, mean, half, n):
+        return {"label": "w/o GAS", "method": "jascl-no-gas", "quantity": quantity, "mean": mean,
+                "half_width": half, "n": n}  # fmt: skip
+
+    summary = {
+        "metric": "dice",
+        "differences": [
+            diff("total_drop", -4.25, 1.5, 3),  # (-5.75, -2.75): excludes 0
+            diff("last_all", 0.0123, 0.02, 3),
+            diff("base_last", 0.05, 0.01, 3),
+            diff("mean_new", -0.01, 0.5, 2),  # one seed had no new class
+        ],
+    }
+    header, rows = differences_table(summary)
+    assert header[-1] == "pairs"
+    assert rows == [
+        ["w/o GAS", "`jascl-no-gas`", "-4.2 ± 1.5 *", "+0.012 ± 0.020", "+0.050 ± 0.010 *", "-0.010 ± 0.500 (n=2)", "3"]
+    ]

@@ -57,20 +57,30 @@ def _no_study(parser: argparse.ArgumentParser) -> int:
 
 
 def _print_summary(console, summary: dict) -> None:
+    """The headline numbers in the terminal (last all-class score, mean New, Base@last, Total Drop, and the
+    paired differences); every session's numbers are in study.md."""
     from rich.table import Table
 
-    from jascl.results.study import differences_table, variants_table
+    from jascl.results.study import differences_table, format_interval
 
     seeds = summary["seeds"]
-    header, rows = variants_table(summary)
+    metric = summary["metric"]
     table = Table(
         title=f"component study: JASCL on {summary['protocol']}, {len(seeds)} seeds "
         f"({', '.join(map(str, seeds))}); mean ± 95 % interval (Student t)"
     )
-    for h in header:
+    for h in ("Variant", "method", "last all-class", "mean New", "Base@last", "Total Drop (%)"):
         table.add_column(h)
-    for r in rows:
-        table.add_row(*(c.strip("`") for c in r))
+    for v in summary["variants"]:
+        label = v["label"] if v["status"] == "run" else f"{v['label']} (= {v['runs_from']})"
+        table.add_row(
+            label,
+            v["method"],
+            format_interval(v["last_all"], metric),
+            format_interval(v["mean_new"], metric),
+            format_interval(v["base_last"], metric),
+            format_interval(v["total_drop"], metric, pct=True),
+        )
     console.print(table)
     if summary["differences"]:
         header, rows = differences_table(summary)

@@ -213,7 +213,7 @@ def summarise(out: str | Path) -> dict[str, Any]:
     }
 
 
-def _cell(entry: Mapping[str, Any], metric: str, pct: bool = False, signed: bool = False) -> str:
+def format_interval(entry: Mapping[str, Any], metric: str, pct: bool = False, signed: bool = False) -> str:
     """``mean ± half-width`` as the tables show it (Total Drop in % with one decimal; ``signed``: a leading sign)."""
     mean, half = entry["mean"], entry["half_width"]
     if mean is None or math.isnan(mean):
@@ -245,30 +245,35 @@ def variants_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str
             [
                 label,
                 f"`{v['method']}`",
-                *[_cell(e, metric) for e in v["all"]],
-                *[_cell(e, metric) for e in v["new"]],
-                _cell(v["base_last"], metric),
-                _cell(v["total_drop"], metric, pct=True),
+                *[format_interval(e, metric) for e in v["all"]],
+                *[format_interval(e, metric) for e in v["new"]],
+                format_interval(v["base_last"], metric),
+                format_interval(v["total_drop"], metric, pct=True),
             ]
         )
     return header, rows
 
 
 def differences_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """One row per ablation: the paired difference full minus ablation of each quantity, with n and a star
-    where the 95 % interval excludes 0."""
+    """One row per ablation: the paired difference full minus ablation of each quantity, a star where the
+    95 % interval excludes 0, and the number of seed pairs (a cell with fewer, where a seed's value is
+    undefined, says its own ``n``)."""
     metric = summary["metric"]
     header = ["Component removed", "ablation", *[label for label, _ in DIFFERENCES.values()], "pairs"]
-    rows: dict[str, list[str]] = {}
+    by_method: dict[str, list[Mapping[str, Any]]] = {}
     for d in summary["differences"]:
-        row = rows.setdefault(d["method"], [d["label"], f"`{d['method']}`"])
-        text = _cell(d, metric, pct=DIFFERENCES[d["quantity"]][1], signed=True)
-        iv = Interval(d["mean"], d["half_width"], d["n"], math.nan)
-        row.append(text + (" *" if iv.excludes_zero() else ""))
-    for d in summary["differences"]:
-        if len(rows[d["method"]]) == 2 + len(DIFFERENCES):
-            rows[d["method"]].append(str(d["n"]))
-    return header, list(rows.values())
+        by_method.setdefault(d["method"], []).append(d)
+    rows = []
+    for method, cells in by_method.items():
+        pairs = max(d["n"] for d in cells)
+        row = [cells[0]["label"], f"`{method}`"]
+        for d in cells:
+            text = format_interval(d, metric, pct=DIFFERENCES[d["quantity"]][1], signed=True)
+            if Interval(d["mean"], d["half_width"], d["n"], math.nan).excludes_zero():
+                text += " *"
+            row.append(text + (f" (n={d['n']})" if 0 < d["n"] < pairs else ""))
+        rows.append([*row, str(pairs)])
+    return header, rows
 
 
 def _fmt_s(seconds: float) -> str:
