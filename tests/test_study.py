@@ -146,6 +146,10 @@ def test_study_end_to_end_matches_the_run_records(tmp_path, capsys):
     assert "reusing" in capsys.readouterr().out
     assert (out / "variants.csv").read_text() == before
     assert len(json.loads((out / "study-plan.json").read_text())["commands"]) == 2
+    # another configuration into the same folder is refused before the plan is touched or anything trains
+    assert main([*argv, "--set", "epochs_incremental=3"]) == 2
+    assert "different configuration (epochs_incremental)" in capsys.readouterr().err
+    assert len(json.loads((out / "study-plan.json").read_text())["commands"]) == 2
 
 
 def test_report_of_a_folder_that_is_not_a_study(tmp_path, capsys):

@@ -35,6 +35,7 @@ continues from its last checkpoint. ``--report`` re-renders the tables from the 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import time
@@ -232,12 +233,15 @@ def run_study(
         launcher, run_kwargs: as :func:`jascl.experiments.compare.run_compare`.
     """
     from jascl.experiments.compare import run_compare
+    from jascl.experiments.runner import check_reusable
 
     out = Path(out)
     variants = plan_study(protocol, config, components)
     old = read_plan(out) if (out / PLAN_FILE).exists() else None
     if old is not None:
         _same_protocol(old, protocol)
+    for seed in seeds:  # a changed configuration is refused before the plan is rewritten or anything trains
+        check_reusable(out / f"seed-{seed}", config, dataclasses.replace(protocol, seed=seed))
     plan: dict[str, Any] = {
         "study": "components",
         "protocol": protocol.name,
