@@ -26,28 +26,28 @@ def _plan(protocol, *overrides):
 def test_plan_without_pools_leaves_out_what_equals_the_full_method(toy_protocol):
     plan = _plan(toy_protocol)
     assert [m for m, e in plan.items() if e["status"] == "run"] == ["jascl", "jascl-no-gas", "jascl-no-replay"]
-    for m in ("jascl-no-pas", "jascl-no-unlabelled"):
+    for m in ("jascl-conf", "jascl-no-unlabelled"):
         assert plan[m]["status"] == "skipped" and "no unlabelled pool" in plan[m]["note"]
     assert {plan[m]["base"] for m in ("jascl", "jascl-no-gas", "jascl-no-replay")} == {"base-stochastic-classifier"}
 
 
-def test_plan_with_pools_runs_identical_variants_once():
+def test_plan_with_pools_runs_every_variant():
     spec = toy_protocol_dict(2)
     spec["sessions"][1]["unlabelled"] = 4
     plan = _plan(parse_protocol(spec, source="toy-ss.yaml"))
-    assert plan["jascl-no-pas"]["status"] == "run"
-    # today jascl-no-unlabelled is built from the same plugins as jascl-no-pas: one run, read by both rows
-    assert plan["jascl-no-unlabelled"]["status"] == "same"
-    assert plan["jascl-no-unlabelled"]["runs_from"] == "jascl-no-pas"
+    # w/o PAS keeps the teacher with confidence-only pseudo-labels; w/o unlabelled has no teacher
+    assert [m for m, e in plan.items() if e["status"] == "run"] == [
+        "jascl", "jascl-no-gas", "jascl-no-replay", "jascl-conf", "jascl-no-unlabelled"
+    ]  # fmt: skip
     shared = _plan(parse_protocol(spec, source="toy-ss.yaml"), "method_args.jascl.base=shared")
     assert {e["base"] for e in shared.values()} == {"base"}  # the vanilla base, for every variant alike
 
 
 def test_plan_on_detection_runs_what_has_a_detection_implementation():
     plan = _plan(get_protocol("synthetic-det"))
-    assert [m for m, e in plan.items() if e["status"] == "run"] == ["jascl", "jascl-no-gas", "jascl-no-pas"]
-    for m in ("jascl-no-replay", "jascl-no-unlabelled"):
-        assert plan[m]["status"] == "skipped" and "--task detection" in plan[m]["note"]
+    assert [m for m, e in plan.items() if e["status"] == "run"] == [
+        "jascl", "jascl-no-gas", "jascl-no-replay", "jascl-conf", "jascl-no-unlabelled"
+    ]  # fmt: skip
 
 
 def test_plan_refuses_switched_components_and_unshared_bases(toy_protocol):
@@ -56,7 +56,7 @@ def test_plan_refuses_switched_components_and_unshared_bases(toy_protocol):
     with pytest.raises(ConfigError, match="same session-0 model"):  # GAS in session 0: jascl's own base
         _plan(toy_protocol, "method_args.jascl.gas.in_base=true")
     assert list(_plan(toy_protocol, "preset=authors")) == [
-        "jascl", "jascl-no-gas", "jascl-no-replay", "jascl-no-pas", "jascl-no-unlabelled"
+        "jascl", "jascl-no-gas", "jascl-no-replay", "jascl-conf", "jascl-no-unlabelled"
     ]  # fmt: skip
     assert parse_components("replay, gas") == ["gas", "replay"]  # table order
     with pytest.raises(ConfigError, match="--components nope"):
@@ -81,7 +81,7 @@ def test_study_end_to_end_matches_the_run_records(tmp_path, capsys):
     assert set(runs[3]) == {"jascl", "jascl-no-gas"}
     summary = json.loads((out / "study.json").read_text())
     assert summary["seeds"] == [3, 4, 5] and summary["same_base"] == {"3": True, "4": True, "5": True}
-    assert [s["method"] for s in summary["skipped"]] == ["jascl-no-pas"]
+    assert [s["method"] for s in summary["skipped"]] == ["jascl-conf"]
     rows = {v["method"]: v for v in summary["variants"]}
 
     def seeds_of(method, pick):

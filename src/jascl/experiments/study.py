@@ -2,7 +2,7 @@
 
 The study runs the full method and one ablation per component -- w/o GAS, w/o prototype replay,
 w/o PAS, w/o unlabelled data (the registered presets ``jascl``, ``jascl-no-gas``, ``jascl-no-replay``,
-``jascl-no-pas``, ``jascl-no-unlabelled``) -- on one protocol for several seeds, through
+``jascl-conf``, ``jascl-no-unlabelled``) -- on one protocol for several seeds, through
 :func:`jascl.experiments.compare.run_compare`: per seed, every variant runs in one run folder, so they
 share the data, the K-shot manifest and the session-0 model (the JASCL family's stochastic base,
 ``seed-<s>/base-stochastic-classifier``, trained once). A variant is paired with the full method seed
@@ -15,8 +15,12 @@ What is run is decided before anything trains (:func:`plan_study`):
   detection``) is not run, and said so;
 * on a protocol whose incremental sessions have no unlabelled pool, w/o PAS and w/o unlabelled are the
   full method (the mean teacher has nothing to train on): not run, and said so;
-* two variants built from the same plugins with the same settings (today ``jascl-no-pas`` and
-  ``jascl-no-unlabelled``) train once; the second reads the first's runs, and the tables say so;
+* "w/o PAS" keeps the mean teacher on the pool and removes PAS's prototype test from eq. 4, so its
+  pseudo-labels pass on confidence alone (``jascl-conf``); "w/o unlabelled" removes the teacher and the
+  pool altogether (``jascl-no-unlabelled``, the same plugins as the paper-named ``jascl-no-pas``). The
+  first measures what the prototype anchoring adds, the second what the unlabelled data adds;
+* two variants built from the same plugins with the same settings train once; the second reads the
+  first's runs, and the tables say so;
 * every variant must start from the same session-0 model; a configuration under which they would not
   (e.g. ``gas.in_base=true``: the full method then trains its own base) is refused, as are
   ``method_args.jascl.components`` switches (the study sets them itself).
@@ -73,7 +77,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("full", "full JASCL", "jascl"),
     Variant("gas", "w/o GAS", "jascl-no-gas"),
     Variant("replay", "w/o replay", "jascl-no-replay"),
-    Variant("pas", "w/o PAS", "jascl-no-pas"),
+    Variant("pas", "w/o PAS (confidence-only teacher)", "jascl-conf"),
     Variant("unlabelled", "w/o unlabelled", "jascl-no-unlabelled"),
 )
 
