@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jascl.data.geometry import header_size_problem, planned_shape_problem
+from jascl.data.geometry import planned_shape_problem
 
 
 def planned_shape_report(sources: Mapping[str, Any], patch_size: Sequence[int] | None) -> tuple[list[str], list[str]]:
@@ -99,43 +99,3 @@ def held_out_lines(held_out: Mapping[str, Sequence[str]]) -> list[str]:
     lines = ["held out for testing (never trained on):"]
     lines += [f"  {d} ({len(ids)}): {', '.join(ids)}" for d, ids in held_out.items()]
     return lines
-
-
-def check_planned_volumes(sources: Mapping[str, Any], plans: Sequence[Any]) -> None:
-    """Refuse, before training, the first volume of the session ``plans`` whose header declares more voxels than
-    its file holds (:func:`jascl.data.geometry.header_size_problem`) or whose geometry preprocessing cannot use
-    (:func:`jascl.data.geometry.planned_shape_problem`): a run learns of a NaN affine or a collapsed resampling
-    from its header, not from MONAI in the middle of a session. Headers only are read.
-
-    Raises:
-        DataError: ``<file>: <what is wrong>; <fix> ('jascl data check' lists every sample)``.
-    """
-    import nibabel
-
-    from jascl.errors import DataError
-
-    seen: set[str] = set()
-    for plan in plans:
-        for part in (plan.train, plan.test, plan.unlabelled or [], plan.validation or []):
-            for ref in part:
-                if ref in seen:
-                    continue
-                seen.add(ref)
-                dataset, _, rid = str(ref).partition("/")
-                src = sources.get(dataset)
-                if src is None or getattr(src.layout, "spatial_dims", 3) != 3 or rid not in src.records:
-                    continue
-                record = src.records[rid]
-                if not record.images:
-                    continue
-                try:
-                    img: Any = nibabel.load(str(record.images[0]))
-                except Exception:  # unreadable: loading the sample names it
-                    continue
-                wrong = header_size_problem(record.images[0], img)
-                if wrong is None:
-                    wrong, _ = planned_shape_problem(
-                        img.shape[:3], img.affine, dict(src.spec.preprocess), where=f"datasets.{dataset}.preprocess"
-                    )
-                if wrong is not None:
-                    raise DataError(f"{record.images[0]}: {wrong} ('jascl data check' lists every sample)")

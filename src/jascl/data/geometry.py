@@ -15,6 +15,7 @@ And a header that claims more voxels than the file holds makes a decode allocate
   and ``Spacing`` compute it (nibabel's orientation arithmetic, ``monai.data.utils.compute_shape_offset``),
   without resampling anything; :func:`planned_shape_problem` refuses a shape that resampling collapses
   (an axis of fewer than :data:`MIN_PLANNED_VOXELS` voxels) or inflates past :data:`MAX_VOXELS`.
+* :func:`check_planned_volumes` -- the header checks above on every volume a run selected, before it trains.
 
 Each returns one line (``"<what> ...; <fix>"``) or None; the callers prefix the file.
 """
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from jascl.errors import DataError
 
 #: the largest voxel spacing (mm) accepted along an axis of the affine; thicker "slices" are a header error
 MAX_SPACING_MM = 20.0
@@ -196,3 +199,41 @@ def planned_shape_problem(
             planned,
         )
     return None, planned
+
+
+def check_planned_volumes(sources: Mapping[str, Any], plans: Sequence[Any]) -> None:
+    """Refuse, before training, the first volume of the session ``plans`` whose header declares more voxels than
+    its file holds (:func:`jascl.data.geometry.header_size_problem`) or whose geometry preprocessing cannot use
+    (:func:`jascl.data.geometry.planned_shape_problem`): a run learns of a NaN affine or a collapsed resampling
+    from its header, not from MONAI in the middle of a session. Headers only are read.
+
+    Raises:
+        DataError: ``<file>: <what is wrong>; <fix> ('jascl data check' lists every sample)``.
+    """
+    import nibabel
+
+    seen: set[str] = set()
+    for plan in plans:
+        for part in (plan.train, plan.test, plan.unlabelled or [], plan.validation or []):
+            for ref in part:
+                if ref in seen:
+                    continue
+                seen.add(ref)
+                dataset, _, rid = str(ref).partition("/")
+                src = sources.get(dataset)
+                if src is None or getattr(src.layout, "spatial_dims", 3) != 3 or rid not in src.records:
+                    continue
+                record = src.records[rid]
+                if not record.images:
+                    continue
+                try:
+                    img: Any = nibabel.load(str(record.images[0]))
+                except Exception:  # unreadable: loading the sample names it
+                    continue
+                wrong = header_size_problem(record.images[0], img)
+                if wrong is None:
+                    wrong, _ = planned_shape_problem(
+                        img.shape[:3], img.affine, dict(src.spec.preprocess), where=f"datasets.{dataset}.preprocess"
+                    )
+                if wrong is not None:
+                    raise DataError(f"{record.images[0]}: {wrong} ('jascl data check' lists every sample)")
