@@ -44,6 +44,8 @@ class CheckReport:
     sessions: list[dict] = field(default_factory=list)
     #: dataset -> record ids of the test samples of any session (held out: never trained on)
     held_out: dict[str, list[str]] = field(default_factory=dict)
+    #: what the run will do that is worth knowing and no defect (e.g. volumes padded to the patch)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -72,6 +74,7 @@ class CheckReport:
                 + (f", validation {s['validation']}" if s.get("validation") else "")
             )
         out += held_out_lines(self.held_out)
+        out += [f"note: {n}" for n in self.notes]
         out += [f"warning: {w}" for w in self.warnings]
         out += [f"error: {p}" for p in self.problems]
         out.append(f"{len(self.problems)} problem(s) found" if self.problems else "no problems found")
@@ -134,9 +137,9 @@ def check_protocol(
             if found:
                 problems.extend(str(p) for p in found)
                 src.excluded.add(rid)
-        shape_problems, shape_warnings = planned_shape_report({name: src}, patch_size)
+        shape_problems, shape_notes = planned_shape_report({name: src}, patch_size)
         problems += shape_problems
-        report.warnings += shape_warnings
+        report.notes += shape_notes
         src.index(cache, echo=echo, problems=problems)
         if src.known is not None:
             for rid in sorted(src.presence):

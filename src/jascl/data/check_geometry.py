@@ -7,7 +7,7 @@ to 0.5 mm a volume of billions of voxels. :func:`planned_shape_report` computes 
 have (:func:`jascl.data.geometry.planned_shape`, nothing is resampled) and reports
 
 * a problem per volume whose planned shape collapses or exceeds the voxel limit (the sample is left out);
-* one warning per dataset for volumes smaller than the training patch along an axis: they are padded to it
+* one note per dataset for volumes smaller than the training patch along an axis: they are padded to it
   (image 0, label ignored) for training, and every whole-volume forward pads them to what the backbone
   takes (:meth:`jascl.networks.Backbone.input_size`), so they train and evaluate, but mostly on padding
   when much smaller.
@@ -23,7 +23,7 @@ from jascl.data.geometry import planned_shape_problem
 
 
 def planned_shape_report(sources: Mapping[str, Any], patch_size: Sequence[int] | None) -> tuple[list[str], list[str]]:
-    """(problems, warnings) for the 3D volumes of the opened ``sources`` (name -> :class:`DatasetSource`).
+    """(problems, notes) for the 3D volumes of the opened ``sources`` (name -> :class:`DatasetSource`).
 
     Samples with a problem are added to their source's ``excluded`` set. Sources of 2D layouts are skipped.
     """

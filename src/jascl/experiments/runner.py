@@ -369,6 +369,7 @@ def run_benchmark(
     if main:
         out.mkdir(parents=True, exist_ok=True)
     handler = _setup_logging(out)
+    started = False
     try:
         if protocol.uses_datasets and protocol.task == "segmentation" and config.patch_size is None:
             raise ConfigError(
@@ -387,6 +388,7 @@ def run_benchmark(
         check_reusable(out, config, protocol)
         if main and stage != "cell":
             write_run_files(out, protocol, config, methods, data, cache_dir, roots, roots_file, split_manifest, imports)
+        started = True  # from here a failure is written into the folder's log; before, the folder is left as it was
         log.info("run %s: protocol %s seed %d methods %s", out, protocol.name, protocol.seed, ",".join(methods))
 
         shared_base = None
@@ -469,8 +471,9 @@ def run_benchmark(
         if main and stage != "cell":
             write_all(results, out)
         return results
-    except BaseException as exc:  # the folder's log says why the run stopped
-        log.error("stopped: %s", (str(exc).splitlines() or [type(exc).__name__])[0])
+    except BaseException as exc:  # the folder's log says why the run stopped (input refused earlier: untouched)
+        if started:
+            log.error("stopped: %s", (str(exc).splitlines() or [type(exc).__name__])[0])
         raise
     finally:
         log.removeHandler(handler)
