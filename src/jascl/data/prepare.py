@@ -141,7 +141,10 @@ def prepare_protocol(
     """Fill the store with every sample of ``protocol``'s datasets (see the module docstring).
 
     Args:
-        roots / roots_file / environ: the dataset roots, as ``jascl run`` resolves them.
+        roots: root name -> folder (``--root``); ``roots_file`` and ``environ`` (``JASCL_ROOT_<NAME>``) fill the
+            rest, as for ``jascl run``.
+        roots_file: a YAML file of root names to folders (``--roots``).
+        environ: the environment to read ``JASCL_ROOT_<NAME>`` from (default ``os.environ``).
         cache_dir: the cache folder (default ``$JASCL_CACHE`` or ``~/.cache/jascl``).
         workers: worker processes (default :func:`default_workers`); each uses ``cores // workers`` threads.
         progress: show a progress bar (None: when the error stream is a terminal).
