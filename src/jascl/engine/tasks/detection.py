@@ -375,9 +375,9 @@ class DetectionTask(Task):
         return build_detector(run.protocol, run.config, num_classes).to(run.device)
 
     def load_weights(self, model: nn.Module, path: str) -> None:
-        from jascl.networks.detector import load_detector_weights
+        from jascl.networks.detector_weights import load_detector_weights
 
-        report = load_detector_weights(model, path)  # type: ignore[arg-type]
+        report = load_detector_weights(model, path)
         log.info("detector weights %s: %d tensors loaded, %d skipped", path, report["loaded"], len(report["skipped"]))
 
     def frozen_modules(self, model: nn.Module, t: int, policy: str) -> list[nn.Module]:
