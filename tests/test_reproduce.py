@@ -9,7 +9,8 @@ import yaml
 
 from conftest import toy_protocol_dict
 from jascl.cli import main
-from jascl.experiments.reproduce import _job_protocol, base_key, plan_table, run_reproduce
+from jascl.experiments.reproduce import run_reproduce
+from jascl.experiments.reproduce_plan import base_key, job_protocol, plan_table
 from jascl.paper.tables import get_table, parse_table
 from jascl.results.records import RunResults
 from jascl.results.reproduce_table import reproduce_table
@@ -65,7 +66,7 @@ def test_plan_of_a_settings_table_makes_one_job_per_setting_and_refuses_unknown_
         ("ts", 11), ("amos", 11), ("bcv", 10), ("mots_hepaticvessel", 4), ("mots_colon", 3), ("mots_lung", 3)
     )  # fmt: skip
     assert base_key(job) == base_key(extra.jobs[status["JASCL (15 unlabeled samples)"][1]])  # one session-0 base
-    protocol = _job_protocol(job)
+    protocol = job_protocol(job)
     assert protocol.name == "med-ss-first5-s4extra42" and len(protocol.sessions) == 5
     assert protocol.sessions[4].unlabelled == 15 and protocol.sessions[4].unlabelled_extra == 42
     # the stand-in has sessions 0-3 only, so the table's session-4 cells are not in it
@@ -213,13 +214,17 @@ def test_cli_lists_tables_and_prints_a_plan(capsys):
     assert main(["reproduce", "t_drop", "--dry-run", "--seeds", "2"]) == 0
     out = capsys.readouterr().out
     assert "28 cells, 28 to measure; seeds 1024, 1025" in out and "skipped" not in out  # every method registered
-    # 21 methods share the vanilla base and JASCL its own keyed base (1 + 1 + 22 x 2 sessions), 6 train their own
-    # (6 x 3, CLIP-CT among them): 64 sessions x 4.1 h x 2 seeds = 524.8
-    assert "about 525 GPU-hours" in out
+    # sessions costed by labelled samples x epochs against the timed Med-Disjoint session 1 (25 volumes x 200
+    # epochs = 4.1 h): the base (200 volumes x 200 epochs) 32.8 h, session 1 (AMOS 5 x 5 shots) 4.1 h, session 2
+    # (BCV 6 x 5) 4.92 h. Bases per seed: the vanilla one, JASCL's keyed one and 6 of methods training their own
+    # (8 x 32.8 = 262.4 h); every one of the 28 methods trains sessions 1-2 (28 x 9.02 = 252.56 h): 514.96 h per
+    # seed, 1029.92 h for 2
+    assert "about 1030 GPU-hours" in out and "base sessions 16 x 32.8 h = 525 h" in " ".join(out.split())
     assert "share the stochastic-classifier session-0 base: jascl" in out
-    # JASCL's keyed base counted once per base: med-disjoint 1 + 4 sessions x 4.1 h, med-ss 1 + 4 x 5.3 h, and the
-    # med-ss job with borrowed unlabelled data reuses med-ss's base: 4 x 5.3 h; 20.5 + 26.5 + 21.2 = 68.2
+    # JASCL's keyed base counted once per base: med-disjoint 32.8 + sessions 1-4 (4.1 + 4.92 + 3.28 + 2.46) h, med-ss
+    # at the semi-supervised rate (5.3 h per 25 x 200): 42.4 + (5.3 + 6.36 + 4.24 + 3.18) h, and the med-ss job
+    # with borrowed unlabelled data reuses med-ss's base: 19.08 h; 47.56 + 61.48 + 19.08 = 128.12
     assert main(["reproduce", "tab:unlabeled_effect", "--dry-run", "--seeds", "1"]) == 0
-    assert "about 68 GPU-hours" in " ".join(capsys.readouterr().out.split())
+    assert "about 128 GPU-hours" in " ".join(capsys.readouterr().out.split())
     assert main(["reproduce", "tab_nope"]) == 2
     assert "no paper table 'tab_nope'" in capsys.readouterr().err
