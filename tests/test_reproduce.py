@@ -228,3 +228,55 @@ def test_cli_lists_tables_and_prints_a_plan(capsys):
     assert "about 128 GPU-hours" in " ".join(capsys.readouterr().out.split())
     assert main(["reproduce", "tab_nope"]) == 2
     assert "no paper table 'tab_nope'" in capsys.readouterr().err
+
+
+def test_every_paper_plan_trains_the_epochs_the_paper_states():
+    """SAM: 10 epochs per session (implementation details, line 2285); DeepLab and the other backbones keep their
+    protocol's, which are the paper's: medical 200, natural and surgery 100 (COCO-O: its protocol's 100 / 36)."""
+    from jascl.engine.config import resolve_config
+    from jascl.experiments.reproduce_plan import job_protocol
+    from jascl.paper.tables import paper_tables
+
+    seen = set()
+    for table in paper_tables().values():
+        for job in plan_table(table).jobs.values():
+            protocol = job_protocol(job)
+            config = resolve_config(protocol.training, protocol.path, None, list(job.overrides))
+            epochs = (config.epochs_base, config.epochs_incremental)
+            if config.backbone == "sam-vitb":
+                expected = (10, 10)
+            elif job.protocol == "coco-o":
+                expected = (100, 36)
+            elif job.protocol.startswith("med"):
+                expected = (200, 200)
+            else:
+                assert job.protocol.startswith(("natural", "surgery")), job.protocol
+                expected = (100, 100)
+            assert epochs == expected, (table.label, job.key, epochs)
+            seen.add(config.backbone)
+    assert {"sam-vitb", "deeplabv3plus", "unet3d-authors", "medformer"} <= seen
+
+
+def test_dry_run_checks_root_names_as_the_run_does(capsys, tmp_path):
+    # the real run refuses a root no protocol of the table reads; the dry run now says so too
+    assert main(["reproduce", "tab_set1_part", "--dry-run", "--root", f"totalsegmentator={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "--root totalsegmentator=...: no job of tab_set1_part reads a root of that name" in err
+    assert "ts" in err.split("read ")[-1]
+    assert main(["reproduce", "tab_set1_part", "--dry-run", "--root", f"ts={tmp_path}"]) == 0
+    capsys.readouterr()
+    assert main(["reproduce", "tab_set1_part", "--stand-in", "--dry-run", "--root", f"ts={tmp_path}"]) == 2
+    assert "the stand-in benchmarks read no dataset" in capsys.readouterr().err
+
+
+def test_each_job_gets_the_roots_its_protocol_reads():
+    # abl_robo spans surgery-cil (CholecSeg8k only) and surgery-dil / -cdil (CholecSeg8k and m2caiSeg): the run
+    # used to pass --root m2caiseg=... to every job, which surgery-cil's refuses
+    from jascl.experiments.reproduce_plan import check_roots, roots_for
+
+    plan = plan_table(get_table("abl_robo"))
+    roots = {"cholecseg8k": "/c", "m2caiseg": "/m"}
+    check_roots(plan, roots)
+    given = {job.protocol: roots_for(job, roots) for job in plan.jobs.values()}
+    assert given == {"surgery-cil": {"cholecseg8k": "/c"}, "surgery-dil": roots, "surgery-cdil": roots}
+    assert roots_for(next(iter(plan.jobs.values())), None) is None

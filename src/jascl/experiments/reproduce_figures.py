@@ -130,9 +130,9 @@ _SS = (
 _GAS = (Series("JASCL (MedFormer)", ("backbone_set2", "JASCL (MedFormer)")), Series("w/o GAS", ("abl_gni", "Average")))
 _PAS = (Series("JASCL + GAPS", ("Semi_natural_gaps", "JASCL + GAPS")), Series("w/o PAS", ("without_plr", "Average")))
 _GRID = (
-    ("JASCL vs SS JASCL, Med JASCL-Disjoint / Med SS", (Series("JASCL", ("tab:class_Sessions", "Average")), Series("SS JASCL", ("tab:class_performance", "Average")))),
-    ("JASCL vs w/o PAS, Semi-Supervised Natural", (Series("JASCL", ("tab:per_class_performance_Sessions", "Average")), Series("w/o PAS", ("without_plr", "Average")))),
-    ("JASCL (MedFormer) vs w/o GAS, Med JASCL-Mixed", (Series("JASCL", ("tab:class_Sessions_0to4", "Average")), Series("w/o GAS", ("abl_gni", "Average")))),
+    ("JASCL vs SS JASCL (U-Net, Med-Disjoint / Med-SS)", (Series("JASCL", ("tab:class_Sessions", "Average")), Series("SS JASCL", ("tab:class_performance", "Average")))),
+    ("JASCL vs w/o PAS (DeepLab, SS Natural)", (Series("JASCL", ("tab:per_class_performance_Sessions", "Average")), Series("w/o PAS", ("without_plr", "Average")))),
+    ("JASCL vs w/o GAS (MedFormer, Med-Mixed)", (Series("JASCL", ("tab:class_Sessions_0to4", "Average")), Series("w/o GAS", ("abl_gni", "Average")))),
 )  # fmt: skip
 
 FIGURES: dict[str, Figure] = {
@@ -150,6 +150,7 @@ FIGURES: dict[str, Figure] = {
                "frozen (a) or fully unfrozen (b): session 0 and session 1 Dice per backbone.",
                (Panel("a", "partially frozen (encoder)", "all", _backbones("encoder"), "bars", (0, 1)),
                 Panel("b", "unfrozen", "all", _backbones("none"), "bars", (0, 1))),
+               columns=1,
                notes=("The paper names no benchmark for this figure; the real run uses Med JASCL-Mixed's first two "
                       "sessions (the benchmark of the backbone table), the stand-in synthetic-2d with 2D backbones.",)),
         Figure("fig_ss", "Swin_semi_fig", 607, "JASCL without unlabelled data (Med JASCL-Disjoint) and with it "
@@ -159,7 +160,7 @@ FIGURES: dict[str, Figure] = {
                (Panel("a", "w/o GAS, Med JASCL-Mixed", "all", _GAS), Panel("b", "w/o PAS, SS Natural", "all", _PAS))),
         Figure("fig_seen_new", "fig:JASCL_full_grid", 2666, "Seen, New and HM per incremental session: (a-c) JASCL "
                "vs SS JASCL, (d-f) JASCL vs w/o PAS, (g-i) JASCL (MedFormer) vs w/o GAS.",
-               tuple(Panel("abcdefghi"[3 * r + k], f"{MEASURES[m]}: {title}", m, series)
+               tuple(Panel("abcdefghi"[3 * r + k], f"{MEASURES[m]}\n{title}", m, series)
                      for r, (title, series) in enumerate(_GRID) for k, m in enumerate(("old", "new", "hm"))),
                columns=3,
                notes=("Published Seen / New / HM are computed from the paper's class-wise tables (foreground "
@@ -263,7 +264,7 @@ def describe_figure(figure: Figure, seeds: Sequence[int], stand_in: bool, quick:
     lines = [f"{figure.name}: the paper's figure {figure.label} (line {figure.line}): {figure.caption}"]
     for panel in figure.panels:
         names = ", ".join(s.label for s in panel.series)
-        lines.append(f"  panel ({panel.key}) {panel.title}: {MEASURES[panel.measure]}; {names}")
+        lines.append(f"  panel ({panel.key}) {panel.title.replace(chr(10), ' ')}: {MEASURES[panel.measure]}; {names}")
     return lines + describe_plan(fp.plan, seeds)[1:] + describe_estimate(fp.plan, len(seeds))
 
 

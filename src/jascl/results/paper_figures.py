@@ -119,7 +119,7 @@ def figure_of(data: FigureData) -> Figure:
     for ax, panel in zip(axes, data.panels):
         ends = _bars_panel(ax, panel) if panel.kind == "bars" else _sessions_panel(ax, panel)
         ax.set_ylim(*fitted_range(ends))
-        ax.set_title(f"({panel.key}) {panel.title}", fontsize=TITLE_PT)
+        ax.set_title(f"({panel.key}) {panel.title}", fontsize=TITLE_PT if "\n" not in panel.title else LABEL_PT)
         ax.set_ylabel(panel.ylabel, fontsize=LABEL_PT)
         ax.tick_params(axis="y", labelsize=TICK_PT)
         ax.grid(True, axis="y", alpha=0.3)
