@@ -38,9 +38,6 @@ from jascl.results.figure_style import (
     png_bytes,
 )
 
-#: the name modules written before :mod:`jascl.results.figure_style` import (e.g. the study figure)
-_png = png_bytes
-
 __all__ = [
     "DPI",
     "EMBED_WIDTH_PX",
