@@ -165,6 +165,7 @@ def _figure(args: argparse.Namespace, console, seeds: list[int]) -> int:
 
 def _compute(args: argparse.Namespace, console, table) -> int:
     """The compute table on this machine's device: parameters and MACs per backbone, time per session."""
+    from jascl.cli.common import _data_args
     from jascl.engine.stop import REQUEST, Stopped
     from jascl.experiments.reproduce_compute import describe_compute, run_compute
     from jascl.results.reproduce_table import reproduce_table, reproduce_title
@@ -187,6 +188,7 @@ def _compute(args: argparse.Namespace, console, table) -> int:
                 echo=_echo(console),
                 cache_dir=args.cache_dir,
                 progress=not args.no_progress,
+                **_data_args(args),
             )
     except Stopped as exc:
         console.print(f"{exc}; the finished cells are in {out}/reproduce.md; rerun the same command to continue")

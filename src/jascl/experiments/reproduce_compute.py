@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from jascl.errors import ConfigError
-from jascl.experiments.reproduce_plan import Job, job_protocol, paper_epochs, quick_epochs
+from jascl.experiments.reproduce_plan import Job, job_protocol, paper_epochs, quick_epochs, roots_for
 from jascl.paper.tables import Cell, PaperTable
 from jascl.results.reproduce_table import write_reproduce
 
@@ -186,6 +186,18 @@ def run_compute(
     out = Path(out)
     where = device_name(device)
     jobs = compute_jobs(table, stand_in)
+    roots = compare_kwargs.pop("roots", None)
+    if roots:  # as a table's run: names no job reads are refused, each job gets its protocol's
+        from jascl.data.real.roots import root_names
+        from jascl.protocols import get_protocol
+
+        known = {n for job in jobs.values() for n in root_names(get_protocol(job.protocol))}
+        unknown = sorted(set(roots) - known)
+        if unknown:
+            raise ConfigError(
+                f"--root {unknown[0]}=...: no job of {table.label} reads a root of that name "
+                f"(its protocols read {', '.join(sorted(known)) or 'no dataset root'})"
+            )
     sizes = {row: model_size(cells[0]) for row, cells in _row_cells(table).items()}
     hours: dict[str, dict[str, float]] = {}
 
@@ -215,7 +227,10 @@ def run_compute(
                 base, incremental = quick_epochs(config.epochs_base, config.epochs_incremental)
                 extra += [f"epochs_base={base}", f"epochs_incremental={incremental}"]
                 config = resolve_config(protocol.training, protocol.path, None, extra)
-            run_compare(protocol, config, job.methods, [seed], out / job.key, echo=echo, **compare_kwargs)
+            run_compare(
+                protocol, config, job.methods, [seed], out / job.key, echo=echo, roots=roots_for(job, roots),
+                **compare_kwargs,
+            )  # fmt: skip
             summary = write()
     finally:
         summary = write()
