@@ -160,7 +160,10 @@ def _figure(args: argparse.Namespace, console, seeds: list[int]) -> int:
             console.print(f"{exc}; the finished panels are drawn in {out}; rerun the same command to continue")
             return exc.exit_code
     console.print(f"written: {', '.join(str(p) for p in paths.values())}")
-    return 0
+    import json
+
+    summary = json.loads((out / "reproduce.json").read_text()) if (out / "reproduce.json").is_file() else {}
+    return 1 if any(c["status"] == "failed" for c in summary.get("cells", [])) else 0
 
 
 def _compute(args: argparse.Namespace, console, table) -> int:

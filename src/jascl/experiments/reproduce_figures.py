@@ -63,6 +63,7 @@ class Series:
         source: the paper table and row it runs (configuration, stand-in and published values).
         protocol, method, backbone, settings: the configuration when there is no source (both modes).
         stand_in_settings: settings of the stand-in run only (e.g. a 2D backbone).
+        stand_in: the embedded protocol of the stand-in run (None: ``protocol``, itself embedded).
         sessions: run only the first N sessions.
     """
 
@@ -73,6 +74,7 @@ class Series:
     backbone: str | None = None
     settings: tuple[tuple[str, Any], ...] = ()
     stand_in_settings: tuple[tuple[str, Any], ...] = ()
+    stand_in: str | None = None
     sessions: int | None = None
 
 
@@ -118,7 +120,8 @@ def _backbones(freeze: str) -> tuple[Series, ...]:
     )
     return tuple(
         Series(label, protocol="med-mixed", method="vanilla", backbone=b, settings=(("freeze_incremental", freeze),),
-               stand_in_settings=(("backbone", b2d), ("freeze_incremental", freeze)), sessions=2)
+               stand_in_settings=(("backbone", b2d), ("freeze_incremental", freeze)), stand_in="synthetic-2d",
+               sessions=2)
         for label, b, b2d in real
     )  # fmt: skip
 
@@ -215,9 +218,7 @@ def figure_table(figure: Figure, stand_in: bool) -> tuple[PaperTable, dict[str, 
                     settings["eval_mode"] = table.eval_mode
                 published = list(table.session_values(row))
             else:
-                protocol = str(s.protocol)
-                if stand_in and not protocol.startswith("constraint"):
-                    protocol = "synthetic-2d"
+                protocol = str(s.stand_in if stand_in and s.stand_in else s.protocol)
                 method, backbone = s.method, None if stand_in else s.backbone
                 settings = dict(s.stand_in_settings if stand_in else s.settings)
                 published = []

@@ -249,6 +249,12 @@ def plan_table(
         overrides = [_override_text(k, v) for k, v in sorted(settings.items())]
         if cell.backbone and not stand_in:
             overrides.append(f"backbone={cell.backbone}")
+            if (
+                cell.backbone != training.get("backbone")
+                and training.get("backbone_args")
+                and not any(k.startswith("backbone_args") for k in settings)
+            ):  # the protocol's backbone_args belong to its own backbone (as --backbone does)
+                overrides.insert(0, "backbone_args={}")
         if not stand_in:
             overrides += paper_epochs(cell.backbone or training.get("backbone"), settings)
         if cell.eval_mode:
