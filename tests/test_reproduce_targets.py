@@ -150,3 +150,12 @@ def test_the_compute_table_runs_on_a_cpu_at_toy_size(tmp_path):
     md = (out / "reproduce.md").read_text()
     assert "6 of 6 cells" in md and "on cpu (" in md
     assert not any(math.isnan(c["measured"]) for c in summary["cells"])
+
+
+def test_another_backbone_on_the_stand_in_drops_the_protocols_backbone_args():
+    # synthetic-2d's backbone_args ({features: ...}) are its U-Net's; SwinUNETR and MedFormer refuse them
+    jobs = figure_plan(FIGURES["fig_frozen"], stand_in=True).plan.jobs.values()
+    overrides = {next(o for o in j.overrides if o.startswith("backbone=")): j.overrides for j in jobs}
+    assert "backbone_args={}" not in overrides["backbone=unet"]
+    assert overrides["backbone=swinunetr"][0] == "backbone_args={}"
+    assert overrides["backbone=medformer"][0] == "backbone_args={}"
