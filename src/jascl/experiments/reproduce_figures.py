@@ -45,10 +45,11 @@ from typing import Any
 
 from jascl.errors import ConfigError
 from jascl.experiments.compare import mean_std
-from jascl.experiments.reproduce import Collected, collect, run_plan
+from jascl.experiments.reproduce import Collected, collect, measure, run_plan
 from jascl.experiments.reproduce_plan import Plan, plan_table
 from jascl.paper.tables import Column, PaperTable, Row, get_table
 from jascl.results.paper_figures import FigureData, PanelData, SeriesData, write_figure
+from jascl.results.reproduce_table import write_reproduce
 
 #: what a panel plots per session: a split of the session record (``hm``: harmonic mean of old and new)
 MEASURES = {"all": "all seen classes", "old": "Seen", "new": "New", "hm": "HM", "base": "base classes"}
@@ -198,7 +199,8 @@ class FigurePlan:
 
 def figure_table(figure: Figure, stand_in: bool) -> tuple[PaperTable, dict[str, int]]:
     """The figure as a table: one row per distinct series (its configuration in this mode; its published
-    session values where it has a source), one column per session of the longest; and each row's sessions."""
+    session values where it has a source, as fractions: mIoU tables print percent), one column per session of
+    the longest; and each row's sessions."""
     from jascl.protocols import get_protocol
 
     rows: dict[str, Row] = {}
@@ -216,7 +218,7 @@ def figure_table(figure: Figure, stand_in: bool) -> tuple[PaperTable, dict[str, 
                 settings = {} if stand_in else {**table.set, **row.set}
                 if table.eval_mode:
                     settings["eval_mode"] = table.eval_mode
-                published = list(table.session_values(row))
+                published = [None if v is None else v / table.scale for v in table.session_values(row)]
             else:
                 protocol = str(s.stand_in if stand_in and s.stand_in else s.protocol)
                 method, backbone = s.method, None if stand_in else s.backbone
@@ -238,6 +240,7 @@ def figure_table(figure: Figure, stand_in: bool) -> tuple[PaperTable, dict[str, 
     table = PaperTable(
         label=figure.name, caption=figure.caption, line=figure.line, kind="methods", metric="dice",
         columns=columns, rows=padded, sessions=fixed.pop() if len(fixed) == 1 else None, notes=figure.notes,
+        stand_in=", ".join(dict.fromkeys(str(r.protocol) for r in padded)) if stand_in else None,
         source=f"jascl figure {figure.name}",
     )  # fmt: skip
     return table, counts
@@ -250,6 +253,7 @@ def figure_plan(
     protocol names (or YAML paths) a series may name, default the built-in ones."""
     table, counts = figure_table(figure, stand_in)
     plan = plan_table(table, quick=quick, protocols=protocols)
+    plan.stand_in = stand_in  # the rows already name the stand-in protocols: planned as they are, labelled so
     for p in plan.cells:
         if p.cell.session is not None and p.cell.session >= counts[p.cell.row]:
             p.status, p.reason, p.job = "not runnable", "beyond the series' sessions", None
@@ -363,7 +367,8 @@ def run_figure(
 
 
 def report_figure(figure: Figure, out: str | Path) -> dict[str, Path]:
-    """Redraw a figure from the run folders under ``out`` (the mode and seeds it was run with)."""
+    """Redraw a figure and its ``reproduce.{md,csv,json}`` from the run folders under ``out`` (the mode and seeds
+    it was run with)."""
     import json
 
     out = Path(out)
@@ -374,4 +379,6 @@ def report_figure(figure: Figure, out: str | Path) -> dict[str, Path]:
     seeds = sorted({int(p.name.split("-", 1)[1]) for job in fp.plan.jobs for p in (out / job).glob("seed-*")})
     if not seeds:
         raise ConfigError(f"{out}: no run folder of {figure.name}'s jobs; give the --out of the reproduction")
-    return write_figure(figure_data(fp, collect(fp.plan, seeds, out)), out)
+    collected = collect(fp.plan, seeds, out)
+    write_reproduce(measure(fp.plan, collected, seeds), out)
+    return write_figure(figure_data(fp, collected), out)
