@@ -61,3 +61,12 @@ def test_help_the_listing_commands_and_input_errors_import_no_heavy_library():
         """
     )
     assert found == {command: [code, [], True] for command, code in commands.items()}
+
+
+def test_the_nifti_modules_import_first_in_a_fresh_interpreter():
+    # jascl.data.medical -> layouts.base -> layouts/__init__ -> msd -> volume_checks: a name volume_checks took
+    # from medical (not yet defined while medical was importing) once broke `import jascl.data.medical` as the
+    # first import (the docs build's protocol reference page); the shared pieces now live in jascl.data.nifti
+    for module in ("jascl.data.medical", "jascl.data.volume_checks", "jascl.data.layouts.msd"):
+        done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)
+        assert done.returncode == 0, (module, done.stderr.strip().splitlines()[-1:])

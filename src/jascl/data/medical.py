@@ -16,7 +16,6 @@ are nibabel's voxel-to-world (RAS+ world) 4 x 4 matrices, which is what MONAI's
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,40 +24,12 @@ import numpy as np
 
 from jascl.data.geometry import header_size_problem, planned_shape_problem
 from jascl.data.layouts.base import Sample
+from jascl.data.nifti import REDOWNLOAD, _nib, _reason, missing_reason
 from jascl.errors import ConfigError, DataError
-
-#: default largest absolute difference between two affines (mm for the origin, the
-#: direction-cosine-times-spacing entries otherwise) still counted as the same grid
-AFFINE_TOLERANCE = 1e-3
 
 #: default CT window in Hounsfield units (the soft-tissue window of MONAI's abdominal CT
 #: tutorials); protocols set ``preprocess.window`` to override it
 CT_WINDOW = (-175.0, 250.0)
-
-REDOWNLOAD = "re-download or re-extract it from the dataset's release"
-
-
-def _nib():
-    import nibabel  # imported on first use: layouts are imported by every CLI call
-
-    return nibabel
-
-
-def missing_reason(path: Path) -> str:
-    """Why ``path`` is not a readable file: "symlink loop", "broken symlink (to ...)", "a folder, not a file" or
-    "file not found"."""
-    if path.is_symlink():
-        try:
-            path.resolve(strict=True)
-        except RuntimeError:  # Python < 3.13 raises RuntimeError for a loop
-            return "symlink loop (the link points back to itself)"
-        except OSError as exc:
-            if getattr(exc, "errno", None) == 40:  # ELOOP
-                return "symlink loop (the link points back to itself)"
-            return f"broken symlink (to {os.readlink(path)}, which does not exist)"
-    if path.is_dir():
-        return "a folder, not a file"
-    return "file not found"
 
 
 def _open(path: Path):
@@ -74,11 +45,6 @@ def _open(path: Path):
     if size is not None:
         raise DataError(f"{path}: {size}")
     return img
-
-
-def _reason(exc: Exception) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _decode(img, path: Path, dtype: Any | None) -> np.ndarray:

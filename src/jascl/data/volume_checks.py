@@ -4,7 +4,7 @@
 :class:`~jascl.data.layouts.base.Problem` lines (missing file or modality, unreadable / corrupt NIfTI,
 header sizes the file cannot hold, image/label shape or affine mismatch, implausible spacing,
 non-integer or undeclared label values). The ``msd``, ``totalsegmentator`` and ``brats`` layouts use
-it, so the three report problems the same way. Reading and decoding are :mod:`jascl.data.medical`'s.
+it, so the three report problems the same way. Decoding and preprocessing are :mod:`jascl.data.medical`'s.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 
 from jascl.data.geometry import MAX_SPACING_MM, affine_problem, header_size_problem
 from jascl.data.layouts.base import Problem, image_value_problems
-from jascl.data.medical import AFFINE_TOLERANCE, REDOWNLOAD, _nib, _reason, missing_reason
+from jascl.data.nifti import AFFINE_TOLERANCE, REDOWNLOAD, _nib, _reason, missing_reason
 
 
 def check_volumes(

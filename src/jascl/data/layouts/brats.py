@@ -17,7 +17,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from jascl.data import medical, volume_checks
+from jascl.data import medical, nifti, volume_checks
 from jascl.data.layouts.base import LAYOUTS, DatasetLayout, Problem, Record, Sample
 from jascl.errors import ConfigError, DataError
 
@@ -66,7 +66,7 @@ class BraTSLayout(DatasetLayout):
     def __init__(self, root: str | Path, **options: Any) -> None:
         super().__init__(root, **options)
         medical.check_options(self.name, options, ("modalities", "labelled", "affine_tolerance"))
-        self.tolerance = float(options.get("affine_tolerance", medical.AFFINE_TOLERANCE))
+        self.tolerance = float(options.get("affine_tolerance", nifti.AFFINE_TOLERANCE))
         reverse = {v: k for k, v in NAMES_2023.items()}
         modalities = options.get("modalities", MODALITIES)
         if isinstance(modalities, str) or not modalities:

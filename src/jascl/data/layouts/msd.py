@@ -33,7 +33,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jascl.data import medical, volume_checks
+from jascl.data import medical, nifti, volume_checks
 from jascl.data.layouts.base import LAYOUTS, DatasetLayout, Problem, Record, Sample
 from jascl.errors import DataError
 
@@ -73,7 +73,7 @@ class MSDLayout(DatasetLayout):
     Options:
         include_test: also list ``imagesTs`` cases (split "test", no label); default True.
         affine_tolerance: largest affine difference accepted between a case's files
-            (default :data:`jascl.data.medical.AFFINE_TOLERANCE`).
+            (default :data:`jascl.data.nifti.AFFINE_TOLERANCE`).
 
     Records: id = case name (``imagesTs`` cases whose name is also a training case get
     the prefix ``imagesTs/``); split "train" (``imagesTr``) or "test" (``imagesTs``);
@@ -93,7 +93,7 @@ class MSDLayout(DatasetLayout):
         super().__init__(root, **options)
         medical.check_options(self.name, options, ("include_test", "affine_tolerance"))
         self.include_test = bool(options.get("include_test", True))
-        self.tolerance = float(options.get("affine_tolerance", medical.AFFINE_TOLERANCE))
+        self.tolerance = float(options.get("affine_tolerance", nifti.AFFINE_TOLERANCE))
         self._meta: dict | None = None
 
     # --- dataset.json ---------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from jascl.data import medical, volume_checks
+from jascl.data import medical, nifti, volume_checks
 from jascl.data.layouts.base import LAYOUTS, DatasetLayout, Problem, Record, Sample
 from jascl.errors import ConfigError, DataError
 
@@ -59,7 +59,7 @@ class TotalSegmentatorLayout(DatasetLayout):
     def __init__(self, root: str | Path, **options: Any) -> None:
         super().__init__(root, **options)
         medical.check_options(self.name, options, ("structures", "affine_tolerance"))
-        self.tolerance = float(options.get("affine_tolerance", medical.AFFINE_TOLERANCE))
+        self.tolerance = float(options.get("affine_tolerance", nifti.AFFINE_TOLERANCE))
         structures = options.get("structures")
         if structures is not None and (
             isinstance(structures, str)
