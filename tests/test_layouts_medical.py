@@ -384,7 +384,7 @@ def test_cache_key_covers_folder_contents_and_not_strings_as_paths(tmp_path):
     ],
 )
 def test_spacing_zero_negative_or_over_20_mm_is_a_problem(zooms, bad):
-    from jascl.data.medical import _spacing_problems
+    from jascl.data.volume_checks import _spacing_problems
 
     img = nib.Nifti1Image(np.zeros((4, 4, 4), np.int16), np.eye(4))
     img.header["pixdim"][1:4] = zooms  # written straight into the header, as a broken export has it

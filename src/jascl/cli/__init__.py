@@ -9,9 +9,10 @@ from collections.abc import Sequence
 
 from jascl import __version__
 from jascl.cli.common import DEFAULT_METHODS, DEFAULT_PROTOCOL, add_root_arguments, import_modules
-from jascl.cli.experiments import cmd_bench, cmd_compare, cmd_report, cmd_reproduce, cmd_sweep
+from jascl.cli.experiments import cmd_bench, cmd_compare, cmd_report, cmd_sweep
 from jascl.cli.getting import add_weights_parser
 from jascl.cli.listing import add_data_parser, add_model_info_parser, cmd_backbones, cmd_methods, cmd_protocols
+from jascl.cli.reproduce import cmd_reproduce
 from jascl.cli.run import cmd_run
 from jascl.cli.study import add_study_parser
 from jascl.cli.text_embeddings import add_text_embeddings_parser
@@ -178,12 +179,23 @@ def build_parser() -> argparse.ArgumentParser:
     compare.set_defaults(func=cmd_compare)
 
     reproduce = sub.add_parser(
-        "reproduce", help="run one of the paper's result tables and print the published value beside the measured one"
+        "reproduce",
+        help="run one of the paper's result tables or figures and print the published value beside the measured one",
     )
-    reproduce.add_argument("table", nargs="?", help="the table's label (see --list), e.g. tab_set1_part")
-    reproduce.add_argument("--list", action="store_true", help="list the paper's tables")
+    reproduce.add_argument(
+        "table", nargs="?", help="a table's label or a figure (see --list), e.g. tab_set1_part, fig_constraints"
+    )
+    reproduce.add_argument("--list", action="store_true", help="list the paper's tables and figures")
     reproduce.add_argument(
         "--dry-run", action="store_true", help="print the plan (jobs, shared bases, GPU-hour estimate) and stop"
+    )
+    reproduce.add_argument(
+        "--quick",
+        action="store_true",
+        help="quick mode: a quarter of every session's epochs, the first seed only; labelled QUICK in the output",
+    )
+    reproduce.add_argument(
+        "--report", action="store_true", help="re-render the output from the run folders in --out (no training)"
     )
     reproduce.add_argument(
         "--stand-in",

@@ -17,7 +17,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from jascl.data import medical
+from jascl.data import medical, volume_checks
 from jascl.data.layouts.base import LAYOUTS, DatasetLayout, Problem, Record, Sample
 from jascl.errors import ConfigError, DataError
 
@@ -156,7 +156,7 @@ class BraTSLayout(DatasetLayout):
     # --- checking and reading -------------------------------------------------------------------------------
 
     def check(self, record: Record) -> list[Problem]:
-        return medical.check_volumes(
+        return volume_checks.check_volumes(
             record.images, record.label, self.modalities, label_values=self.label_names(), tolerance=self.tolerance
         )
 

@@ -33,7 +33,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jascl.data import medical
+from jascl.data import medical, volume_checks
 from jascl.data.layouts.base import LAYOUTS, DatasetLayout, Problem, Record, Sample
 from jascl.errors import DataError
 
@@ -375,7 +375,7 @@ class MSDLayout(DatasetLayout):
         return [f"channel {i}" for i in range(len(record.images))]
 
     def check(self, record: Record) -> list[Problem]:
-        problems = medical.check_volumes(
+        problems = volume_checks.check_volumes(
             record.images,
             record.label,
             self._channel_names(record),

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from jascl.data import medical
+from jascl.data import medical, volume_checks
 from jascl.data.layouts.base import LAYOUTS, DatasetLayout, Problem, Record, Sample
 from jascl.errors import ConfigError, DataError
 
@@ -146,7 +146,9 @@ class TotalSegmentatorLayout(DatasetLayout):
         if record.label is not None:
             if not record.label.is_dir():
                 return [
-                    *medical.check_volumes(record.images, None, ["ct"], tolerance=self.tolerance, channels=["CT"]),
+                    *volume_checks.check_volumes(
+                        record.images, None, ["ct"], tolerance=self.tolerance, channels=["CT"]
+                    ),
                     Problem(
                         record.label,
                         "missing segmentations folder",
@@ -154,7 +156,7 @@ class TotalSegmentatorLayout(DatasetLayout):
                     ),
                 ]
             masks = [(self._mask_path(record.label, s), s) for s in self.structures]
-        return medical.check_volumes(
+        return volume_checks.check_volumes(
             record.images, None, ["ct"], tolerance=self.tolerance, extra_labels=masks, channels=["CT"]
         )
 
