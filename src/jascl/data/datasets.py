@@ -164,7 +164,7 @@ def training_labels(labels: np.ndarray, taught: Sequence[int], other_classes: st
             convention); "ignore" -> they become 255 and are excluded from the loss.
 
     Returns:
-        (*spatial) uint8 (global ids and 255 fit; the loader turns the cropped patch into int64). One
+        (*spatial) uint8 (global ids and 255 fit; losses widen the batch to int64 on their device). One
         table lookup per voxel: on a 274 x 274 x 300 CT label this is about 10x faster than a membership
         test, and it runs once per training item on the whole volume.
     """
@@ -240,10 +240,10 @@ class RandStoreCrop(Randomizable):
     uniform. The centre comes from the store's foreground index (a class drawn in proportion to its voxel
     count, then one of its indexed voxels: uniform over the class's voxels, as before, without a scan of
     the volume), and only the patch is read. The label is the training label (:func:`training_labels`).
-    With ``flip``, each spatial axis is flipped with probability 1/2 (as ``RandFlipd`` per axis), all in
-    one copy of the patch.
+    With ``flip``, each spatial axis is flipped with probability 1/2 (as ``RandFlipd`` per axis): the crop is
+    written flipped as it is read, so each array is copied once.
 
-    Shapes: ``self(index)`` -> image (C, *roi_size) float32 C-contiguous, label (*roi_size) uint8 (a view).
+    Shapes: ``self(index)`` -> image (C, *roi_size) float32, label (*roi_size) uint8, both C-contiguous.
     """
 
     def __init__(
@@ -281,19 +281,19 @@ class RandStoreCrop(Randomizable):
         return [a - p // 2 for a, p in zip(starts, pad)]
 
     def __call__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        image, label = self.reader.read_box(index, self.randomize(index), self.roi_size, self.label_fn)
-        axes = [a for a in range(label.ndim) if self.flip and self.R.random_sample() < 0.5]
-        if axes:
-            image = np.ascontiguousarray(np.flip(image, [a + 1 for a in axes]))
-            label = np.flip(label, axes)
-        return image, label
+        starts = self.randomize(index)  # (the placement is drawn before the flips, as it always was)
+        axes = [a for a in range(len(self.roi_size)) if self.flip and self.R.random_sample() < 0.5]
+        return self.reader.read_box(index, starts, self.roi_size, self.label_fn, axes)
 
 
 class LabelledDataset(Dataset):
     """(image, training label) pairs of one split.
 
-    Items are dicts ``{"image": (C, *spatial) float32, "label": (*spatial) int64, "id": str, "ignore": bool}``
-    (``ignore``: the label holds 255 somewhere).
+    Items are dicts ``{"image": (C, *spatial) float32, "label": (*spatial) label_dtype, "id": str, "ignore":
+    bool}`` (``ignore``: the label holds 255 somewhere). ``label_dtype`` is int64, what losses index with, or
+    uint8 (training labels are global ids < 255 and 255, so they always fit): the training loop's loader
+    takes uint8, an eighth of the bytes through the loader workers' shared memory, and the step widens the
+    batch on its device (:meth:`jascl.engine.tasks.segmentation.SegmentationTask.training_batch`).
     Keys are sample indices or ``(pass, index)`` pairs from a
     :class:`jascl.data.sampling.SeededBatchSampler`; the random crop and flips of
     an item are drawn from ``(seed, pass, index)`` alone, so they do not depend on
@@ -315,7 +315,11 @@ class LabelledDataset(Dataset):
         augment: bool = False,
         patch_size: Sequence[int] | None = None,
         seed: int = 0,
+        label_dtype: torch.dtype = torch.int64,
     ) -> None:
+        if label_dtype not in (torch.int64, torch.uint8):
+            raise ValueError(f"label_dtype must be torch.int64 or torch.uint8, not {label_dtype}")
+        self.label_dtype = label_dtype
         self.split = split
         self.taught = list(taught)
         self.other_classes = other_classes
@@ -348,10 +352,10 @@ class LabelledDataset(Dataset):
         pass_index, index = split_key(key)
         if self.cropper is not None:  # only the patch is read, flipped in the same copy
             self.cropper.set_random_state(seed=derive_seed(self.seed, pass_index, index))
-            patch, hidden = self.cropper(index)
+            patch, hidden = self.cropper(index)  # both C-contiguous: collated without another copy of their own
             return {
                 "image": torch.from_numpy(patch),
-                "label": torch.from_numpy(np.ascontiguousarray(hidden, dtype=np.int64)),
+                "label": torch.from_numpy(hidden).to(self.label_dtype),
                 "id": self.split.ids[index],
                 "ignore": bool((hidden == IGNORE_INDEX).any()),  # on uint8: an eighth of the memory to read
             }
@@ -365,7 +369,7 @@ class LabelledDataset(Dataset):
                 out = self.transform({"image": image, "label": label[None]})
             image = torch.as_tensor(out["image"]).as_subclass(torch.Tensor)
             label = torch.as_tensor(out["label"]).as_subclass(torch.Tensor)[0]
-        label = label.long().contiguous()
+        label = label.to(self.label_dtype).contiguous()
         # whether the label holds ignore pixels, found here in the loader's worker so that the loss does not
         # have to ask the GPU at every step
         return {
