@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from jascl.data.datasets import LabelledDataset
+from jascl.data.datasets import LabelledDataset, collate_items
 from jascl.data.layouts import LAYOUTS
 from jascl.data.medical import preprocess_volume
 from jascl.data.prepare import prepare_protocol, worker_context
@@ -159,6 +159,10 @@ class WithWorkerMemory(Dataset):
     def __getitem__(self, index: int) -> dict:
         return {**self.dataset[index], "rss": rss_mib()}
 
+    def __getitems__(self, indices: list) -> list[dict]:
+        items = self.dataset.__getitems__(indices)  # type: ignore[attr-defined]
+        return [{**item, "rss": rss_mib()} for item in items]
+
 
 def measure_loader(root: Path, cache: Path, cases: int, workers: int, patches: int, whole: bool) -> dict:
     """Patches/s and the workers' peak RSS of one loader setting (run in a fresh process by :func:`main`)."""
@@ -167,14 +171,14 @@ def measure_loader(root: Path, cache: Path, cases: int, workers: int, patches: i
     split = data[0].train
     if whole:
         split = Split(WholeSamples(split.images), WholeSamples(split.labels), split.ids)
-    # uint8 labels, as the training loop's loader (SegmentationTask.labelled_dataset) takes them
+    # uint8 labels and the collate of the training loop's loader (SegmentationTask.labelled_dataset, .collate)
     dataset = WithWorkerMemory(
         LabelledDataset(split, [0, 1, 2, 3], augment=True, patch_size=PATCH, seed=1, label_dtype=torch.uint8)
     )
     # patches drawn at random, with replacement, over the training volumes (one pass of `patches` items:
     # worker start-up is counted once, as in a long epoch)
     sampler = RandomSampler(dataset, replacement=True, num_samples=patches, generator=torch.Generator().manual_seed(0))
-    loader = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=workers)
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=workers, collate_fn=collate_items)
     got, worker_rss = 0, 0.0
     t0, c0 = time.perf_counter(), time.process_time()
     for batch in loader:

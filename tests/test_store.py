@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from torch.utils.data import default_collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fixtures import medical as fxm  # noqa: E402
 from jascl.cli import main  # noqa: E402
 from jascl.data.cache import cached  # noqa: E402
-from jascl.data.datasets import LabelledDataset, RandStoreCrop, training_labels  # noqa: E402
+from jascl.data.datasets import LabelledDataset, RandStoreCrop, collate_items, training_labels  # noqa: E402
 from jascl.data.layouts import LAYOUTS  # noqa: E402
 from jascl.data.layouts.msd import MSDLayout  # noqa: E402
 from jascl.data.prepare import prepare_protocol  # noqa: E402
@@ -169,6 +170,37 @@ def test_flipped_crop_reads_and_training_items_equal_the_flipped_crop(copy, tmp_
     batches = list(loader)
     assert all(batch["label"].dtype == torch.uint8 for batch in batches)
     assert torch.equal(batches[0]["label"][1].long(), int64[keys[1]]["label"])
+
+
+def test_a_training_batch_read_into_its_slots_equals_the_stacked_items(copy, tmp_path):
+    """``__getitems__`` reads a batch's patches into one batch (shared memory in a worker) and ``collate_items``
+    hands it on as it is: the values of torch's stacking of ``self[key]`` items, with padding, flips and ids."""
+    protocol, roots = copy
+    data, _ = load_real(protocol, roots, tmp_path / "cache", **QUIET)
+    split = data[0].train
+    # (10, 10, 20): larger than the 20 x 18 x 16 sample along the last axis, so every patch is padded there
+    for patch in [(8, 8, 8), (10, 10, 20)]:
+        dataset = LabelledDataset(split, [1], augment=True, patch_size=patch, seed=5, label_dtype=torch.uint8)
+        keys = [(p, i) for p in range(3) for i in range(len(split))]
+        want = default_collate([dataset[k] for k in keys])
+        items = dataset.__getitems__(keys)
+        assert items[0]["image"]._base is items[-1]["image"]._base  # slots of one batch
+        got = collate_items(items)
+        assert got["image"] is items[0]["image"]._base and got["label"].dtype == torch.uint8
+        assert list(got) == list(want) and got["id"] == want["id"]
+        for key in ("image", "label", "ignore"):
+            assert torch.equal(got[key], want[key]), key
+        assert bool(want["ignore"].all()) == (patch[2] > SHAPE[2])
+        # items that are not one batch's slots, in order, are stacked
+        swapped = collate_items([items[1], items[0]])
+        assert torch.equal(swapped["image"], torch.stack([want["image"][1], want["image"][0]]))
+    # through a worker process: the batch comes from shared memory, equal to the in-process one
+    batches = list(
+        torch.utils.data.DataLoader(
+            dataset, batch_sampler=[keys[:2], keys[2:4]], num_workers=1, collate_fn=collate_items
+        )
+    )
+    assert torch.equal(batches[1]["image"], want["image"][2:4]) and torch.equal(batches[1]["label"], want["label"][2:4])
 
 
 def test_unlabelled_crops_are_those_of_the_whole_volume(copy, tmp_path):

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from monai.data import get_track_meta, set_track_meta
 from monai.transforms import Compose, MapTransform, RandFlipd, Randomizable, RandSpatialCropd, SpatialPadd
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
 from jascl.data.sampling import SeededBatchSampler, derive_seed, split_key
 from jascl.data.types import CropReader, Split
@@ -280,10 +280,11 @@ class RandStoreCrop(Randomizable):
             starts = [min(max(c - r // 2, 0), n - r) for c, n, r in zip(centre, padded, self.roi_size)]
         return [a - p // 2 for a, p in zip(starts, pad)]
 
-    def __call__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, index: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The patch of sample ``index``, written into ``out`` (image, label) when given (a batch's slot)."""
         starts = self.randomize(index)  # (the placement is drawn before the flips, as it always was)
         axes = [a for a in range(len(self.roi_size)) if self.flip and self.R.random_sample() < 0.5]
-        return self.reader.read_box(index, starts, self.roi_size, self.label_fn, axes)
+        return self.reader.read_box(index, starts, self.roi_size, self.label_fn, axes, out)
 
 
 class LabelledDataset(Dataset):
@@ -348,6 +349,35 @@ class LabelledDataset(Dataset):
     def __len__(self) -> int:
         return len(self.split)
 
+    def __getitems__(self, keys: Sequence) -> list[dict]:
+        """The items of ``keys`` (torch's DataLoader asks for a batch's items at once).
+
+        On the store path with uint8 labels (the training loader) the patches are read straight into one
+        batch, allocated in shared memory inside a loader worker as torch's collate would, and the items are
+        its slots: :func:`collate_items` hands that batch on without another copy. The items are those of
+        ``self[key]``, value for value.
+        """
+        if self.cropper is None or self.label_dtype != torch.uint8 or not len(keys):
+            return [self[key] for key in keys]
+        size = (len(keys), *self.cropper.roi_size)
+        image = _batch_tensor((size[0], self.split.images.shape[1], *size[1:]), torch.float32)
+        label = _batch_tensor(size, torch.uint8)
+        images, labels = image.numpy(), label.numpy()
+        items = []
+        for slot, key in enumerate(keys):
+            pass_index, index = split_key(key)
+            self.cropper.set_random_state(seed=derive_seed(self.seed, pass_index, index))
+            self.cropper(index, out=(images[slot], labels[slot]))
+            items.append(
+                {
+                    "image": image[slot],
+                    "label": label[slot],
+                    "id": self.split.ids[index],
+                    "ignore": bool((labels[slot] == IGNORE_INDEX).any()),
+                }
+            )
+        return items
+
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
         pass_index, index = split_key(key)
         if self.cropper is not None:  # only the patch is read, flipped in the same copy
@@ -378,3 +408,41 @@ class LabelledDataset(Dataset):
             "id": self.split.ids[index],
             "ignore": bool((label == IGNORE_INDEX).any()),
         }
+
+
+def collate_items(items: list[dict]) -> dict:
+    """A batch of :class:`LabelledDataset` items: items that are the slots of one batch, in order
+    (:meth:`LabelledDataset.__getitems__`), give that batch without a copy; any others are stacked by torch's
+    ``default_collate``. The result is the same either way: image (B, C, *spatial), label (B, *spatial), ids
+    as a list, ``ignore`` as a (B,) bool tensor."""
+    first = items[0]
+    image, label = first.get("image"), first.get("label")
+    if isinstance(image, torch.Tensor) and isinstance(label, torch.Tensor):
+        images, labels = image._base, label._base
+        if (
+            images is not None
+            and labels is not None
+            and images.shape[0] == len(items)
+            and labels.shape[0] == len(items)
+            and all(
+                item["image"]._base is images
+                and item["label"]._base is labels
+                and item["image"].data_ptr() == images[slot].data_ptr()
+                and item["label"].data_ptr() == labels[slot].data_ptr()
+                for slot, item in enumerate(items)
+            )
+        ):
+            rest = {
+                key: default_collate([item[key] for item in items]) for key in first if key not in ("image", "label")
+            }
+            return {"image": images, "label": labels, **rest}
+    return default_collate(items)
+
+
+def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor, in new shared memory inside a loader worker (as torch's collate allocates)."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    proto = torch.empty(0, dtype=dtype)
+    storage = proto._typed_storage()._new_shared(int(np.prod(shape)), device=proto.device)
+    return proto.new(storage).resize_(shape)

@@ -113,6 +113,7 @@ class Entry:
         size: Sequence[int],
         label_map: Callable[[np.ndarray], np.ndarray] | None = None,
         flip: Sequence[int] = (),
+        out: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """The crop ``starts`` .. ``starts + size`` (per spatial axis; it may reach outside the volume).
 
@@ -125,6 +126,8 @@ class Entry:
             label_map: applied to the part of the native label inside the volume (e.g. the session's label map)
                 before padding: a value map returning uint8.
             flip: spatial axes (0-based) along which the padded crop is reversed, as ``np.flip`` after the read.
+            out: C-contiguous (image (C, *size) float32, label (*size) uint8) to write into instead of new arrays
+                (e.g. one item's slot of a batch in shared memory); the label one is used with ``label_map`` only.
 
         Returns:
             image (C, *size) float32 C-contiguous, 0 outside the volume; label (*size): ``label_map`` of the
@@ -139,7 +142,13 @@ class Entry:
             raise ValueError(f"crop at {starts} of size {size} lies outside the volume {shape}")
         where = tuple(slice(sl.start - a, sl.stop - a) for sl, a in zip(inside, starts))
         axes = tuple(sorted({int(a) for a in flip}))
-        image = np.zeros((self.image_shape[0], *size), dtype=np.float32)
+        padded = any(w.start > 0 or w.stop < n for w, n in zip(where, size))
+        if out is None:
+            image = np.zeros((self.image_shape[0], *size), dtype=np.float32)
+        else:
+            image = out[0]
+            if padded:
+                image.fill(0)
         mapped = self._map("image.npy")
         # written through a reversed view: the output is the flipped crop, C-contiguous, in one copy
         np.flip(image, tuple(a + 1 for a in axes))[(slice(None),) + where] = mapped[(slice(None),) + inside]
@@ -149,7 +158,12 @@ class Entry:
         native = self._map("label.npy")
         if label_map is None:
             return image, np.ascontiguousarray(np.flip(native[inside], axes))
-        label = np.full(size, IGNORE_INDEX, dtype=np.uint8)
+        if out is None:
+            label = np.full(size, IGNORE_INDEX, dtype=np.uint8)
+        else:
+            label = out[1]
+            if padded:
+                label.fill(IGNORE_INDEX)
         np.flip(label, axes)[where] = label_map(native[inside])  # read from the memory map by the map itself
         del native
         return image, label

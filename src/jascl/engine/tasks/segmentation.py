@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from jascl import distributed
-from jascl.data.datasets import LabelledDataset
+from jascl.data.datasets import LabelledDataset, collate_items
 from jascl.data.sampling import derive_seed
 from jascl.data.types import dense
 from jascl.engine.defaults import (
@@ -48,6 +48,9 @@ class SegmentationTask(Task):
     """Dense segmentation (every protocol without ``task: detection``): the behaviour the loop always had."""
 
     name = "segmentation"
+
+    #: training batches: the store's patches are read into the batch itself (no stacking copy)
+    collate = staticmethod(collate_items)
 
     def new_model(self, num_classes: int) -> Segmenter:
         run = self.context
