@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from jascl.data.datasets import LabelledDataset
+from jascl.data.datasets import LabelledDataset, collate_items
 from jascl.data.layouts import LAYOUTS
 from jascl.data.medical import preprocess_volume
 from jascl.data.prepare import prepare_protocol, worker_context
@@ -159,6 +159,10 @@ class WithWorkerMemory(Dataset):
     def __getitem__(self, index: int) -> dict:
         return {**self.dataset[index], "rss": rss_mib()}
 
+    def __getitems__(self, indices: list) -> list[dict]:
+        items = self.dataset.__getitems__(indices)  # type: ignore[attr-defined]
+        return [{**item, "rss": rss_mib()} for item in items]
+
 
 def measure_loader(root: Path, cache: Path, cases: int, workers: int, patches: int, whole: bool) -> dict:
     """Patches/s and the workers' peak RSS of one loader setting (run in a fresh process by :func:`main`)."""
@@ -167,11 +171,14 @@ def measure_loader(root: Path, cache: Path, cases: int, workers: int, patches: i
     split = data[0].train
     if whole:
         split = Split(WholeSamples(split.images), WholeSamples(split.labels), split.ids)
-    dataset = WithWorkerMemory(LabelledDataset(split, [0, 1, 2, 3], augment=True, patch_size=PATCH, seed=1))
+    # uint8 labels and the collate of the training loop's loader (SegmentationTask.labelled_dataset, .collate)
+    dataset = WithWorkerMemory(
+        LabelledDataset(split, [0, 1, 2, 3], augment=True, patch_size=PATCH, seed=1, label_dtype=torch.uint8)
+    )
     # patches drawn at random, with replacement, over the training volumes (one pass of `patches` items:
     # worker start-up is counted once, as in a long epoch)
     sampler = RandomSampler(dataset, replacement=True, num_samples=patches, generator=torch.Generator().manual_seed(0))
-    loader = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=workers)
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=workers, collate_fn=collate_items)
     got, worker_rss = 0, 0.0
     t0, c0 = time.perf_counter(), time.process_time()
     for batch in loader:
@@ -182,7 +189,13 @@ def measure_loader(root: Path, cache: Path, cases: int, workers: int, patches: i
     del loader, batch  # the workers exit and are waited for: their CPU time is counted below
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = main_cpu + children.ru_utime + children.ru_stime
-    return {"patches_s": got / wall, "wall_s": wall, "cpu_ms": 1000 * cpu / got, "worker_rss": worker_rss}
+    return {
+        "patches_s": got / wall,
+        "wall_s": wall,
+        "cpu_ms": 1000 * cpu / got,
+        "main_ms": 1000 * main_cpu / got,
+        "worker_rss": worker_rss,
+    }
 
 
 def first_pass_stages(root: Path, cache: Path) -> dict[str, float]:
@@ -314,6 +327,8 @@ def main() -> None:
             print(
                 f"| CPU per patch (user+sys, workers included), {path}, {k} loader worker(s): ms | {r['cpu_ms']:.1f} | | |"
             )
+            if k:
+                print(f"| of which the main process (receiving the batches): ms | {r['main_ms']:.1f} | | |")
         print(
             f"| peak RSS per loader worker, store crops, {w} workers (MiB) | {crops['worker_rss']:.0f} | <= 1024 | "
             f"{'yes' if crops['worker_rss'] <= 1024 else 'NO'} |"

@@ -1,6 +1,7 @@
 """The preprocessed store read by crops, and ``jascl data prepare``: crop reads equal crops of whole reads, the
 foreground index, kill and resume, stale / old-format / damaged entries rebuilt."""
 
+import functools
 import json
 import os
 import signal
@@ -11,14 +12,16 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
+import torch
 import yaml
+from torch.utils.data import default_collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fixtures import medical as fxm  # noqa: E402
 from jascl.cli import main  # noqa: E402
 from jascl.data.cache import cached  # noqa: E402
-from jascl.data.datasets import RandStoreCrop, training_labels  # noqa: E402
+from jascl.data.datasets import LabelledDataset, RandStoreCrop, collate_items, training_labels  # noqa: E402
 from jascl.data.layouts import LAYOUTS  # noqa: E402
 from jascl.data.layouts.msd import MSDLayout  # noqa: E402
 from jascl.data.prepare import prepare_protocol  # noqa: E402
@@ -124,6 +127,80 @@ def test_crop_reads_equal_the_same_crop_of_the_whole_sample(copy, tmp_path):
             inside[pad:-pad, pad:-pad, pad:-pad] = True
             expected[inside[box] & (expected == IGNORE_INDEX)] = 0
             assert np.array_equal(hidden, expected)
+
+
+def test_flipped_crop_reads_and_training_items_equal_the_flipped_crop(copy, tmp_path):
+    """The flips written during the read equal ``np.flip`` of the unflipped read; a training item's crop and
+    flips equal the earlier read-then-flip with the same draws; its label is the loader's uint8, contiguous."""
+    protocol, roots = copy
+    data, _ = load_real(protocol, roots, tmp_path / "cache", **QUIET)
+    split = data[0].train
+    reader = split.images.crop_reader
+    hide = functools.partial(training_labels, taught=[1], other_classes="background")
+    for starts, size in [((3, 4, 5), (8, 8, 8)), ((-3, 0, 10), (8, 7, 9)), ((-2, -5, -1), (24, 26, 20))]:
+        image, label = reader.read_box(0, starts, size, hide)
+        for axes in [(0,), (2,), (0, 1), (0, 1, 2)]:
+            got_image, got_label = reader.read_box(0, starts, size, hide, axes)
+            assert np.array_equal(got_image, np.flip(image, [a + 1 for a in axes]))
+            assert np.array_equal(got_label, np.flip(label, axes)) and got_label.dtype == np.uint8
+            assert got_image.flags.c_contiguous and got_label.flags.c_contiguous
+    crop = RandStoreCrop(reader, (8, 8, 8), 0.5, [1], flip=True)
+    flipped = 0
+    for seed in range(8):
+        crop.set_random_state(seed)
+        image, label = crop(1)
+        crop.set_random_state(seed)  # the earlier order of draws: placement, then one draw per axis
+        starts = crop.randomize(1)
+        axes = [a for a in range(3) if crop.R.random_sample() < 0.5]
+        want_image, want_label = reader.read_box(1, starts, (8, 8, 8), crop.label_fn)
+        assert np.array_equal(image, np.flip(want_image, [a + 1 for a in axes]))
+        assert np.array_equal(label, np.flip(want_label, axes))
+        flipped += bool(axes)
+    assert flipped >= 4  # the seeds exercise the flips
+    # the training loader's items: uint8 labels (through a worker process too), the values of the int64 items
+    uint8 = LabelledDataset(split, [1], augment=True, patch_size=(8, 8, 8), seed=2, label_dtype=torch.uint8)
+    int64 = LabelledDataset(split, [1], augment=True, patch_size=(8, 8, 8), seed=2)
+    keys = [(p, i) for p in range(2) for i in range(len(split))]
+    for key in keys:
+        a, b = uint8[key], int64[key]
+        assert a["label"].dtype == torch.uint8 and b["label"].dtype == torch.int64
+        assert torch.equal(a["label"].long(), b["label"]) and torch.equal(a["image"], b["image"])
+        assert a["ignore"] == b["ignore"]
+    loader = torch.utils.data.DataLoader(uint8, batch_size=2, sampler=keys, num_workers=1)
+    batches = list(loader)
+    assert all(batch["label"].dtype == torch.uint8 for batch in batches)
+    assert torch.equal(batches[0]["label"][1].long(), int64[keys[1]]["label"])
+
+
+def test_a_training_batch_read_into_its_slots_equals_the_stacked_items(copy, tmp_path):
+    """``__getitems__`` reads a batch's patches into one batch (shared memory in a worker) and ``collate_items``
+    hands it on as it is: the values of torch's stacking of ``self[key]`` items, with padding, flips and ids."""
+    protocol, roots = copy
+    data, _ = load_real(protocol, roots, tmp_path / "cache", **QUIET)
+    split = data[0].train
+    # (10, 10, 20): larger than the 20 x 18 x 16 sample along the last axis, so every patch is padded there
+    for patch in [(8, 8, 8), (10, 10, 20)]:
+        dataset = LabelledDataset(split, [1], augment=True, patch_size=patch, seed=5, label_dtype=torch.uint8)
+        keys = [(p, i) for p in range(3) for i in range(len(split))]
+        want = default_collate([dataset[k] for k in keys])
+        items = dataset.__getitems__(keys)
+        assert items[0]["image"]._base is items[-1]["image"]._base  # slots of one batch
+        got = collate_items(items)
+        assert got["image"] is items[0]["image"]._base and got["label"].dtype == torch.uint8
+        assert list(got) == list(want) and got["id"] == want["id"]
+        for key in ("image", "label", "ignore"):
+            assert torch.equal(got[key], want[key]), key
+        assert bool(want["ignore"].all()) == (patch[2] > SHAPE[2])
+        # items that are not one batch's slots, in order, are stacked
+        swapped = collate_items([items[1], items[0]])
+        assert torch.equal(swapped["image"], torch.stack([want["image"][1], want["image"][0]]))
+    # through a worker process: the batch comes from shared memory, equal to the in-process one
+    batches = list(
+        torch.utils.data.DataLoader(
+            dataset, batch_sampler=[keys[:2], keys[2:4]], num_workers=1, collate_fn=collate_items
+        )
+    )
+    assert torch.equal(batches[1]["image"], want["image"][2:4]) and torch.equal(batches[1]["label"], want["label"][2:4])
 
 
 def test_unlabelled_crops_are_those_of_the_whole_volume(copy, tmp_path):

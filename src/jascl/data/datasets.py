@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from monai.data import get_track_meta, set_track_meta
 from monai.transforms import Compose, MapTransform, RandFlipd, Randomizable, RandSpatialCropd, SpatialPadd
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
 from jascl.data.sampling import SeededBatchSampler, derive_seed, split_key
 from jascl.data.types import CropReader, Split
@@ -164,7 +164,7 @@ def training_labels(labels: np.ndarray, taught: Sequence[int], other_classes: st
             convention); "ignore" -> they become 255 and are excluded from the loss.
 
     Returns:
-        (*spatial) uint8 (global ids and 255 fit; the loader turns the cropped patch into int64). One
+        (*spatial) uint8 (global ids and 255 fit; losses widen the batch to int64 on their device). One
         table lookup per voxel: on a 274 x 274 x 300 CT label this is about 10x faster than a membership
         test, and it runs once per training item on the whole volume.
     """
@@ -240,10 +240,10 @@ class RandStoreCrop(Randomizable):
     uniform. The centre comes from the store's foreground index (a class drawn in proportion to its voxel
     count, then one of its indexed voxels: uniform over the class's voxels, as before, without a scan of
     the volume), and only the patch is read. The label is the training label (:func:`training_labels`).
-    With ``flip``, each spatial axis is flipped with probability 1/2 (as ``RandFlipd`` per axis), all in
-    one copy of the patch.
+    With ``flip``, each spatial axis is flipped with probability 1/2 (as ``RandFlipd`` per axis): the crop is
+    written flipped as it is read, so each array is copied once.
 
-    Shapes: ``self(index)`` -> image (C, *roi_size) float32 C-contiguous, label (*roi_size) uint8 (a view).
+    Shapes: ``self(index)`` -> image (C, *roi_size) float32, label (*roi_size) uint8, both C-contiguous.
     """
 
     def __init__(
@@ -280,20 +280,21 @@ class RandStoreCrop(Randomizable):
             starts = [min(max(c - r // 2, 0), n - r) for c, n, r in zip(centre, padded, self.roi_size)]
         return [a - p // 2 for a, p in zip(starts, pad)]
 
-    def __call__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        image, label = self.reader.read_box(index, self.randomize(index), self.roi_size, self.label_fn)
-        axes = [a for a in range(label.ndim) if self.flip and self.R.random_sample() < 0.5]
-        if axes:
-            image = np.ascontiguousarray(np.flip(image, [a + 1 for a in axes]))
-            label = np.flip(label, axes)
-        return image, label
+    def __call__(self, index: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The patch of sample ``index``, written into ``out`` (image, label) when given (a batch's slot)."""
+        starts = self.randomize(index)  # (the placement is drawn before the flips, as it always was)
+        axes = [a for a in range(len(self.roi_size)) if self.flip and self.R.random_sample() < 0.5]
+        return self.reader.read_box(index, starts, self.roi_size, self.label_fn, axes, out)
 
 
 class LabelledDataset(Dataset):
     """(image, training label) pairs of one split.
 
-    Items are dicts ``{"image": (C, *spatial) float32, "label": (*spatial) int64, "id": str, "ignore": bool}``
-    (``ignore``: the label holds 255 somewhere).
+    Items are dicts ``{"image": (C, *spatial) float32, "label": (*spatial) label_dtype, "id": str, "ignore":
+    bool}`` (``ignore``: the label holds 255 somewhere). ``label_dtype`` is int64, what losses index with, or
+    uint8 (training labels are global ids < 255 and 255, so they always fit): the training loop's loader
+    takes uint8, an eighth of the bytes through the loader workers' shared memory, and the step widens the
+    batch on its device (:meth:`jascl.engine.tasks.segmentation.SegmentationTask.training_batch`).
     Keys are sample indices or ``(pass, index)`` pairs from a
     :class:`jascl.data.sampling.SeededBatchSampler`; the random crop and flips of
     an item are drawn from ``(seed, pass, index)`` alone, so they do not depend on
@@ -315,7 +316,11 @@ class LabelledDataset(Dataset):
         augment: bool = False,
         patch_size: Sequence[int] | None = None,
         seed: int = 0,
+        label_dtype: torch.dtype = torch.int64,
     ) -> None:
+        if label_dtype not in (torch.int64, torch.uint8):
+            raise ValueError(f"label_dtype must be torch.int64 or torch.uint8, not {label_dtype}")
+        self.label_dtype = label_dtype
         self.split = split
         self.taught = list(taught)
         self.other_classes = other_classes
@@ -344,14 +349,43 @@ class LabelledDataset(Dataset):
     def __len__(self) -> int:
         return len(self.split)
 
+    def __getitems__(self, keys: Sequence) -> list[dict]:
+        """The items of ``keys`` (torch's DataLoader asks for a batch's items at once).
+
+        On the store path with uint8 labels (the training loader) the patches are read straight into one
+        batch, allocated in shared memory inside a loader worker as torch's collate would, and the items are
+        its slots: :func:`collate_items` hands that batch on without another copy. The items are those of
+        ``self[key]``, value for value.
+        """
+        if self.cropper is None or self.label_dtype != torch.uint8 or not len(keys):
+            return [self[key] for key in keys]
+        size = (len(keys), *self.cropper.roi_size)
+        image = _batch_tensor((size[0], self.split.images.shape[1], *size[1:]), torch.float32)
+        label = _batch_tensor(size, torch.uint8)
+        images, labels = image.numpy(), label.numpy()
+        items = []
+        for slot, key in enumerate(keys):
+            pass_index, index = split_key(key)
+            self.cropper.set_random_state(seed=derive_seed(self.seed, pass_index, index))
+            self.cropper(index, out=(images[slot], labels[slot]))
+            items.append(
+                {
+                    "image": image[slot],
+                    "label": label[slot],
+                    "id": self.split.ids[index],
+                    "ignore": bool((labels[slot] == IGNORE_INDEX).any()),
+                }
+            )
+        return items
+
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
         pass_index, index = split_key(key)
         if self.cropper is not None:  # only the patch is read, flipped in the same copy
             self.cropper.set_random_state(seed=derive_seed(self.seed, pass_index, index))
-            patch, hidden = self.cropper(index)
+            patch, hidden = self.cropper(index)  # both C-contiguous: collated without another copy of their own
             return {
                 "image": torch.from_numpy(patch),
-                "label": torch.from_numpy(np.ascontiguousarray(hidden, dtype=np.int64)),
+                "label": torch.from_numpy(hidden).to(self.label_dtype),
                 "id": self.split.ids[index],
                 "ignore": bool((hidden == IGNORE_INDEX).any()),  # on uint8: an eighth of the memory to read
             }
@@ -365,7 +399,7 @@ class LabelledDataset(Dataset):
                 out = self.transform({"image": image, "label": label[None]})
             image = torch.as_tensor(out["image"]).as_subclass(torch.Tensor)
             label = torch.as_tensor(out["label"]).as_subclass(torch.Tensor)[0]
-        label = label.long().contiguous()
+        label = label.to(self.label_dtype).contiguous()
         # whether the label holds ignore pixels, found here in the loader's worker so that the loss does not
         # have to ask the GPU at every step
         return {
@@ -374,3 +408,41 @@ class LabelledDataset(Dataset):
             "id": self.split.ids[index],
             "ignore": bool((label == IGNORE_INDEX).any()),
         }
+
+
+def collate_items(items: list[dict]) -> dict:
+    """A batch of :class:`LabelledDataset` items: items that are the slots of one batch, in order
+    (:meth:`LabelledDataset.__getitems__`), give that batch without a copy; any others are stacked by torch's
+    ``default_collate``. The result is the same either way: image (B, C, *spatial), label (B, *spatial), ids
+    as a list, ``ignore`` as a (B,) bool tensor."""
+    first = items[0]
+    image, label = first.get("image"), first.get("label")
+    if isinstance(image, torch.Tensor) and isinstance(label, torch.Tensor):
+        images, labels = image._base, label._base
+        if (
+            images is not None
+            and labels is not None
+            and images.shape[0] == len(items)
+            and labels.shape[0] == len(items)
+            and all(
+                item["image"]._base is images
+                and item["label"]._base is labels
+                and item["image"].data_ptr() == images[slot].data_ptr()
+                and item["label"].data_ptr() == labels[slot].data_ptr()
+                for slot, item in enumerate(items)
+            )
+        ):
+            rest = {
+                key: default_collate([item[key] for item in items]) for key in first if key not in ("image", "label")
+            }
+            return {"image": images, "label": labels, **rest}
+    return default_collate(items)
+
+
+def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor, in new shared memory inside a loader worker (as torch's collate allocates)."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    proto = torch.empty(0, dtype=dtype)
+    storage = proto._typed_storage()._new_shared(int(np.prod(shape)), device=proto.device)
+    return proto.new(storage).resize_(shape)

@@ -64,9 +64,13 @@ class CropReader(Protocol):
         starts: Sequence[int],
         size: Sequence[int],
         label_fn: Callable[[np.ndarray], np.ndarray] | None = None,
+        flip: Sequence[int] = (),
+        out: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Crop ``starts`` .. ``starts + size`` (starts may be negative, the end past the sample: padded with
-        image 0, label 255); ``label_fn``, a value map, maps the global label inside the sample before padding."""
+        image 0, label 255); ``label_fn``, a value map, maps the global label inside the sample before padding;
+        the padded crop is reversed along the spatial axes ``flip``. Both arrays C-contiguous, written into
+        ``out`` (image, label) when given."""
         ...
 
     def foreground(self, index: int, classes: Iterable[int]) -> tuple[np.ndarray, list[np.ndarray]]:

@@ -306,7 +306,7 @@ class ContinualTrainer:
             epoch_start = loader_position(loader)
             n_steps = max(len(loader), self.method.epoch_iterations(state))
             for batch in iterate_steps(loader, n_steps, start=steps):
-                state.batch = batch
+                state.batch = self.task.training_batch(batch)
                 self.fire("before_iteration", state)
                 total = state.closure()
                 self.fire("before_backward", state)

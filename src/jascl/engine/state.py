@@ -41,7 +41,8 @@ class LoopState:
             ``normalize_pixels`` and ``complement`` as in :func:`jascl.engine.prototypes.per_sample_prototypes`.
         losses: named loss terms of the current iteration; the loop sums them.
         output: the model output of the current training iteration.
-        batch: the current batch (``image`` (B, C, *spatial), ``label`` (B, *spatial) global ids).
+        batch: the current batch (``image`` (B, C, *spatial), ``label`` (B, *spatial) int64 global ids; a
+            segmentation training batch's label is already on the device: the loader's uint8 widened there).
         target: the current batch's labels as classifier rows (B, *spatial) on the device (255 = ignore).
         has_ignore: whether ``target`` holds ignored pixels (None = unknown without a host read).
         boxes: detection (:mod:`jascl.engine.tasks.detection`): the batch's targets, ``{"boxes", "labels"}`` per image with

@@ -274,21 +274,29 @@ class SplitBackend:
         starts: Sequence[int],
         size: Sequence[int],
         label_fn: Callable[[np.ndarray], np.ndarray] | None = None,
+        flip: Sequence[int] = (),
+        out: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The crop ``starts`` .. ``starts + size`` of sample ``index``, equal to the same crop of the whole sample
-        (``images[index]``, ``labels[index]``) padded with image 0 and label 255.
+        (``images[index]``, ``labels[index]``) padded with image 0 and label 255, then reversed along the spatial
+        axes ``flip`` (the training flips, done in the same copy).
 
         Only the crop is read from the store, and the session's label map (then ``label_fn``, e.g. the
-        training-label policy) is applied to the crop's voxels inside the volume; padding stays 255.
+        training-label policy) is applied to the crop's voxels inside the volume; padding stays 255. ``out``:
+        C-contiguous (image, label) arrays of those shapes and dtypes to write into (then returned).
 
         Returns:
-            image (C, *size) float32, label (*size) uint8 global ids.
+            image (C, *size) float32, label (*size) uint8 global ids, both C-contiguous.
         """
         ref = self.refs[index]
         entry = self.store.entry(ref)
-        image, label = entry.read_box(starts, size, self._label_map(split_ref(ref)[0], entry, label_fn))
-        if label is None:
-            label = np.full(tuple(int(s) for s in size), IGNORE_INDEX, dtype=np.uint8)  # no ground truth at all
+        image, label = entry.read_box(starts, size, self._label_map(split_ref(ref)[0], entry, label_fn), flip, out)
+        if label is None:  # no ground truth at all
+            if out is None:
+                label = np.full(tuple(int(s) for s in size), IGNORE_INDEX, dtype=np.uint8)
+            else:
+                label = out[1]
+                label.fill(IGNORE_INDEX)
         return image, label
 
     def _label_map(

@@ -108,21 +108,31 @@ class Entry:
         return image, label
 
     def read_box(
-        self, starts: Sequence[int], size: Sequence[int], label_map: Callable[[np.ndarray], np.ndarray] | None = None
+        self,
+        starts: Sequence[int],
+        size: Sequence[int],
+        label_map: Callable[[np.ndarray], np.ndarray] | None = None,
+        flip: Sequence[int] = (),
+        out: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """The crop ``starts`` .. ``starts + size`` (per spatial axis; it may reach outside the volume).
 
-        Only the pages of the two files the crop covers are read (memory maps, dropped before returning).
+        Only the pages of the two files the crop covers are read (memory maps, dropped before returning), and
+        each array is written once: the crop goes straight from the memory map into the (flipped) output.
 
         Args:
             starts: first voxel per axis, negative or past the end where the crop needs padding.
             size: crop size per axis.
             label_map: applied to the part of the native label inside the volume (e.g. the session's label map)
                 before padding: a value map returning uint8.
+            flip: spatial axes (0-based) along which the padded crop is reversed, as ``np.flip`` after the read.
+            out: C-contiguous (image (C, *size) float32, label (*size) uint8) to write into instead of new arrays
+                (e.g. one item's slot of a batch in shared memory); the label one is used with ``label_map`` only.
 
         Returns:
-            image (C, *size) float32, 0 outside the volume; label (*size): ``label_map`` of the native label,
-            255 outside the volume (None without ``label_map`` when the entry has no label: the caller decides).
+            image (C, *size) float32 C-contiguous, 0 outside the volume; label (*size): ``label_map`` of the
+            native label, 255 outside the volume, uint8 C-contiguous (None without ``label_map`` when the entry
+            has no label: the caller decides).
         """
         starts = [int(s) for s in starts]
         size = [int(s) for s in size]
@@ -131,17 +141,30 @@ class Entry:
         if any(sl.start >= sl.stop for sl in inside):
             raise ValueError(f"crop at {starts} of size {size} lies outside the volume {shape}")
         where = tuple(slice(sl.start - a, sl.stop - a) for sl, a in zip(inside, starts))
-        image = np.zeros((self.image_shape[0], *size), dtype=np.float32)
+        axes = tuple(sorted({int(a) for a in flip}))
+        padded = any(w.start > 0 or w.stop < n for w, n in zip(where, size))
+        if out is None:
+            image = np.zeros((self.image_shape[0], *size), dtype=np.float32)
+        else:
+            image = out[0]
+            if padded:
+                image.fill(0)
         mapped = self._map("image.npy")
-        image[(slice(None),) + where] = mapped[(slice(None),) + inside]
+        # written through a reversed view: the output is the flipped crop, C-contiguous, in one copy
+        np.flip(image, tuple(a + 1 for a in axes))[(slice(None),) + where] = mapped[(slice(None),) + inside]
         del mapped
         if not self.has_label:
             return image, None
         native = self._map("label.npy")
         if label_map is None:
-            return image, np.array(native[inside])
-        label = np.full(size, IGNORE_INDEX, dtype=np.uint8)
-        label[where] = label_map(native[inside])  # read from the memory map by the map itself
+            return image, np.ascontiguousarray(np.flip(native[inside], axes))
+        if out is None:
+            label = np.full(size, IGNORE_INDEX, dtype=np.uint8)
+        else:
+            label = out[1]
+            if padded:
+                label.fill(IGNORE_INDEX)
+        np.flip(label, axes)[where] = label_map(native[inside])  # read from the memory map by the map itself
         del native
         return image, label
 

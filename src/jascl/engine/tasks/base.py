@@ -56,7 +56,8 @@ class Task:
     epochs and the checkpoints; the task supplies everything that depends on what is learnt:
 
     * the model: :meth:`new_model`, :meth:`load_weights` (``--weights``), :meth:`frozen_modules`;
-    * the training batches: :meth:`labelled_dataset` and :attr:`collate`, then per step :meth:`model_inputs`
+    * the training batches: :meth:`labelled_dataset` and :attr:`collate`, then per step :meth:`training_batch`
+      (the batch as the loop's events see it) and :meth:`model_inputs`
       (sets ``state.target`` and returns the arguments of ``state.forward``) and :meth:`training_forward`
       (the forward the loop calls, wrapped for DDP by :meth:`ddp_forward`);
     * the default plugins (:meth:`default_plugins`): classifier growth, the supervised loss, model selection,
@@ -92,6 +93,11 @@ class Task:
     def labelled_dataset(self, t: int, augment: bool, crop: bool) -> Dataset:
         """Session ``t``'s labelled samples; ``crop``: training crops, else whole samples."""
         raise NotImplementedError
+
+    def training_batch(self, batch: Any) -> Any:
+        """The batch of the training loader as every event of the step sees it (``state.batch``): by default
+        the loader's batch itself."""
+        return batch
 
     def model_inputs(self, state: LoopState) -> tuple[Any, ...]:
         """From ``state.batch``: set ``state.target`` (and ``state.has_ignore``) and return the arguments of

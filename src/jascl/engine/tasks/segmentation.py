@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from jascl import distributed
-from jascl.data.datasets import LabelledDataset
+from jascl.data.datasets import LabelledDataset, collate_items
 from jascl.data.sampling import derive_seed
 from jascl.data.types import dense
 from jascl.engine.defaults import (
@@ -48,6 +48,9 @@ class SegmentationTask(Task):
     """Dense segmentation (every protocol without ``task: detection``): the behaviour the loop always had."""
 
     name = "segmentation"
+
+    #: training batches: the store's patches are read into the batch itself (no stacking copy)
+    collate = staticmethod(collate_items)
 
     def new_model(self, num_classes: int) -> Segmenter:
         run = self.context
@@ -109,7 +112,21 @@ class SegmentationTask(Task):
             augment=augment,
             patch_size=patch if crop else None,
             seed=derive_seed(run.seed, "augment", t),
+            # training crops travel as uint8 (an eighth of int64's bytes through the loader workers' shared
+            # memory and the host-to-device copy); :meth:`training_batch` widens them on the device
+            label_dtype=torch.uint8 if crop else torch.int64,
         )
+
+    def training_batch(self, batch: Any) -> Any:
+        """The loader's batch with its uint8 labels moved to the run's device and widened there to int64
+        (the dtype every loss and plugin indexes with): the same values, converted where it is cheapest."""
+        if (
+            isinstance(batch, dict)
+            and isinstance(batch.get("label"), torch.Tensor)
+            and batch["label"].dtype == torch.uint8
+        ):
+            batch = {**batch, "label": batch["label"].to(self.context.device, non_blocking=True).long()}
+        return batch
 
     def model_inputs(self, state: LoopState) -> tuple[Any, ...]:
         run, batch = self.context, state.batch
