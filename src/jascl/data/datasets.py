@@ -422,8 +422,8 @@ def collate_items(items: list[dict]) -> dict:
         if (
             images is not None
             and labels is not None
-            and images.shape[0] == len(items)
-            and labels.shape[0] == len(items)
+            and images.shape == (len(items), *image.shape)  # a batch of these items, not some other parent
+            and labels.shape == (len(items), *label.shape)
             and all(
                 item["image"]._base is images
                 and item["label"]._base is labels
