@@ -27,8 +27,8 @@ def _methods() -> str:
 
     rows = ["| method | options | paper | description |", "|---|---|---|---|"]
     for name in METHODS.list():
-        info = METHODS.info(name)
-        block = f"`method_args.{info.options_key}`" if info.options is not None else "—"
+        info = METHODS.summary(name)
+        block = f"`method_args.{info.options_key}`" if info.options else "—"
         rows.append(f"| `{name}` | {block} | {_cell(info.paper) or '—'} | {_cell(info.doc)} |")
     return "\n".join(rows)
 

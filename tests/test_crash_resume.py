@@ -23,7 +23,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 
 #: what a run imports, imported once by the forkserver that starts the killed runs' processes
 PRELOAD = ["jascl.cli", "jascl.cli.run", "jascl.experiments.runner", "jascl.engine.loop", "jascl.results.report"]
-PRELOAD += ["jascl.methods.registry", "kill_run"]
+PRELOAD += ["jascl.methods.registry", "jascl.methods.presets", "kill_run"]  # (presets: vanilla, jascl)
 
 
 @pytest.fixture(scope="module")

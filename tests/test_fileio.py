@@ -1,4 +1,5 @@
-"""Atomic, durable writes (jascl.fileio): the order of fsyncs and the rename, and what a failure leaves behind."""
+"""Atomic, durable writes (jascl.fileio): the order of fsyncs and the rename, and what a failure leaves behind; and
+load_yaml, the fast reader of the shipped YAML files."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import jascl.fileio as fileio
 from jascl.engine.checkpoint import save_progress, save_tensors
@@ -107,3 +109,21 @@ def test_text_files_are_readable_as_the_umask_allows(tmp_path):
     finally:
         os.umask(umask)
     assert (tmp_path / "a.txt").stat().st_mode & 0o777 == 0o644
+
+
+def test_load_yaml_reads_what_safe_load_reads_and_fails_as_it_does():
+    from jascl.protocols import builtin_protocols
+
+    shipped = [
+        *builtin_protocols().values(),
+        *sorted((Path(fileio.__file__).parent / "paper" / "tables").glob("*.yaml")),
+    ]
+    assert len(shipped) > 40
+    for path in shipped:
+        text = path.read_text(encoding="utf-8")
+        assert fileio.load_yaml(text) == yaml.safe_load(text), path.name
+    assert fileio._SAFE_LOADER is (yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader)
+    with pytest.raises(yaml.YAMLError) as caught:  # PyYAML's own wording and line, not libyaml's
+        fileio.load_yaml("a: [1, 2")
+    assert caught.value.problem == "expected ',' or ']', but got '<stream end>'"
+    assert caught.value.problem_mark.line == 0

@@ -120,12 +120,12 @@ def world_probe(config):
 
 
 @pytest.mark.slow
-def test_local_launcher_trains_each_cell_with_n_processes(toy_protocol, toy_config, tmp_path, monkeypatch):
+def test_local_launcher_trains_each_cell_with_n_processes(toy_protocol, toy_config, tmp_path, monkeypatch, request):
     probe = tmp_path / "probe_method.py"
     probe.write_text(PROBE)
-    monkeypatch.setattr(METHODS, "_entries", dict(METHODS._entries))  # the probe is forgotten afterwards
     spec = importlib.util.spec_from_file_location("probe_method", probe)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))  # this process trains the shared base
+    request.addfinalizer(lambda: METHODS.unregister("world-probe"))  # the probe is forgotten afterwards
     (tmp_path / "probe").mkdir()
     monkeypatch.setenv("JASCL_PROBE_DIR", str(tmp_path / "probe"))
     config = dataclasses.replace(toy_config, threads=1, device="cpu")

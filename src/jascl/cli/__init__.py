@@ -13,6 +13,7 @@ from jascl.cli.experiments import cmd_bench, cmd_compare, cmd_report, cmd_reprod
 from jascl.cli.getting import add_weights_parser
 from jascl.cli.listing import add_data_parser, add_model_info_parser, cmd_backbones, cmd_methods, cmd_protocols
 from jascl.cli.run import cmd_run
+from jascl.cli.study import add_study_parser
 from jascl.cli.text_embeddings import add_text_embeddings_parser
 from jascl.errors import JasclError
 
@@ -204,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="sweep folder (default runs/sweep-<protocol>-seed<seed>); reused to resume"
     )
     sweep.set_defaults(func=cmd_sweep)
+
+    add_study_parser(sub, common, add_launcher_arguments)
 
     report = sub.add_parser(
         "report",

@@ -94,9 +94,9 @@ def cmd_methods(args: argparse.Namespace) -> int:
         table = Table(title=f"methods on the {task} task (same names and --set method_args.<key> as segmentation)")
         table.add_column("name")
         table.add_column("description")
-        for name in METHODS.task_methods(task):
-            doc = (METHODS._task_entries[task][name].__doc__ or "").strip().splitlines()
-            table.add_row(name, doc[0] if doc else "")
+        registry = METHODS.for_task(task)
+        for name in registry.list():
+            table.add_row(name, registry.describe(name))
         _console().print(table)
         return 0
     if not args.name:
@@ -123,10 +123,11 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 def method_family(name: str) -> str:
     """A registered method's family: its folder under ``jascl.methods.baselines`` (e.g. "fewshot"), "jascl" for
-    the JASCL presets, "fine-tuning" for vanilla."""
+    the JASCL presets, "fine-tuning" for vanilla; a composed method's is its first part's. Nothing is imported."""
     from jascl.methods import METHODS
+    from jascl.methods.registry import composed_parts
 
-    module = METHODS.get(name).__module__
+    module = METHODS.summary((composed_parts(name) or [name])[0]).module
     parts = module.split(".")
     if "baselines" in parts and parts.index("baselines") + 1 < len(parts) - 1:
         return parts[parts.index("baselines") + 1]
@@ -152,7 +153,7 @@ def paper_methods() -> list[dict[str, str]]:
                 "name": name,
                 "paper_rows": "; ".join(sorted(paper_rows)),
                 "family": method_family(name) if known else "—",
-                "paper": (METHODS.info(name).paper or "—") if known else "—",
+                "paper": (METHODS.summary(name).paper or "—") if known else "—",
                 "status": "registered" if known else "not registered",
             }
         )

@@ -90,9 +90,9 @@ def _resume_setup(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from jascl import distributed
-
     if args.devices is not None:
+        from jascl import distributed  # (torch: only where --devices asks for it, input errors come first)
+
         if args.devices < 1:
             from jascl.errors import ConfigError
 
@@ -141,6 +141,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     # Heavy imports (torch, MONAI) only after the protocol and configuration are valid,
     # so that input errors are reported at once.
+    from jascl import distributed
     from jascl.experiments.runner import run_benchmark
     from jascl.results.report import print_tables
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
-from jascl.data.datasets import LabelledDataset
 from jascl.data.types import dense
 from jascl.engine.state import LoopState
 from jascl.methods.gas import clean_state_dict
@@ -52,6 +51,8 @@ def labelled_loader(state: LoopState, batch_size: int | None = None) -> DataLoad
 
     Batches hold ``image``, ``label`` (untaught classes hidden as the protocol's ``other_classes`` says) and ``id``.
     """
+    from jascl.data.datasets import LabelledDataset  # (MONAI: imported where a method needs the loader)
+
     dataset = LabelledDataset(
         dense(state.data.train), state.session.classes, state.session.other_classes, augment=False
     )

@@ -13,6 +13,11 @@ A factory registered without ``options`` takes the configuration alone
 (``fn(config) -> Method``). ``jascl methods`` lists the registry, ``jascl methods
 NAME`` prints one method's options, paper and notes (:func:`describe_method`).
 
+The registry lists its methods from the registry index (:mod:`jascl.registry`): what the decorator was given,
+and the module it ran in, for every method of every task (:class:`MethodSummary`). Listing, ``in`` and
+:meth:`MethodRegistry.summary` import nothing; building a method or reading its options class and notes
+(:meth:`MethodRegistry.info`) imports its module first.
+
 Methods compose by name: ``jascl+gaps`` (any ``a+b+...`` of registered names) is the
 plugins of ``jascl`` followed by those of ``gaps``, each part built from its own
 options block, so ``--set method_args.gaps...`` and ``--ablate`` (which sets
@@ -37,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +51,7 @@ from jascl.engine.config import RunConfig
 from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
 from jascl.methods.options import describe_options, read_options
-from jascl.registry import Registry
+from jascl.registry import Registry, read_index
 
 #: a factory as the registry stores it: the resolved run configuration -> the method
 MethodFactory = Callable[[RunConfig], Method]
@@ -71,6 +77,29 @@ class MethodInfo:
     options_key: str
     paper: str
     notes: str
+    parts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MethodSummary:
+    """What the registry index holds of a method: enough to list it, without importing its module.
+
+    Attributes:
+        name: the registered name.
+        doc: one line for ``jascl methods``.
+        paper: the original paper (authors, venue, year).
+        options_key: ``method_args.<options_key>`` holds its options ("" for a composed method).
+        options: the qualified name of its options dataclass ("" without one).
+        module: the module that registers it (imported when the method is first used).
+        parts: for a composed method (``a+b``), the registered names it is made of; () otherwise.
+    """
+
+    name: str
+    doc: str
+    paper: str
+    options_key: str
+    options: str
+    module: str
     parts: tuple[str, ...] = ()
 
 
@@ -131,15 +160,36 @@ def compose_methods(name: str, parts: list[tuple[str, Method]]) -> Method:
 
 
 class MethodRegistry(Registry[Method]):
-    """A :class:`~jascl.registry.Registry` of method factories that also keeps each method's options and paper."""
+    """A :class:`~jascl.registry.Registry` of method factories that also keeps each method's options and paper.
 
-    def __init__(self) -> None:
-        super().__init__("method")
+    This registry holds the segmentation implementations; :meth:`for_task` gives the registry of another task's
+    (its index section ``methods.<task>``), which ``register(..., task=...)`` fills.
+    """
+
+    def __init__(self, task: str = "segmentation", packages: tuple[str, ...] = ("jascl.methods",)) -> None:
+        segmentation = task == "segmentation"
+        super().__init__(
+            "method" if segmentation else f"{task} method", "methods" if segmentation else f"methods.{task}", packages
+        )
+        self.task = task
         self._info: dict[str, MethodInfo] = {}
-        #: implementations for tasks other than segmentation: task -> name -> factory
-        self._task_entries: dict[str, dict[str, MethodFactory]] = {}
+        #: the registries of other tasks' implementations, by task
+        self._tasks: dict[str, MethodRegistry] = {}
 
-    def register(
+    def for_task(self, task: str) -> MethodRegistry:
+        """The registry of ``task``'s implementations (this one for its own task)."""
+        if task == self.task:
+            return self
+        if task not in self._tasks:
+            self._tasks[task] = MethodRegistry(task, self.packages)
+        return self._tasks[task]
+
+    def task_registries(self) -> list[MethodRegistry]:
+        """This registry and those of every other task with an implementation (indexed or registered)."""
+        tasks = {s.split(".", 1)[1] for s in read_index(self._index_file) if s.startswith("methods.")}
+        return [self, *(self.for_task(t) for t in sorted(tasks | set(self._tasks)))]
+
+    def register(  # type: ignore[override]  # the method registry's decorator takes the options, paper and task
         self,
         name: str,
         doc: str | None = None,
@@ -153,6 +203,10 @@ class MethodRegistry(Registry[Method]):
 
         ``task``: the task this implementation serves; one other than "segmentation" registers beside the
         segmentation method of the same name (whose options block, paper and notes ``jascl methods`` shows)."""
+        if task != self.task:
+            return self.for_task(task).register(
+                name, doc, options=options, options_key=options_key, paper=paper, task=task
+            )
         key = options_key or name
 
         def decorator(fn: Callable[..., Method]) -> Callable[..., Method]:
@@ -166,13 +220,9 @@ class MethodRegistry(Registry[Method]):
 
                 factory.__doc__ = fn.__doc__
                 factory.__module__ = fn.__module__  # where the method lives (its family, for jascl methods --paper)
-            if task != "segmentation":
-                entries = self._task_entries.setdefault(task, {})
-                if name in entries:
-                    raise ValueError(f"method {name!r} is already registered for the {task} task")
-                entries[name] = factory
-                return fn
-            super(MethodRegistry, self).register(name, doc)(factory)
+            Registry.register(self, name, doc, module=fn.__module__)(factory)
+            qualified = f"{options.__module__}.{options.__qualname__}" if options is not None else ""
+            self._records[name].update(paper=paper, options_key=key, options=qualified, parts=[])
             self._info[name] = MethodInfo(
                 name, self.describe(name), options, key, paper, inspect.cleandoc(fn.__doc__ or "")
             )
@@ -187,53 +237,58 @@ class MethodRegistry(Registry[Method]):
         if not parts:
             raise ValueError(f"{name!r} is not a composed name (a{COMPOSE}b)")
         factory = self._composed_factory(name, parts)
-        super().register(name, doc or factory.__doc__)(factory)
-        self._info[name] = self._composed_info(name, parts, doc, paper)
+        module = sys._getframe(1).f_globals.get("__name__", "")  # the registering module: what get() imports
+        summary = self._composed_summary(name, parts, doc, paper, module)
+        Registry.register(self, name, summary.doc, module=module)(factory)
+        self._records[name].update(paper=summary.paper, options_key="", options="", parts=list(parts))
+
+    def _registered(self, name: str) -> bool:
+        """``name`` is registered (indexed or imported) under its own name, composition or not."""
+        return self._record(name) is not None
 
     def _composed_factory(self, name: str, parts: list[str]) -> MethodFactory:
         for part in parts:
-            if not part or composed_parts(part) is not None or part not in self._entries:
-                known = ", ".join(sorted(self._entries))
+            if not part or composed_parts(part) is not None or not (self._registered(part) or self._load(part)):
+                known = ", ".join(self.list())
                 raise ConfigError(
                     f"unknown method {part!r} in {name!r}: compose registered methods as a{COMPOSE}b; choose from: {known}"
                 )
         if len(set(parts)) < len(parts):
             raise ConfigError(f"method {name!r} names a part twice")
-        entries = [self._entries[p] for p in parts]
 
         def factory(config: RunConfig) -> Method:
-            return compose_methods(name, [(p, make(config)) for p, make in zip(parts, entries)])
+            return compose_methods(name, [(p, self.get(p)(config)) for p in parts])
 
         factory.__doc__ = f"the plugins of {' then '.join(parts)}, each with its own options"
-        factory.__module__ = entries[0].__module__
+        factory.__module__ = self.module(parts[0])
         return factory
 
-    def _composed_info(self, name: str, parts: list[str], doc: str | None = None, paper: str = "") -> MethodInfo:
-        infos = [self._info[p] for p in parts if p in self._info]
-        papers = "; ".join(dict.fromkeys(i.paper for i in infos if i.paper))
-        notes = "\n\n".join(f"{i.name}: {i.notes}" for i in infos if i.notes)
-        return MethodInfo(
+    def _composed_summary(
+        self, name: str, parts: list[str], doc: str | None = None, paper: str = "", module: str = ""
+    ) -> MethodSummary:
+        summaries = [self.summary(p) for p in parts]
+        return MethodSummary(
             name,
             doc or f"composition: {' + '.join(parts)} (the plugins of each, each part with its own options)",
-            None,
+            paper or "; ".join(dict.fromkeys(s.paper for s in summaries if s.paper)),
             "",
-            paper or papers,
-            notes,
+            "",
+            module or summaries[0].module,
             tuple(parts),
         )
 
     def get(self, name: str) -> MethodFactory:
         """The factory of ``name``; a composed name (``a+b``) gives one that builds :func:`compose_methods`."""
         parts = composed_parts(name)
-        if parts is None or name in self._entries:
+        if parts is None or self._registered(name):
             return super().get(name)
         return self._composed_factory(name, parts)
 
     def __contains__(self, name: str) -> bool:
         parts = composed_parts(name)
-        if parts is None or name in self._entries:
-            return name in self._entries
-        return len(set(parts)) == len(parts) and all(p in self._entries and p for p in parts)
+        if parts is None or self._registered(name):
+            return self._registered(name)
+        return len(set(parts)) == len(parts) and all(p and self._registered(p) for p in parts)
 
     def unregister(self, name: str) -> None:
         super().unregister(name)
@@ -241,9 +296,7 @@ class MethodRegistry(Registry[Method]):
 
     def task_methods(self, task: str) -> list[str]:
         """The methods with an implementation for ``task`` (every registered one for segmentation)."""
-        if task == "segmentation":
-            return self.list()
-        return sorted(self._task_entries.get(task, {}))
+        return self.for_task(task).list()
 
     def create_for_task(self, task: str, name: str, config: RunConfig) -> Method:
         """``name``'s implementation for ``task`` (a composed name from its parts' implementations).
@@ -251,34 +304,56 @@ class MethodRegistry(Registry[Method]):
         Raises:
             ConfigError: one line naming the method, the task and the methods that have an implementation.
         """
-        if task == "segmentation":
+        if task == self.task:
             return self.create(name, config=config)
-        entries = self._task_entries.get(task, {})
+        registry = self.for_task(task)
         parts = composed_parts(name) or [name]
         for part in parts:
-            if part not in entries:
-                known = ", ".join(sorted(entries)) or "none"
+            if not (registry._registered(part) or registry._load(part)):
+                known = ", ".join(registry.list()) or "none"
                 raise ConfigError(
                     f"method {part!r} has no {task} implementation (this protocol's task); {task} methods: {known}"
                 )
         if len(parts) == 1:
-            return entries[name](config)
+            return registry.get(name)(config)
         if len(set(parts)) < len(parts):
             raise ConfigError(f"method {name!r} names a part twice")
-        return compose_methods(name, [(p, entries[p](config)) for p in parts])
+        return compose_methods(name, [(p, registry.get(p)(config)) for p in parts])
+
+    def summary(self, name: str) -> MethodSummary:
+        """What the index holds of ``name`` (doc, paper, options block, module, parts), without importing it; a
+        composed name's is made from its parts'. A one-line ConfigError for an unknown name."""
+        record = self._record(name)
+        if record is None:
+            parts = composed_parts(name)
+            if parts is None or name not in self:
+                self.get(name)  # the one-line error (or, for a method the index lacks, its registration)
+                return self.summary(name)
+            return self._composed_summary(name, parts)
+        return MethodSummary(
+            name,
+            record["doc"],
+            record["paper"],
+            record["options_key"],
+            record["options"],
+            record["module"],
+            tuple(record["parts"]),
+        )
 
     def info(self, name: str) -> MethodInfo:
-        """The registered :class:`MethodInfo` of ``name`` (a one-line ConfigError for an unknown name); a
-        composed name's is made from its parts' (no options class of its own: ``options_key`` is "")."""
+        """The registered :class:`MethodInfo` of ``name`` (its module imported; a one-line ConfigError for an
+        unknown name); a composed name's is made from its parts' (no options class of its own: ``options_key``
+        is "")."""
         self.get(name)
-        if name not in self._info:
-            parts = composed_parts(name)
-            assert parts is not None
-            return self._composed_info(name, parts)
-        return self._info[name]
+        if name in self._info:
+            return self._info[name]
+        summary = self.summary(name)
+        notes = "\n\n".join(f"{p}: {i.notes}" for p in summary.parts if (i := self.info(p)).notes)
+        return MethodInfo(name, summary.doc, None, "", summary.paper, notes, summary.parts)
 
 
-#: every registered method (the modules of :mod:`jascl.methods` register theirs when imported)
+#: every registered method (listed from the registry index; each module of :mod:`jascl.methods` registers its
+#: methods when imported, which :meth:`MethodRegistry.get` does on first use)
 METHODS = MethodRegistry()
 
 
@@ -294,12 +369,18 @@ def check_method_args(config: RunConfig) -> None:
     Raises:
         ConfigError: ``method_args.<key>...: ...`` (see :func:`jascl.methods.options.read_options`).
     """
-    classes = {i.options_key: i.options for i in METHODS._info.values() if i.options is not None}
+    readers: dict[str, str] = {}  # options block -> a method that reads it (the index says; nothing imported)
+    for name in METHODS.list():
+        summary = METHODS.summary(name)
+        if summary.options:
+            readers.setdefault(summary.options_key, name)
     for key in config.method_args:
-        if key in classes:
-            read_options(classes[key], config, key)
+        if key in readers:
+            options = METHODS.info(readers[key]).options
+            assert options is not None
+            read_options(options, config, key)
         elif key not in METHODS:  # (a method without an options class checks its own block when it is built)
-            known = ", ".join(sorted(set(classes) | set(METHODS.list())))
+            known = ", ".join(sorted(set(readers) | set(METHODS.list())))
             raise ConfigError(
                 f"method_args.{key}: no registered method reads these options; the options blocks are: {known}"
             )
@@ -309,11 +390,9 @@ def resolved_options(name: str, config: RunConfig) -> dict[str, Any] | None:
     """The options ``name`` runs with under ``config`` (defaults updated from ``method_args``), as JSON values
     (``{}`` for a registered method without options; None for a name the registry does not know, e.g. an
     ablation built from a preset)."""
-    info = METHODS._info.get(name)
-    if info is None and name in METHODS and composed_parts(name):
-        info = METHODS.info(name)
-    if info is None:
+    if name not in METHODS:
         return None
+    info = METHODS.info(name)
     if info.parts:  # a composed method: each part's options under its own key
         out: dict[str, Any] = {}
         for part in info.parts:

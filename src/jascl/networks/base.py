@@ -11,7 +11,7 @@ from torch import nn
 
 from jascl.errors import ConfigError
 from jascl.networks.classifier import PixelClassifier
-from jascl.registry import Registry
+from jascl.networks.registry import BACKBONES
 
 
 class Backbone(nn.Module):
@@ -67,9 +67,6 @@ class Backbone(nn.Module):
                 f"{what}={list(size)}: the {type(self).__name__} backbone needs every size to be a "
                 f"multiple of {d} and at least {2 * d}; set patch_size accordingly"
             )
-
-
-BACKBONES: Registry[Backbone] = Registry("backbone")
 
 
 @contextlib.contextmanager

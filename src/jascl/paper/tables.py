@@ -55,6 +55,7 @@ from typing import Any
 import yaml
 
 from jascl.errors import ConfigError
+from jascl.fileio import load_yaml
 from jascl.protocols.reader import _Reader
 
 KINDS = ("methods", "classes", "settings", "compute", "other")
@@ -285,7 +286,7 @@ def load_table_file(path: str | Path) -> PaperTable:
     """Read one table file (a path), with one-line errors naming it."""
     p = Path(path)
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = load_yaml(p.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
@@ -300,7 +301,7 @@ def paper_tables() -> dict[str, PaperTable]:
     tables: list[PaperTable] = []
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".yaml"):
-            data = yaml.safe_load(entry.read_text(encoding="utf-8"))
+            data = load_yaml(entry.read_text(encoding="utf-8"))
             tables.append(parse_table(data, f"jascl/paper/tables/{entry.name}"))
     by_label: dict[str, PaperTable] = {}
     for t in sorted(tables, key=lambda t: t.line):

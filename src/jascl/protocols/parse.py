@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from jascl.errors import ConfigError
+from jascl.fileio import load_yaml
 from jascl.protocols.datasets import _parse_datasets, _parse_sources, check_unlabelled_option
 from jascl.protocols.reader import _Reader
 from jascl.protocols.schema import (
@@ -438,7 +439,7 @@ def load_protocol(path: str | Path) -> Protocol:
     if not p.is_file():
         raise ConfigError(f"{p}: protocol file not found; run 'jascl protocols' to list built-ins")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml(p.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}:" if mark is not None else ""

@@ -1,9 +1,11 @@
 """The paper's comparison methods, each a list of plugins on the same loop.
 
 Every module in this package (family folders included) registers its methods in
-:data:`jascl.methods.registry.METHODS` when imported; all modules are imported here, so
-adding a baseline is adding a file (modules whose name starts with ``_`` hold what a
-family shares and register nothing).
+:data:`jascl.methods.registry.METHODS` when imported (modules whose name starts with ``_``
+hold what a family shares and register nothing). None is imported here: the registry lists
+the methods from its index and imports a method's module on first use, so adding a baseline
+is adding a file and running ``python tools/registry_index.py`` (``tests/test_registry_index.py``
+fails until the index lists it).
 
 Conventions every baseline follows:
 
@@ -16,12 +18,3 @@ Conventions every baseline follows:
   test checks that they are non-zero in the incremental session);
 * the docstring cites the original paper and states every deviation from it.
 """
-
-from __future__ import annotations
-
-import importlib
-import pkgutil
-
-for _module in sorted(m.name for m in pkgutil.walk_packages(__path__, prefix=f"{__name__}.")):
-    if not _module.rsplit(".", 1)[-1].startswith("_"):
-        importlib.import_module(_module)

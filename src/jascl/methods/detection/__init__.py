@@ -16,6 +16,7 @@ Which baselines carry over without redesign: those whose loss only needs a class
 "positions" and an old model, which RoIs provide (LwF, MiB, EWC). Methods built on dense structure (PLOP's
 pooled feature maps, pixel pseudo-labels, copy-paste of masks, SAM prompts) do not, and are refused on a
 detection protocol with the list of methods that are implemented.
-"""
 
-from jascl.methods.detection import baselines, pas, presets  # noqa: F401  (register the methods)
+The modules register their methods when imported; :meth:`jascl.methods.registry.MethodRegistry.for_task` lists
+them from the registry index and imports a module on first use.
+"""

@@ -79,3 +79,15 @@ def jascl_no_pas(o: JasclOptions, config: RunConfig) -> Method:
 def jascl_conf(o: JasclOptions, config: RunConfig) -> Method:
     """JASCL with a confidence-only teacher filter on boxes (no prototype check)."""
     return Method("jascl-conf", _jascl_plugins(o, pas="confidence"), "GAS + RoI-prototype replay + confident boxes")
+
+
+@_family("jascl-no-replay")
+def jascl_no_replay(o: JasclOptions, config: RunConfig) -> Method:
+    """The ablation without prototype replay: GAS + PAS on boxes."""
+    return Method("jascl-no-replay", _jascl_plugins(o, replay=False), "GAS + PAS on boxes")
+
+
+@_family("jascl-no-unlabelled")
+def jascl_no_unlabelled(o: JasclOptions, config: RunConfig) -> Method:
+    """JASCL ignoring the unlabelled pool: GAS + prototype replay (the same plugins as ``jascl-no-pas``)."""
+    return Method("jascl-no-unlabelled", _jascl_plugins(o, pas=None), "GAS + RoI-prototype replay, labelled only")
