@@ -217,5 +217,10 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     for r in rows:
         shown.add_row(*r)
     console.print(shown)
+    from jascl.results.fidelity import footnotes
+
+    methods = [c["method"] for c in summary["cells"] if c.get("method")]
+    for line in footnotes(methods) if methods else []:
+        console.print(line, highlight=False, markup=False)
     console.print(f"written to {out}/reproduce.{{md,csv,json}}; the runs are in {out}/<job>/seed-*/")
     return 0

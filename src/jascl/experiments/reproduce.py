@@ -47,6 +47,7 @@ from typing import Any
 from jascl.errors import ConfigError, JasclError
 from jascl.experiments.compare import mean_std
 from jascl.paper.tables import Cell, PaperTable
+from jascl.results.fidelity import footnotes
 from jascl.results.records import RunResults
 from jascl.results.reproduce_table import PERCENT_METRICS, write_reproduce
 
@@ -54,6 +55,15 @@ from jascl.results.reproduce_table import PERCENT_METRICS, write_reproduce
 #: Session 1", JASCL column): Med JASCL-Disjoint 4h 06m (U-Net), Med Semi-Supervised-JASCL 5h 18m
 #: (MedFormer), Natural-JASCL 1h 43m (SAM ViT-B). The estimate assumes every session costs the same.
 HOURS_PER_SESSION = {"med": 4.1, "med-ss": 5.3, "natural": 1.72}
+
+#: what a method's paper row needs beyond the run configuration (printed with the plan)
+METHOD_NEEDS = {
+    "clip-driven": "the paper's row is the universal model pre-trained on 14 datasets: give its released weights with "
+    "--weights (jascl weights fetch clip-driven-swin-unetr, with --backbone swinunetr; the paper's U-Net release fits "
+    "no jascl backbone); without them the row is the model trained from scratch",
+    "halo": "active learning: its oracle reveals the pool's ground truth of the acquired pixels (budget "
+    "method_args.halo.budget of the pool's pixels per session; oracle=false: self-training)",
+}
 
 #: override prefixes that only concern a method's incremental sessions (JASCL's settings, a baseline's options):
 #: jobs that differ only in these share one session-0 base model
@@ -378,6 +388,10 @@ def describe_plan(plan: Plan, seeds: Sequence[int]) -> list[str]:
                 lines.append(f"    share the {key} session-0 base: {', '.join(members)}")
             else:
                 lines.append(f"    train their own session 0: {', '.join(members)}")
+    planned = list(dict.fromkeys(m for job in plan.jobs.values() for m in job.methods))
+    if planned:
+        lines += [f"  {line}" for line in footnotes(planned)]
+        lines += [f"  {m}: {METHOD_NEEDS[m]}" for m in planned if m in METHOD_NEEDS]
     skipped: dict[str, list[str]] = {}
     for p in plan.cells:
         if p.status != STATUS_PLANNED:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from jascl.fileio import atomic_write_text
+from jascl.results.fidelity import footnotes, mark
 from jascl.results.report import md_table
 
 #: metrics published in percent whatever the table's scale: Total Drop, and the PAS retention (the share of
@@ -34,7 +35,8 @@ def _fmt_delta(value: float | None, metric: str, scale: float) -> str:
 
 
 def reproduce_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Rows of the paper; per paper column three columns: paper, measured (± std over seeds), Δ."""
+    """Rows of the paper (each with its method's fidelity mark); per paper column three columns: paper, measured
+    (± std over seeds), Δ."""
     scale = float(summary.get("scale", 1))
     n = len(summary.get("seeds", []))
     columns: list[str] = list(dict.fromkeys(c["column"] for c in summary["cells"]))
@@ -44,7 +46,9 @@ def reproduce_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[st
     rows: dict[str, list[str]] = {}
     for c in summary["cells"]:
         metric = str(c.get("metric") or summary["metric"])
-        row = rows.setdefault(c["row"], [c["row"]] + [""] * (3 * len(columns)))
+        # the row's name with its method's fidelity mark (footnotes under the table)
+        label = f"{c['row']} [{mark(c['method']).rsplit('[', 1)[1]}" if c.get("method") else c["row"]
+        row = rows.setdefault(c["row"], [label] + [""] * (3 * len(columns)))
         i = 1 + 3 * columns.index(c["column"])
         row[i] = _fmt(c["published"], metric, scale)
         if c["status"] == "measured":
@@ -86,6 +90,9 @@ def write_reproduce(summary: Mapping[str, Any], out: str | Path) -> dict[str, Pa
     out.mkdir(parents=True, exist_ok=True)
     header, rows = reproduce_table(summary)
     lines = [f"**{reproduce_title(summary)}**", "", md_table(header, rows)]
+    methods = [c["method"] for c in summary["cells"] if c.get("method")]
+    if methods:
+        lines += [""] + [f"- {line}" for line in footnotes(methods)]
     reasons = not_measured(summary)
     if reasons:
         lines += ["", "Not measured:", ""] + [f"- {r}" for r in reasons]

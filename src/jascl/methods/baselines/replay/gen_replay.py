@@ -204,6 +204,10 @@ class GenReplayPlugin(TeacherPlugin):
     options=GenReplayOptions,
     paper="Liu et al., ECCV 2022 (entropy-regularised data-free replay)",
     doc="baseline: replay of images from a generator fitted to the model after each session, relabelled by the old model",
+    fidelity=(
+        "simplified: diffusion recipe and CPU-scale defaults ours (the JASCL paper's adaptation, IEEE doc. 10493074, "
+        "not identified); Liu et al.'s generator objective reconstructed from the abstract"
+    ),
 )
 def gen_replay(o: GenReplayOptions, config: RunConfig) -> Method:
     """Gen-Replay: a generator fitted after every session (a diffusion prior per session, or Liu et al.'s conv

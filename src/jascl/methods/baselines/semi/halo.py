@@ -373,6 +373,11 @@ class HALOPlugin(PoolPhasesPlugin):
     options=HALOOptions,
     paper="Franco et al., ICML 2024",
     doc="baseline: hyperbolic head + pool pixels acquired by hyperbolic radius x entropy, annotated by an oracle",
+    fidelity=(
+        "simplified: the oracle is the pool's label files; the network's classifier stays Euclidean, the hyperbolic "
+        "head is auxiliary"
+    ),
+    flags=("annotation oracle",),
 )
 def halo(o: HALOOptions, config: RunConfig) -> Method:
     """HALO on the unlabelled pool, on the unlabelled-phase schedule of ``method_args.jascl.pas``."""

@@ -245,6 +245,11 @@ class STAROptions:
     options=STAROptions,
     paper="Eskandar et al., ICLR 2025",
     doc="baseline: ER + STAR, KL stability under worst-case weight perturbation on a labelled replay memory",
+    fidelity=(
+        "simplified: ER + STAR on a class-balanced labelled memory of 20 samples filled at session ends, not a "
+        "reservoir buffer; per-pixel KL"
+    ),
+    flags=("uses exemplars",),
 )
 def star(o: STAROptions, config: RunConfig) -> Method:
     """ER + STAR over a labelled memory of ``memory_size`` samples of earlier sessions."""

@@ -362,6 +362,11 @@ class CATPlugin(TeacherPlugin):
     options=CATOptions,
     paper="Xu et al., IEEE TMI 2024",
     doc="baseline: CAT-SD: blended synthetic data, class-aware-temperature KD, multi-scale shifted-feature distillation",
+    fidelity=(
+        "simplified: no harmonisation network and no StyleGAN-XL backgrounds; old instruments cut from earlier "
+        "sessions' labelled images"
+    ),
+    flags=("uses exemplars",),
 )
 def cat(o: CATOptions, config: RunConfig) -> Method:
     """CAT-SD: blended synthetic data, class-aware temperature KD and shifted-feature distillation."""
