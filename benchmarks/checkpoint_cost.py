@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from jascl.networks.base import create_segmenter
 from jascl.engine.checkpoint import save_progress
 from jascl.engine.snapshot import module_state, rng_state
+from jascl.networks.base import create_segmenter
 
 #: (backbone, spatial dims, input channels): the paper's natural and medical backbones
 MODELS = (("deeplabv3plus", 2, 3), ("unet3d-authors", 3, 1), ("medformer", 3, 1))

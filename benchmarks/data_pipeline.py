@@ -1,31 +1,39 @@
-"""Throughput of the data pipeline on paper-sized CT volumes (issue 20, item 6).
+"""Throughput of the data pipeline on paper-sized CT volumes (issue 20, item 6; issue 33, items 1-3).
 
 Writes an MSD-layout dataset of ``--cases`` CT-like volumes (default 512 x 512 x 300 voxels, int16,
 0.8 x 0.8 x 1.5 mm, gzip-compressed NIfTI as the public releases ship them) with a label of three organs,
 then measures, through jascl's own code path:
 
-* **first pass** (a cold cache), per stage: NIfTI decode (``MSDLayout.read``), the value check every
-  loaded sample gets (``check_sample_values``), MONAI preprocessing with the med protocols' options
-  (RAS, 1.5 mm isotropic, CT window) and the cache write (``jascl.data.cache.cached``);
-* **cached pass**: loading every preprocessed volume back from the cache (a new store, so no memo);
-* **patches**: training items of the paper's patch size (128 x 120 x 120, ``med-disjoint``) from the
-  real ``LabelledDataset`` (pad, foreground-biased crop, flips), through a ``DataLoader`` with 0 and
-  ``--workers`` worker processes;
-* peak RSS of the process (and of the worker processes, as the OS reports children).
+* **first pass** (``jascl data prepare``'s :func:`~jascl.data.prepare.prepare_protocol`: NIfTI decode, value
+  check, MONAI preprocessing with the med protocols' options (RAS, 1.5 mm isotropic, CT window), store write
+  and label index) with 1 worker process and with ``--workers``, each into an empty cache: seconds per volume,
+  the speed-up, and each worker's peak RSS; with ``--stages``, also the serial stage-by-stage split;
+* **whole-sample reads** of every preprocessed volume from the store (what evaluation and prototypes read);
+* **patches**: training items of the paper's patch size (128 x 120 x 120, ``med-disjoint``) from the real
+  ``LabelledDataset`` (pad, foreground-biased crop, flips) through a ``DataLoader`` with 0 and ``--workers``
+  worker processes: read by crops from the store (what runs do), and, as the *before*, through the
+  whole-volume path (each patch reads its whole volume, maps and scans the whole label: what runs did
+  before the crop-readable store, less the old cache's zip CRC); each loader runs in a fresh process (so its
+  workers are forked from a process holding only the loader, as in a run) and reports its workers' peak RSS.
 
 Usage::
 
-    python benchmarks/data_pipeline.py [--cases 3] [--shape 512 512 300] [--workers 2] [--dir /scratch]
+    python benchmarks/data_pipeline.py [--cases 6] [--shape 512 512 300] [--workers 2] [--dir /scratch]
 
-Prints a markdown table. The dataset and the cache go to a temporary folder (``--dir``: somewhere else,
-e.g. the disk a real run would read), removed afterwards unless ``--keep``.
+Prints markdown tables with the targets of issue 33 (>= 100 patches/s with 2 workers, first pass 2 workers
+>= 1.7 x one, peak RSS per worker <= 1 GiB). The dataset and the caches go to a temporary folder (``--dir``:
+somewhere else, e.g. the disk a real run would read), removed afterwards unless ``--keep``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import resource
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,14 +41,15 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from jascl.data.cache import cached
 from jascl.data.datasets import LabelledDataset
 from jascl.data.layouts import LAYOUTS
 from jascl.data.medical import preprocess_volume
+from jascl.data.prepare import prepare_protocol, worker_context
 from jascl.data.real.storage import check_sample_values
 from jascl.data.sessions import load_sessions
+from jascl.data.types import LazySequence, Split
 from jascl.protocols import parse_protocol
 
 SPACING = (0.8, 0.8, 1.5)
@@ -123,106 +132,196 @@ def rss_mib(who: int = resource.RUSAGE_SELF) -> float:
     return resource.getrusage(who).ru_maxrss / 1024.0
 
 
+class WholeSamples(LazySequence):
+    """A lazy split's images or labels, offered without a crop reader: ``LabelledDataset`` then reads each
+    patch's whole sample (the loader path before the crop-readable store)."""
+
+    def __init__(self, samples) -> None:
+        self.samples = samples
+        self.ndim, self.shape, self.dtype = samples.ndim, samples.shape, samples.dtype
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _one(self, index: int) -> np.ndarray:
+        return self.samples[index]
+
+
+class WithWorkerMemory(Dataset):
+    """Items of ``dataset`` with the peak RSS (MiB) of the process that made them."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> dict:
+        return {**self.dataset[index], "rss": rss_mib()}
+
+
+def measure_loader(root: Path, cache: Path, cases: int, workers: int, patches: int, whole: bool) -> dict:
+    """Patches/s and the workers' peak RSS of one loader setting (run in a fresh process by :func:`main`)."""
+    protocol = protocol_for(cases)
+    data = load_sessions(protocol, cache, echo=lambda m: None, roots={"bench": root}, patch_size=PATCH)
+    split = data[0].train
+    if whole:
+        split = Split(WholeSamples(split.images), WholeSamples(split.labels), split.ids)
+    dataset = WithWorkerMemory(LabelledDataset(split, [0, 1, 2, 3], augment=True, patch_size=PATCH, seed=1))
+    # patches drawn at random, with replacement, over the training volumes (one pass of `patches` items:
+    # worker start-up is counted once, as in a long epoch)
+    sampler = RandomSampler(dataset, replacement=True, num_samples=patches, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=workers)
+    got, worker_rss = 0, 0.0
+    t0, c0 = time.perf_counter(), time.process_time()
+    for batch in loader:
+        got += batch["image"].shape[0]
+        worker_rss = max(worker_rss, float(batch["rss"].max()))
+    wall = time.perf_counter() - t0
+    main_cpu = time.process_time() - c0
+    del loader, batch  # the workers exit and are waited for: their CPU time is counted below
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = main_cpu + children.ru_utime + children.ru_stime
+    return {"patches_s": got / wall, "wall_s": wall, "cpu_ms": 1000 * cpu / got, "worker_rss": worker_rss}
+
+
+def first_pass_stages(root: Path, cache: Path) -> dict[str, float]:
+    """Seconds per volume of each first-pass stage, one volume after another in this process."""
+    layout = LAYOUTS.create("msd", root=root)
+    records = [r for r in layout.scan() if r.split == "train"]
+    stages = {"decode": 0.0, "check": 0.0, "preprocess": 0.0, "store write": 0.0}
+    from jascl.data.real.store import write_entry
+
+    for i, record in enumerate(records):
+        t0 = time.perf_counter()
+        sample = layout.read(record)
+        t1 = time.perf_counter()
+        check_sample_values(record, sample.image)
+        t2 = time.perf_counter()
+        image, label = preprocess_volume(sample, PREPROCESS)
+        t3 = time.perf_counter()
+        write_entry(cache / "stages" / str(i), np.ascontiguousarray(image, np.float32), label.astype(np.uint8), {})
+        t4 = time.perf_counter()
+        for key, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            stages[key] += dt / len(records)
+        del sample, image, label
+    return stages
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=3)
+    parser.add_argument("--cases", type=int, default=6)
     parser.add_argument("--shape", type=int, nargs=3, default=(512, 512, 300))
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--patches", type=int, default=24, help="patches timed per loader setting")
+    parser.add_argument("--patches", type=int, default=400, help="patches timed per loader setting (store crops)")
+    parser.add_argument("--whole-patches", type=int, default=24, help="patches timed on the whole-volume path")
+    parser.add_argument("--stages", action="store_true", help="also time the first pass stage by stage")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--loader", nargs=2, metavar=("ROOT", "CACHE"), help=argparse.SUPPRESS)
+    parser.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    if args.loader:  # the child process of one loader measurement
+        result = measure_loader(
+            Path(args.loader[0]), Path(args.loader[1]), args.cases, args.workers, args.patches, args.whole
+        )
+        print(json.dumps(result))
+        return
+    load_start, cpu_start = os.getloadavg(), resource.getrusage(resource.RUSAGE_SELF)
+    t_start = time.perf_counter()
     base = Path(tempfile.mkdtemp(prefix="jascl-data-bench-", dir=args.dir))
     try:
-        root, cache = base / "ct", base / "cache"
+        root = base / "ct"
         shape = tuple(args.shape)
         written = write_dataset(root, args.cases, shape)  # type: ignore[arg-type]
         size = sum(p.stat().st_size for p in root.rglob("*.nii.gz")) / 2**20
-        layout = LAYOUTS.create("msd", root=root)
-        records = [r for r in layout.scan() if r.split == "train"]
-
-        # first pass, stage by stage, as SampleStore.load does it on a cache miss
-        stages = {"decode": 0.0, "check": 0.0, "preprocess": 0.0, "cache write": 0.0}
-        out_shape = None
-        for record in records:
-            t0 = time.perf_counter()
-            sample = layout.read(record)
-            t1 = time.perf_counter()
-            check_sample_values(record, sample.image)
-            t2 = time.perf_counter()
-            image, label = preprocess_volume(sample, PREPROCESS)
-            t3 = time.perf_counter()
-            arrays = (np.ascontiguousarray(image, np.float32), np.ascontiguousarray(label, np.int32))
-            cached([record.id, "bench"], lambda a=arrays: a, cache / "stages")
-            t4 = time.perf_counter()
-            out_shape = image.shape
-            for key, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                stages[key] += dt
-            del sample, image, label, arrays
-
-        # the real path: selection (reads every label once), then the store's cold and warm loads
         protocol = protocol_for(args.cases)
-        t0 = time.perf_counter()
-        data = load_sessions(protocol, cache, echo=lambda m: None, roots={"bench": root}, patch_size=PATCH)
-        index_s = time.perf_counter() - t0
-        split = data[0].train
-        t0 = time.perf_counter()
-        for i in range(len(split)):
-            split.images[i]
-        cold = time.perf_counter() - t0
-        data = load_sessions(protocol, cache, echo=lambda m: None, roots={"bench": root}, patch_size=PATCH)
-        split = data[0].train
-        t0 = time.perf_counter()
-        for i in range(len(split)):
-            split.images[i]
-        warm = time.perf_counter() - t0
-        n = len(split)
 
-        patches = {}
-        for workers in sorted({0, args.workers}):
-            dataset = LabelledDataset(split, [0, 1, 2, 3], augment=True, patch_size=PATCH, seed=1)
-            # patches drawn at random, with replacement, over the training volumes (one pass of --patches
-            # items: worker start-up is counted once, as in a long epoch)
-            sampler = RandomSampler(
-                dataset, replacement=True, num_samples=args.patches, generator=torch.Generator().manual_seed(0)
+        stages = first_pass_stages(root, base / "stages") if args.stages else None
+        # the fork server that prepare's workers come from imports torch and MONAI once per process: start it
+        # before timing, so the 1-worker pass does not carry that cost alone
+        warm = worker_context().Process(target=os.getpid)
+        warm.start()
+        warm.join()
+        first = {}
+        for workers in sorted({1, args.workers}):
+            report = prepare_protocol(
+                protocol,
+                {"bench": root},
+                cache_dir=base / f"cache-{workers}",
+                workers=workers,
+                echo=lambda m: None,
+                progress=False,
             )
-            loader = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=workers)
-            got, t0 = 0, time.perf_counter()
-            for batch in loader:
-                got += batch["image"].shape[0]
-            patches[workers] = got / (time.perf_counter() - t0)
+            assert not report.problems and report.built == args.cases, report.problems
+            first[workers] = (report.seconds / args.cases, report.worker_peak_rss_mib)
+        cache = base / f"cache-{args.workers}"
+        store_mib = sum(p.stat().st_size for p in (cache / "real" / "store").rglob("*") if p.is_file()) / 2**20
 
+        data = load_sessions(protocol, cache, echo=lambda m: None, roots={"bench": root}, patch_size=PATCH)
+        split = data[0].train
+        n = len(split)
+        t0 = time.perf_counter()
+        for i in range(n):
+            split.images[i], split.labels[i]
+        whole_read = (time.perf_counter() - t0) / n
+        out_shape = split.images[0].shape
+        del data, split
+
+        loaders = {}
+        for whole, patches in ((False, args.patches), (True, args.whole_patches)):
+            for workers in sorted({0, args.workers}):
+                command = [sys.executable, __file__, "--loader", str(root), str(cache), "--cases", str(args.cases)]
+                command += ["--workers", str(workers), "--patches", str(patches)] + (["--whole"] if whole else [])
+                done = subprocess.run(command, capture_output=True, text=True, check=True)
+                loaders[(whole, workers)] = json.loads(done.stdout.strip().splitlines()[-1])
+
+        cpu_end = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = sum(r.ru_utime + r.ru_stime for r in cpu_end) - (cpu_start.ru_utime + cpu_start.ru_stime)
         vox = np.prod(shape) / 1e6
         print(
             f"data pipeline · {args.cases} CT volumes {shape[0]}x{shape[1]}x{shape[2]} int16 "
             f"({vox:.0f} M voxels each, {size:.0f} MiB gzip on disk, written in {written:.1f} s) · "
-            f"preprocessed to {tuple(out_shape[1:]) if out_shape else '?'} · torch threads {torch.get_num_threads()}\n"
+            f"preprocessed to {tuple(out_shape[1:])} · store {store_mib / args.cases:.0f} MiB per volume · "
+            f"{os.cpu_count()} CPUs · load average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end · "
+            f"{time.perf_counter() - t_start:.0f} s wall, {cpu:.0f} s CPU (user+sys, children included)\n"
         )
-        print("| stage | seconds per volume | volumes/s |")
-        print("|---|---|---|")
-        for key, total in stages.items():
-            per = total / len(records)
-            print(f"| first pass: {key} | {per:.2f} | {1 / per if per else float('inf'):.2f} |")
-        first = sum(stages.values()) / len(records)
-        print(f"| first pass: all four | {first:.2f} | {1 / first:.2f} |")
+        if stages is not None:
+            print("| first pass, one volume after another in one process | seconds per volume |")
+            print("|---|---|")
+            for key, per in stages.items():
+                print(f"| {key} | {per:.2f} |")
+            print(f"| all four | {sum(stages.values()):.2f} |\n")
+        w = args.workers
+        speedup = first[1][0] / first[w][0]
+        crops, wholes = loaders[(False, w)], loaders[(True, w)]
+        worker_rss = max(first[w][1], crops["worker_rss"])
+        print("| measure | value | target | met |")
+        print("|---|---|---|---|")
+        for k, (per, _) in first.items():
+            print(f"| first pass (jascl data prepare), {k} worker(s): s per volume | {per:.2f} | | |")
+        if w != 1:
+            print(
+                f"| first pass speed-up, {w} workers / 1 | {speedup:.2f} x | >= 1.7 x | {'yes' if speedup >= 1.7 else 'NO'} |"
+            )
+        print(f"| whole-sample read from the store (evaluation): s per volume | {whole_read:.3f} | | |")
+        for (whole, k), r in sorted(loaders.items()):
+            path = "whole-volume reads (before)" if whole else "store crops"
+            target = (
+                "| >= 100 |" + (" yes |" if r["patches_s"] >= 100 else " NO |") if (k == w and not whole) else "| | |"
+            )
+            print(f"| patches/s, {path}, {k} loader worker(s), batch 2 | {r['patches_s']:.2f} {target}")
+            print(
+                f"| CPU per patch (user+sys, workers included), {path}, {k} loader worker(s): ms | {r['cpu_ms']:.1f} | | |"
+            )
         print(
-            f"| label indexing (every label read once, cached) | {index_s / args.cases:.2f} | {args.cases / index_s:.2f} |"
+            f"| peak RSS per loader worker, store crops, {w} workers (MiB) | {crops['worker_rss']:.0f} | <= 1024 | "
+            f"{'yes' if crops['worker_rss'] <= 1024 else 'NO'} |"
         )
-        print(f"| store, cold cache (the run's first epoch) | {cold / n:.2f} | {n / cold:.2f} |")
-        print(f"| store, cached pass | {warm / n:.2f} | {n / warm:.2f} |")
-        print()
-        print(
-            f"| training patches {PATCH[0]}x{PATCH[1]}x{PATCH[2]} (pad, foreground crop, flips; {n} training volumes, "
-            f"the store keeps 2 decoded per process) | patches/s |"
-        )
-        print("|---|---|")
-        for workers, rate in patches.items():
-            print(f"| DataLoader, {workers} worker process(es), batch 2 | {rate:.2f} |")
-        print()
-        print(
-            f"peak RSS: this process {rss_mib():.0f} MiB; worker processes {rss_mib(resource.RUSAGE_CHILDREN):.0f} MiB"
-        )
+        print(f"| peak RSS per loader worker, whole-volume reads, {w} workers (MiB) | {wholes['worker_rss']:.0f} | | |")
+        for k, (_, rss) in first.items():
+            print(f"| peak RSS per prepare worker, {k} worker(s) (MiB) | {rss:.0f} | | |")
+        print(f"\npeak RSS of this process {rss_mib():.0f} MiB (largest across everything: {worker_rss:.0f} MiB)")
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)

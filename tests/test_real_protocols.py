@@ -347,7 +347,9 @@ def test_labelled_dataset_pads_and_crops_lazy_splits_around_taught_classes(fake_
     assert (item["label"][0] == IGNORE_INDEX).all() and (item["image"][:, 0] == 0).all()
     # small crops: about half are centred on a taught-class voxel, so a taught class shows in most of them
     ds = LabelledDataset(split, [2, 3], patch_size=[2, 2], seed=1)
-    hits = sum(bool(((ds[i % len(ds)]["label"] == 2) | (ds[i % len(ds)]["label"] == 3)).any()) for i in range(80))
+    # (pass, index) keys: 80 distinct draws (an item's crop is fixed by its pass and index)
+    items = [ds[(i // len(ds), i % len(ds))]["label"] for i in range(80)]
+    hits = sum(bool(((label == 2) | (label == 3)).any()) for label in items)
     assert hits >= 35  # uniform 2 x 2 crops of these 8 x 8 stripes would hit a taught column about 25% of the time
 
 

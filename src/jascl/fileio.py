@@ -87,6 +87,64 @@ def atomic_write(path: str | Path, write: Callable[[Path], object], suffix: str 
         raise
 
 
+def atomic_write_dir(path: str | Path, write: Callable[[Path], object]) -> bool:
+    """Create folder ``path`` atomically and durably: ``write(tmp)`` fills a temporary folder next to it, each of its
+    files is ``fsync``-ed, then one rename makes it ``path``.
+
+    A reader sees no folder or the complete one, never a part: a process killed while writing leaves only the
+    temporary folder (named ``.<name>.tmp-<host>-<pid>-...``, see :func:`stale_temporary_dirs`). Folders are
+    never replaced: if ``path`` appeared meanwhile (another process wrote the same content), the temporary
+    folder is removed and ``path`` is left as it is.
+
+    Returns:
+        True if this call created ``path``, False if it existed already.
+    """
+    import shutil
+    import socket
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-"))
+    try:
+        write(tmp)
+        for f in tmp.iterdir():
+            fsync_file(f)
+        fsync_dir(tmp)
+        try:
+            os.rename(tmp, path)  # fails (and changes nothing) when path exists: folders are not replaced
+        except OSError:
+            if not path.is_dir():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        fsync_dir(path.parent)
+        return True
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def stale_temporary_dirs(folder: str | Path) -> list[Path]:
+    """Temporary folders of :func:`atomic_write_dir` in ``folder`` left by processes of this host that no longer run
+    (killed while writing): safe to remove."""
+    import socket
+
+    host = socket.gethostname()
+    out = []
+    for p in Path(folder).glob(".*.tmp-*"):
+        head, _, rest = p.name.rpartition(".tmp-")
+        parts = rest.split("-")
+        if not p.is_dir() or len(parts) < 3 or "-".join(parts[:-2]) != host or not parts[-2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[-2]), 0)
+        except ProcessLookupError:
+            out.append(p)
+        except OSError:  # the process exists (another user's): not stale
+            pass
+    return out
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` (UTF-8, newlines as given) to ``path`` atomically and durably, readable as the umask allows."""
 

@@ -1,4 +1,4 @@
-"""``jascl protocols``, ``methods``, ``backbones``, ``model-info`` and ``data check``, and their parsers."""
+"""``jascl protocols``, ``methods``, ``backbones``, ``model-info``, ``data check`` and ``data prepare``, and their parsers."""
 
 from __future__ import annotations
 
@@ -229,6 +229,30 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 2
 
 
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    """``jascl data prepare``: fill the preprocessed store; exit 2 if any sample could not be prepared."""
+    from jascl.data.prepare import prepare_protocol
+    from jascl.data.real import parse_root_args
+    from jascl.protocols import get_protocol
+
+    protocol = get_protocol(args.protocol)
+    print(f"jascl data prepare: protocol {protocol.name} (file {protocol.path})")
+    progress = False if args.no_progress else None
+    report = prepare_protocol(
+        protocol, parse_root_args(args.root), args.roots, args.cache_dir, args.workers, echo=print, progress=progress
+    )
+    for line in report.problems:
+        print(f"error: {line}")
+    rate = f" ({report.built / report.seconds:.2f} per second)" if report.built and report.seconds else ""
+    print(
+        f"prepared {report.built} sample(s) in {report.seconds:.1f} s{rate}, {report.complete} were complete; "
+        f"{report.indexed} label file(s) indexed; worker peak memory {report.worker_peak_rss_mib:.0f} MiB; "
+        f"store {report.store}"
+    )
+    print(f"{len(report.problems)} problem(s) found" if report.problems else "every sample is prepared")
+    return 2 if report.problems else 0
+
+
 def cmd_data_check_coco(args: argparse.Namespace) -> int:
     """``jascl data check --coco JSON --images DIR`` / ``--coco-o ROOT``: one line per defect and exit 2."""
     from jascl.data.coco import check_coco
@@ -270,9 +294,10 @@ def cmd_data_coco_o_classes(args: argparse.Namespace) -> int:
 
 
 def add_data_parser(subparsers) -> argparse.ArgumentParser:
-    """``jascl data check --protocol NAME --root NAME=PATH ...``, ``data download`` and ``data list``."""
+    """``jascl data check|prepare --protocol NAME --root NAME=PATH ...``, ``data download`` and ``data list``."""
     data = subparsers.add_parser(
-        "data", help="get the public datasets (download, list) and check local copies against a protocol"
+        "data",
+        help="get the public datasets (download, list), check local copies against a protocol, or preprocess them",
     )
     data_sub = data.add_subparsers(dest="data_command", required=True)
     check = data_sub.add_parser(
@@ -291,6 +316,24 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
         "--allow-unannotated", action="store_true", help="with --coco / --coco-o: images without boxes are no defect"
     )
     check.set_defaults(func=cmd_data_check)
+    prepare = data_sub.add_parser(
+        "prepare",
+        help="preprocess every sample of a protocol's datasets into the store that runs read, in parallel; resumable",
+    )
+    prepare.add_argument("--protocol", required=True, help="built-in protocol name or YAML path")
+    add_root_arguments(prepare)
+    prepare.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="worker processes (default: one per core, at most one per 3 GiB of memory)",
+    )
+    prepare.add_argument(
+        "--cache-dir", default=None, help="cache folder runs read (default $JASCL_CACHE or ~/.cache/jascl)"
+    )
+    prepare.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    prepare.set_defaults(func=cmd_data_prepare)
     classes = data_sub.add_parser(
         "coco-o-classes", help="the COCO-O base session's classes (annotated in Painting, less person / car / bench)"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
 
@@ -11,7 +12,7 @@ from monai.transforms import Compose, MapTransform, RandFlipd, Randomizable, Ran
 from torch.utils.data import DataLoader, Dataset
 
 from jascl.data.sampling import SeededBatchSampler, derive_seed, split_key
-from jascl.data.types import Split
+from jascl.data.types import CropReader, Split
 from jascl.protocols.schema import IGNORE_INDEX
 
 #: share of training crops of lazy (real-data) splits centred on a taught foreground voxel;
@@ -214,6 +215,63 @@ class RandForegroundCropd(Randomizable, MapTransform):
         return d
 
 
+class RandStoreCrop(Randomizable):
+    """A ``roi_size`` training patch of one sample of a lazy split, read from its crop reader, and its flips.
+
+    The placement is :class:`RandForegroundCropd`'s on the sample padded (symmetrically, image 0, label 255)
+    to at least ``roi_size``: with probability ``fg_prob`` centred on a random voxel of a taught class, else
+    uniform. The centre comes from the store's foreground index (a class drawn in proportion to its voxel
+    count, then one of its indexed voxels: uniform over the class's voxels, as before, without a scan of
+    the volume), and only the patch is read. The label is the training label (:func:`training_labels`).
+    With ``flip``, each spatial axis is flipped with probability 1/2 (as ``RandFlipd`` per axis), all in
+    one copy of the patch.
+
+    Shapes: ``self(index)`` -> image (C, *roi_size) float32 C-contiguous, label (*roi_size) uint8 (a view).
+    """
+
+    def __init__(
+        self,
+        reader: CropReader,
+        roi_size: Sequence[int],
+        fg_prob: float,
+        taught: Sequence[int],
+        other_classes: str = "background",
+        flip: bool = False,
+    ) -> None:
+        self.reader = reader
+        self.roi_size = [int(r) for r in roi_size]
+        self.fg_prob = fg_prob
+        self.taught = [int(c) for c in taught]
+        self.flip = flip
+        self.label_fn = functools.partial(training_labels, taught=self.taught, other_classes=other_classes)
+
+    def randomize(self, index: int) -> list[int]:
+        """First voxel per axis of the patch, in the sample's coordinates (negative where it is padded)."""
+        spatial = self.reader.spatial_shape(index)
+        pad = [max(0, r - n) for n, r in zip(spatial, self.roi_size)]
+        padded = [n + p for n, p in zip(spatial, pad)]
+        centre = None
+        if self.R.random_sample() < self.fg_prob:
+            counts, coords = self.reader.foreground(index, self.taught)
+            if len(counts):
+                k = int(self.R.choice(len(counts), p=counts / counts.sum()))
+                voxel = coords[k][int(self.R.randint(len(coords[k])))]
+                centre = [int(v) + p // 2 for v, p in zip(voxel, pad)]
+        if centre is None:
+            starts = [int(self.R.randint(n - r + 1)) for n, r in zip(padded, self.roi_size)]
+        else:
+            starts = [min(max(c - r // 2, 0), n - r) for c, n, r in zip(centre, padded, self.roi_size)]
+        return [a - p // 2 for a, p in zip(starts, pad)]
+
+    def __call__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        image, label = self.reader.read_box(index, self.randomize(index), self.roi_size, self.label_fn)
+        axes = [a for a in range(label.ndim) if self.flip and self.R.random_sample() < 0.5]
+        if axes:
+            image = np.ascontiguousarray(np.flip(image, [a + 1 for a in axes]))
+            label = np.flip(label, axes)
+        return image, label
+
+
 class LabelledDataset(Dataset):
     """(image, training label) pairs of one split.
 
@@ -227,7 +285,9 @@ class LabelledDataset(Dataset):
     Splits held as arrays (synthetic data) are cropped uniformly to ``patch_size``.
     Lazy splits of real datasets (``jascl.data.real.LazySamples``, variable sizes) are
     padded to ``patch_size`` where smaller (image 0, label 255 = ignore) and cropped
-    around a taught-class voxel with probability :data:`FOREGROUND_CROP_PROB`.
+    around a taught-class voxel with probability :data:`FOREGROUND_CROP_PROB`; when the
+    split offers a crop reader (``split.images.crop_reader``, the preprocessed store) only
+    the patch is read (:class:`RandStoreCrop`), else the whole sample.
     """
 
     def __init__(
@@ -243,8 +303,12 @@ class LabelledDataset(Dataset):
         self.taught = list(taught)
         self.other_classes = other_classes
         dims = split.images.ndim - 2
-        transforms = []
-        if isinstance(split.images, np.ndarray):
+        transforms: list = []
+        reader = getattr(split.images, "crop_reader", None) if patch_size is not None else None
+        self.cropper = None
+        if reader is not None:
+            self.cropper = RandStoreCrop(reader, patch_size, FOREGROUND_CROP_PROB, self.taught, other_classes, augment)
+        elif isinstance(split.images, np.ndarray):
             if patch_size is not None and tuple(patch_size) != tuple(split.images.shape[2:]):
                 transforms.append(
                     RandSpatialCropd(keys=["image", "label"], roi_size=list(patch_size), random_size=False)
@@ -255,7 +319,7 @@ class LabelledDataset(Dataset):
                 SpatialPadd(keys="label", spatial_size=list(patch_size), value=IGNORE_INDEX),
                 RandForegroundCropd(["image", "label"], "label", patch_size, FOREGROUND_CROP_PROB),
             ]
-        if augment:
+        if augment and self.cropper is None:
             transforms += [RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=axis) for axis in range(dims)]
         self.seed = seed
         self.transform = Compose(transforms) if transforms else None
@@ -265,6 +329,15 @@ class LabelledDataset(Dataset):
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
         pass_index, index = split_key(key)
+        if self.cropper is not None:  # only the patch is read, flipped in the same copy
+            self.cropper.set_random_state(seed=derive_seed(self.seed, pass_index, index))
+            patch, hidden = self.cropper(index)
+            return {
+                "image": torch.from_numpy(patch),
+                "label": torch.from_numpy(np.ascontiguousarray(hidden, dtype=np.int64)),
+                "id": self.split.ids[index],
+                "ignore": bool((hidden == IGNORE_INDEX).any()),  # on uint8: an eighth of the memory to read
+            }
         image = torch.from_numpy(np.asarray(self.split.images[index]))
         label = torch.from_numpy(training_labels(self.split.labels[index], self.taught, self.other_classes))
         if self.transform is not None:

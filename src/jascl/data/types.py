@@ -7,8 +7,9 @@ disk; :mod:`jascl.data.real`). Labels are global class ids: 0 = background,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -44,6 +45,34 @@ class LazySequence:
     def __iter__(self):
         for i in range(len(self)):
             yield self._one(i)
+
+
+class CropReader(Protocol):
+    """What a lazy split offers training patches (``split.images.crop_reader``; :mod:`jascl.data.real`): reads
+    of a box of one sample, and where the sample shows given classes, without reading the whole sample.
+
+    Conventions as :class:`Split`'s: image (C, *spatial) float32, label (*spatial) uint8 global ids.
+    """
+
+    def spatial_shape(self, index: int) -> tuple[int, ...]:
+        """Spatial size of sample ``index``."""
+        ...
+
+    def read_box(
+        self,
+        index: int,
+        starts: Sequence[int],
+        size: Sequence[int],
+        label_fn: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Crop ``starts`` .. ``starts + size`` (starts may be negative, the end past the sample: padded with
+        image 0, label 255); ``label_fn``, a value map, maps the global label inside the sample before padding."""
+        ...
+
+    def foreground(self, index: int, classes: Iterable[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(voxel counts (K,), (n_k, D) voxel coordinates each) of the parts of sample ``index`` showing
+        ``classes``."""
+        ...
 
 
 @dataclass

@@ -98,31 +98,10 @@ class DatasetSource:
             problems: if given, unreadable labels are appended here (and the record is
                 excluded) instead of raising.
         """
-        ids = [
-            r
-            for r in (record_ids if record_ids is not None else self.train_pool + self.test_pool)
-            if r not in self.excluded
-        ]
-        key = hashlib.sha1(
-            f"{self.spec.layout}|{Path(self.layout.root).resolve()}|"
-            f"{json.dumps(dict(self.spec.options), sort_keys=True, default=str)}".encode()
-        ).hexdigest()[:12]
-        path = cache_dir / "real" / f"labels-{self.spec.layout}-{key}.json"
-        try:
-            stored = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, json.JSONDecodeError):
-            stored = {}
-        todo = []
-        for rid in ids:
-            rec = self.records[rid]
-            sig = _signature(rec.files)
-            entry = stored.get(rid)
-            if entry and entry.get("sig") == sig:
-                self.presence[rid] = frozenset(entry["labels"])
-            else:
-                todo.append((rid, sig))
+        todo = self.unindexed(cache_dir, record_ids)
         if todo:
             echo(f"[data] {self.name}: reading {len(todo)} label file(s) to index their classes (cached afterwards)")
+        found: dict[str, tuple[str, list[int]]] = {}
         for n, (rid, sig) in enumerate(todo):
             try:
                 label = read_native_label(self.layout, self.records[rid])
@@ -132,13 +111,55 @@ class DatasetSource:
                 problems.append(str(exc))
                 self.excluded.add(rid)
                 continue
-            values = _present_values(label)
-            self.presence[rid] = frozenset(values)
-            stored[rid] = {"sig": sig, "labels": sorted(values)}
+            found[rid] = (sig, present_values(label))
             if (n + 1) % 200 == 0:
-                _atomic_json(path, stored)
-        if todo:
-            _atomic_json(path, stored)
+                self.add_index(cache_dir, found)
+                found = {}
+        if found:
+            self.add_index(cache_dir, found)
+
+    def index_file(self, cache_dir: Path) -> Path:
+        """Where the native labels of this copy's samples are cached (per layout, root and layout options)."""
+        key = hashlib.sha1(
+            f"{self.spec.layout}|{Path(self.layout.root).resolve()}|"
+            f"{json.dumps(dict(self.spec.options), sort_keys=True, default=str)}".encode()
+        ).hexdigest()[:12]
+        return cache_dir / "real" / f"labels-{self.spec.layout}-{key}.json"
+
+    def _stored_index(self, cache_dir: Path) -> dict:
+        path = self.index_file(cache_dir)
+        try:
+            return json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def unindexed(self, cache_dir: Path, record_ids: Iterable[str] | None = None) -> list[tuple[str, str]]:
+        """(record id, file signature) of the records whose native labels are not cached for their files as they
+        are now; the others' go into :attr:`presence`. Default records: both pools, less the excluded."""
+        ids = [
+            r
+            for r in (record_ids if record_ids is not None else self.train_pool + self.test_pool)
+            if r not in self.excluded
+        ]
+        stored = self._stored_index(cache_dir)
+        todo = []
+        for rid in ids:
+            sig = _signature(self.records[rid].files)
+            entry = stored.get(rid)
+            if entry and entry.get("sig") == sig:
+                self.presence[rid] = frozenset(entry["labels"])
+            else:
+                todo.append((rid, sig))
+        return todo
+
+    def add_index(self, cache_dir: Path, found: Mapping[str, tuple[str, list[int]]]) -> None:
+        """Record the native labels ``found`` (record id -> (file signature, ids present)) in :attr:`presence`
+        and in the cache file (read again and merged, written atomically)."""
+        stored = self._stored_index(cache_dir)
+        for rid, (sig, values) in found.items():
+            self.presence[rid] = frozenset(values)
+            stored[rid] = {"sig": sig, "labels": sorted(int(v) for v in values)}
+        _atomic_json(self.index_file(cache_dir), stored)
 
 
 def read_native_label(layout: Any, record: Any) -> np.ndarray:
@@ -153,7 +174,8 @@ def read_native_label(layout: Any, record: Any) -> np.ndarray:
     return np.asarray(sample.label)
 
 
-def _present_values(label: np.ndarray) -> list[int]:
+def present_values(label: np.ndarray) -> list[int]:
+    """The native ids a label array holds, ascending."""
     flat = np.asarray(label).reshape(-1)
     if flat.size == 0:
         return []

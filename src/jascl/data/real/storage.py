@@ -1,18 +1,20 @@
-"""Lazy splits: samples decoded, preprocessed and cached on disk on first access, never all held in memory; ground
-truth mapped to global class ids per session."""
+"""Lazy splits: samples read from the preprocessed store (:mod:`jascl.data.real.store`; preprocessed on first access
+when ``jascl data prepare`` has not), never all held in memory, whole or by crops; ground truth mapped to global
+class ids per session."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from jascl.data.cache import cached
+from jascl.data.cache import cache_key
 from jascl.data.real.selection import split_ref
 from jascl.data.real.sources import PREPROCESS_VERSION, DatasetSource
+from jascl.data.real.store import STORE_VERSION, Entry, entry_dir, open_entry, write_entry
 from jascl.data.types import LazySequence, Split
 from jascl.errors import DataError
 from jascl.protocols.schema import IGNORE_INDEX, Protocol
@@ -54,11 +56,14 @@ def no_labels(label: np.ndarray) -> np.ndarray:
 
 
 class SampleStore:
-    """Decodes, preprocesses and caches samples of the opened sources (one decoded sample kept in memory).
+    """Reads preprocessed samples of the opened sources from the store, preprocessing a sample on first access.
 
-    Cache entries (``jascl.data.cache`` under ``<cache>/real/samples/``) hold the preprocessed
-    image and *native* label, keyed by the files' paths, sizes and times, the layout options
-    and the preprocessing options; label maps are applied on access (they depend on the session).
+    Entries (:mod:`jascl.data.real.store`, under ``<cache>/real/store/``) hold the preprocessed image, the
+    *native* label and its foreground index, keyed by the files' paths, sizes and times, the layout and its
+    options, the preprocessing options and the store version; label maps are applied on access (they depend
+    on the session). ``jascl data prepare`` fills the store in parallel beforehand; a run fills what is missing.
+    Whole samples (evaluation, prototypes) are read with :meth:`load` (two kept in memory), training crops
+    with :meth:`entry` and :meth:`~jascl.data.real.store.Entry.read_box`.
     """
 
     def __init__(self, protocol: Protocol, sources: Mapping[str, DatasetSource], cache_dir: Path) -> None:
@@ -66,6 +71,7 @@ class SampleStore:
         self.sources = sources
         self.cache_dir = cache_dir
         self._memo: OrderedDict[str, tuple[np.ndarray, np.ndarray | None]] = OrderedDict()
+        self._entries: dict[str, Entry] = {}
 
     def preprocess(self, source: DatasetSource, sample: Any) -> tuple[np.ndarray, np.ndarray | None]:
         options = dict(source.spec.preprocess)
@@ -77,47 +83,83 @@ class SampleStore:
 
         return preprocess_image(sample, options)
 
-    def load(self, ref: str) -> tuple[np.ndarray, np.ndarray | None]:
-        """(image (C, *spatial) float32, native label (*spatial) int or None) of sample ``ref``."""
-        if ref in self._memo:
-            self._memo.move_to_end(ref)
-            return self._memo[ref]
+    def entry_path(self, ref: str) -> Path:
+        """The store folder of sample ``ref`` for the files as they are now (see the class docstring)."""
         d, rid = split_ref(ref)
         source = self.sources[d]
-        record = source.records[rid]
-
-        def compute() -> tuple[np.ndarray, np.ndarray | None]:
-            sample = source.layout.read(record)
-            check_sample_values(record, sample.image)  # once per file version: the result is cached below
-            image, label = self.preprocess(source, sample)
-            if not np.isfinite(image).all():
-                raise DataError(
-                    f"{record.images[0]}: preprocessing made non-finite values (e.g. a z-score of a constant channel "
-                    f"or a resampling of an empty volume); check the sample with 'jascl data check' or change "
-                    f"datasets.{d}.preprocess"
-                )
-            return (
-                np.ascontiguousarray(image, dtype=np.float32),
-                None if label is None else np.ascontiguousarray(label, dtype=compact_dtype(label)),
-            )
-
-        # keyed by the files (paths, sizes, times), the layout and its options and the preprocessing
         key = [
             PREPROCESS_VERSION,
+            STORE_VERSION,
             source.spec.layout,
-            list(record.files),
+            list(source.records[rid].files),
             dict(source.spec.options),
             dict(source.spec.preprocess),
             self.protocol.spatial_dims,
         ]
-        image, label = cached(key, compute, self.cache_dir / "real" / "samples")
-        item = (image, label)
-        if item[0].ndim != self.protocol.spatial_dims + 1 or item[0].shape[0] != self.protocol.in_channels:
+        return entry_dir(self.cache_dir, cache_key(key))
+
+    def build(self, ref: str) -> tuple[Path, Any]:
+        """Decode, check and preprocess sample ``ref`` and write its store entry.
+
+        Returns:
+            (the entry folder, the decoded :class:`~jascl.data.layouts.base.Sample`).
+
+        Raises:
+            DataError: an unreadable file, bad values, or preprocessing that made non-finite values.
+        """
+        d, rid = split_ref(ref)
+        source = self.sources[d]
+        record = source.records[rid]
+        path = self.entry_path(ref)
+        sample = source.layout.read(record)
+        check_sample_values(record, sample.image)  # once per file version: the result is stored below
+        image, label = self.preprocess(source, sample)
+        if not np.isfinite(image).all():
             raise DataError(
-                f"{record.images[0]}: preprocessed image has shape {tuple(item[0].shape)}, protocol "
+                f"{record.images[0]}: preprocessing made non-finite values (e.g. a z-score of a constant channel "
+                f"or a resampling of an empty volume); check the sample with 'jascl data check' or change "
+                f"datasets.{d}.preprocess"
+            )
+        image = np.ascontiguousarray(image, dtype=np.float32)
+        label = None if label is None else np.ascontiguousarray(label, dtype=compact_dtype(label))
+        made_from = {
+            "sample": ref,
+            "layout": source.spec.layout,
+            "files": [str(f) for f in record.files],
+            "options": dict(source.spec.options),
+            "preprocess": dict(source.spec.preprocess),
+        }
+        write_entry(path, image, label, made_from)
+        return path, sample
+
+    def entry(self, ref: str) -> Entry:
+        """The store entry of sample ``ref``, built first if missing (kept open for the store's lifetime)."""
+        if ref in self._entries:
+            return self._entries[ref]
+        path = self.entry_path(ref)
+        found = open_entry(path)
+        if found is None:
+            self.build(ref)
+            found = open_entry(path)
+            if found is None:
+                raise DataError(f"{path}: store entry unreadable right after writing it; check the disk of the cache")
+        d, rid = split_ref(ref)
+        shape = found.image_shape
+        if len(shape) != self.protocol.spatial_dims + 1 or shape[0] != self.protocol.in_channels:
+            raise DataError(
+                f"{self.sources[d].records[rid].images[0]}: preprocessed image has shape {shape}, protocol "
                 f"{self.protocol.name} expects {self.protocol.in_channels} channel(s) and "
                 f"{self.protocol.spatial_dims} spatial dims; fix in_channels or the layout options"
             )
+        self._entries[ref] = found
+        return found
+
+    def load(self, ref: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """(image (C, *spatial) float32, native label (*spatial) int or None) of sample ``ref``, whole."""
+        if ref in self._memo:
+            self._memo.move_to_end(ref)
+            return self._memo[ref]
+        item = self.entry(ref).read()
         self._memo[ref] = item
         while len(self._memo) > 2:
             self._memo.popitem(last=False)
@@ -126,9 +168,7 @@ class SampleStore:
 
 def compact_dtype(label: np.ndarray) -> np.dtype:
     """The smallest dtype holding a native label map: uint8 for ids 0-255 (every dataset jascl reads so far),
-    uint16, else int32. The cached label is read back for every training patch, so a 274 x 274 x 300 CT
-    label is 22 MiB instead of 90; entries cached as int32 by earlier versions hold the same values and stay
-    valid."""
+    uint16, else int32 (a 274 x 274 x 300 CT label is 22 MiB on disk instead of 90)."""
     label = np.asarray(label)
     if label.size == 0:
         return np.dtype(np.uint8)
@@ -192,6 +232,7 @@ class SplitBackend:
         self.rng = np.random.default_rng([seed, 31337])
 
         self._last: tuple[int, tuple[np.ndarray, np.ndarray], set[str]] | None = None
+        self._tables: dict[tuple, np.ndarray] = {}
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -210,16 +251,88 @@ class SplitBackend:
         return pair
 
     def _load(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.crop is not None:  # a random crop, read from the store without reading the whole sample
+            starts = crop_starts(self.spatial_shape(index), self.crop, self.rng)
+            return self.read_box(index, starts, self.crop)
         ref = self.refs[index]
         image, native = self.store.load(ref)
-        spatial = image.shape[1:]
         if native is None:
-            label = np.full(spatial, IGNORE_INDEX, dtype=np.uint8)  # no ground truth at all
+            label = np.full(image.shape[1:], IGNORE_INDEX, dtype=np.uint8)  # no ground truth at all
         else:
             label = self.luts[split_ref(ref)[0]](native)
-        if self.crop is not None:
-            image, label = random_crop(image, label, self.crop, self.rng)
         return image, label
+
+    # --- crop reads (jascl.data.types.CropReader): what training patches are read with
+
+    def spatial_shape(self, index: int) -> tuple[int, ...]:
+        """Spatial size of sample ``index`` (from its store entry's header)."""
+        return self.store.entry(self.refs[index]).spatial
+
+    def read_box(
+        self,
+        index: int,
+        starts: Sequence[int],
+        size: Sequence[int],
+        label_fn: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The crop ``starts`` .. ``starts + size`` of sample ``index``, equal to the same crop of the whole sample
+        (``images[index]``, ``labels[index]``) padded with image 0 and label 255.
+
+        Only the crop is read from the store, and the session's label map (then ``label_fn``, e.g. the
+        training-label policy) is applied to the crop's voxels inside the volume; padding stays 255.
+
+        Returns:
+            image (C, *size) float32, label (*size) uint8 global ids.
+        """
+        ref = self.refs[index]
+        entry = self.store.entry(ref)
+        image, label = entry.read_box(starts, size, self._label_map(split_ref(ref)[0], entry, label_fn))
+        if label is None:
+            label = np.full(tuple(int(s) for s in size), IGNORE_INDEX, dtype=np.uint8)  # no ground truth at all
+        return image, label
+
+    def _label_map(
+        self, dataset: str, entry: Entry, label_fn: Callable[[np.ndarray], np.ndarray] | None
+    ) -> Callable[[np.ndarray], np.ndarray]:
+        """The session's label map of ``dataset`` followed by ``label_fn`` (a value map), as one table lookup
+        over the native ids the entry holds when they are small non-negative integers (one pass over the crop)."""
+        lut = self.luts[dataset]
+        natives = entry.natives
+        if not len(natives) or int(natives[0]) < 0 or int(natives[-1]) >= 1 << 16:
+            return lut if label_fn is None else (lambda native: label_fn(lut(native)))
+        key = (dataset, label_fn, int(natives[-1]))
+        table = self._tables.get(key)
+        if table is None:
+            table = lut(np.arange(int(natives[-1]) + 1))
+            table = np.ascontiguousarray(table if label_fn is None else label_fn(table), dtype=np.uint8)
+            self._tables[key] = table
+        return lambda native: np.take(table, native)
+
+    def foreground(self, index: int, classes: Iterable[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Where sample ``index`` shows ``classes`` (global ids), from its store entry's foreground index.
+
+        Returns:
+            (counts (K,) voxels of each native id mapped to one of ``classes`` in this session, and per id
+            its indexed (n_k, D) voxel coordinates, memory-mapped); empty when the sample shows none of them.
+        """
+        ref = self.refs[index]
+        entry = self.store.entry(ref)
+        wanted = sorted({int(c) for c in classes} - {0, IGNORE_INDEX})
+        if not entry.has_label or not len(entry.natives) or not wanted:
+            return np.zeros(0, np.int64), []
+        mapped = self.luts[split_ref(ref)[0]](entry.natives)
+        keep = np.flatnonzero(np.isin(mapped, wanted))
+        return entry.counts[keep], entry.coords([int(k) for k in keep])
+
+
+def crop_starts(shape: Sequence[int], size: Sequence[int], rng: np.random.Generator) -> list[int]:
+    """First voxel per axis of a uniformly placed crop of ``size`` in a sample of spatial ``shape``.
+
+    Where the sample is smaller it is padded symmetrically first (``p // 2`` before), so a start can be
+    negative: the draws and the result are those of :func:`random_crop` on the whole sample.
+    """
+    pad = [max(0, s - n) for s, n in zip(size, shape)]
+    return [int(rng.integers(0, n + p - s + 1)) - p // 2 for s, n, p in zip(size, shape, pad)]
 
 
 def random_crop(
@@ -269,6 +382,12 @@ class LazySamples(LazySequence):
     def _one(self, index: int) -> np.ndarray:
         image, label = self.backend.get(index, self.part)
         return image if self.part == "image" else label
+
+    @property
+    def crop_reader(self) -> SplitBackend | None:
+        """What training patches are read with (:class:`jascl.data.types.CropReader`); None for a split that is
+        served as random crops already (unlabelled pools)."""
+        return self.backend if self.backend.crop is None else None
 
     def __array__(self, dtype=None):
         raise TypeError("a lazy split is not held in memory as one array; index it sample by sample")

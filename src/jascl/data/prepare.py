@@ -1,0 +1,298 @@
+"""``jascl data prepare``: preprocess every sample of a protocol's datasets into the store, in parallel.
+
+The store (:mod:`jascl.data.real.store`) is what ``jascl run``, ``compare`` and ``reproduce`` read: with
+the same cache folder (``--cache-dir``, else ``$JASCL_CACHE``, else ``~/.cache/jascl``) they find every
+sample preprocessed and its labels indexed, and decode nothing. Without ``prepare`` a run preprocesses
+each sample on first access, one after another.
+
+For every dataset entry whose root is set, every record of the copy (training, test and label-free)
+is decoded with its layout (the readers ``jascl data check`` and runs use), checked, preprocessed with
+MONAI and written as a store entry, by ``workers`` processes. The labels' class index that a run's
+K-shot selection reads (``<cache>/real/labels-*.json``) is filled on the way, so a run does not read
+the label files again.
+
+Resumable: an entry is written as a temporary folder renamed into place, so an interrupted
+``prepare`` (Ctrl-C, a killed worker, a power cut) leaves complete entries and temporary folders only;
+the next ``prepare`` skips the complete ones, removes the temporary folders of processes that no
+longer run, and builds the rest. A sample that cannot be read or preprocessed is one problem line
+(naming its file and the fix); the others are prepared all the same.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jascl.data.real import DatasetSource, SampleStore, open_source, resolve_roots
+from jascl.data.real.sources import present_values, read_native_label
+from jascl.data.real.store import open_entry, store_folder
+from jascl.data.synthetic import default_cache_dir
+from jascl.errors import ConfigError, DataError
+from jascl.fileio import stale_temporary_dirs
+from jascl.protocols.schema import Protocol
+
+#: memory a worker may need for one large CT (decoded int16 -> float32, MONAI resampling): the default
+#: number of workers keeps (workers x this) within the machine's memory
+WORKER_MEMORY_GIB = 3.0
+
+
+@dataclass
+class PrepareReport:
+    """Outcome of :func:`prepare_protocol`.
+
+    Attributes:
+        samples: distinct store entries the protocol's datasets need.
+        complete: of those, found complete (skipped).
+        built: written by this call.
+        indexed: label files whose classes were indexed by this call.
+        problems: one line per sample that could not be prepared (or root not set).
+        seconds: wall time of the preprocessing.
+        worker_peak_rss_mib: the largest peak resident memory of a worker process.
+        store: the store's folder.
+    """
+
+    samples: int = 0
+    complete: int = 0
+    built: int = 0
+    indexed: int = 0
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    worker_peak_rss_mib: float = 0.0
+    store: Path | None = None
+
+
+def default_workers() -> int:
+    """One worker per core, at most one per :data:`WORKER_MEMORY_GIB` of the machine's memory."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return max(1, cpus)
+    return max(1, min(cpus, int(memory_gib // WORKER_MEMORY_GIB)))
+
+
+# --- worker processes ------------------------------------------------------------------------------------------
+
+_STORE: SampleStore | None = None
+
+
+def _start_worker(protocol: Protocol, sources: Mapping[str, DatasetSource], cache: Path, threads: int) -> None:
+    global _STORE
+    import torch
+
+    torch.set_num_threads(threads)  # the workers share the cores
+    _STORE = SampleStore(protocol, sources, cache)
+
+
+def _prepare_one(ref: str, build: bool, index_sig: str | None) -> tuple[str, bool, Any, str | None, float]:
+    """Build the entry of ``ref`` (if ``build``) and read its label's classes (if ``index_sig``).
+
+    Returns:
+        (ref, built, (signature, native ids present) or None, problem line or None, peak RSS in MiB).
+    """
+    assert _STORE is not None, "the pool's initializer sets the store"
+    store = _STORE
+    presence = None
+    built = False
+    try:
+        sample = None
+        if build and open_entry(store.entry_path(ref)) is None:
+            _, sample = store.build(ref)
+            built = True
+        if index_sig is not None:
+            name, rid = ref.split("/", 1)
+            source, record = store.sources[name], store.sources[name].records[rid]
+            uses_read = not hasattr(source.layout, "read_label") and not hasattr(source.layout, "decode_label")
+            if sample is not None and uses_read and sample.label is not None:
+                label = sample.label  # what read_native_label would decode again
+            else:
+                label = read_native_label(source.layout, record)
+            presence = (index_sig, present_values(label))
+        problem = None
+    except (DataError, ConfigError) as exc:
+        problem = str(exc)
+    except MemoryError:
+        problem = f"{ref}: out of memory while preprocessing it; run again with fewer --workers"
+    return ref, built, presence, problem, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# --- the command -----------------------------------------------------------------------------------------------
+
+
+def prepare_protocol(
+    protocol: Protocol,
+    roots: Mapping[str, str | Path] | None = None,
+    roots_file: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    workers: int | None = None,
+    echo: Callable[[str], None] = print,
+    progress: bool | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> PrepareReport:
+    """Fill the store with every sample of ``protocol``'s datasets (see the module docstring).
+
+    Args:
+        roots: root name -> folder (``--root``); ``roots_file`` and ``environ`` (``JASCL_ROOT_<NAME>``) fill the
+            rest, as for ``jascl run``.
+        roots_file: a YAML file of root names to folders (``--roots``).
+        environ: the environment to read ``JASCL_ROOT_<NAME>`` from (default ``os.environ``).
+        cache_dir: the cache folder (default ``$JASCL_CACHE`` or ``~/.cache/jascl``).
+        workers: worker processes (default :func:`default_workers`); each uses ``cores // workers`` threads.
+        progress: show a progress bar (None: when the error stream is a terminal).
+
+    Raises:
+        ConfigError: a protocol without datasets, a detection protocol, ``workers < 1``, an unknown root name.
+        DataError: a worker process died (killed, out of memory): the entries written so far are kept.
+    """
+    if not protocol.uses_datasets:
+        raise ConfigError(
+            f"{protocol.path}: a synthetic protocol has no datasets to prepare (its data is generated and cached "
+            "by the run); give a protocol with a 'datasets' section (jascl protocols)"
+        )
+    if protocol.task == "detection":
+        raise ConfigError(
+            f"{protocol.path}: protocol {protocol.name} is a detection protocol, whose images are read as they "
+            "are; nothing to prepare (jascl data check checks its copies)"
+        )
+    workers = default_workers() if workers is None else int(workers)
+    if workers < 1:
+        raise ConfigError(f"--workers {workers}: give at least 1 worker process")
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    report = PrepareReport(store=store_folder(cache))
+    resolved = resolve_roots(protocol, roots, roots_file, environ, problems=report.problems)
+    sources: dict[str, DatasetSource] = {}
+    for name, spec in protocol.datasets.items():
+        if spec.root in resolved:
+            src = open_source(protocol, spec, resolved[spec.root], report.problems)
+            if src is not None:
+                sources[name] = src
+    _remove_stale(cache, echo)
+
+    store = SampleStore(protocol, sources, cache)
+    jobs: dict[Path, list] = {}  # entry folder -> [ref, build, label signature or None]
+    for name, src in sources.items():
+        wanted = dict(src.unindexed(cache, src.train_pool + src.test_pool))
+        for rid in sorted(src.records):
+            path = store.entry_path(f"{name}/{rid}")
+            job = jobs.setdefault(path, [f"{name}/{rid}", True, None])
+            if rid in wanted and job[2] is None:
+                job[2] = wanted[rid]
+    report.samples = len(jobs)
+    todo = []
+    for path, (ref, _, sig) in jobs.items():
+        complete = open_entry(path) is not None
+        report.complete += complete
+        if not complete or sig is not None:
+            todo.append((ref, not complete, sig))
+    echo(
+        f"[prepare] {report.samples} sample(s) in {len(sources)} dataset(s); {report.complete} already prepared, "
+        f"{sum(b for _, b, _ in todo)} to preprocess with {workers} worker process(es) into {report.store}"
+    )
+    start = time.perf_counter()
+    if todo:
+        _run_pool(protocol, sources, cache, todo, workers, report, progress)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _run_pool(
+    protocol: Protocol,
+    sources: dict[str, DatasetSource],
+    cache: Path,
+    todo: list[tuple[str, bool, str | None]],
+    workers: int,
+    report: PrepareReport,
+    progress: bool | None,
+) -> None:
+    from tqdm import tqdm
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cpus // workers)
+    found: dict[str, dict[str, tuple[str, list[int]]]] = {}
+
+    def flush() -> None:
+        for name, values in found.items():
+            if values:
+                sources[name].add_index(cache, values)
+        found.clear()
+
+    bar = tqdm(total=len(todo), unit="sample", desc="prepare", disable=None if progress is None else not progress)
+    pending = list(reversed(todo))
+    running: dict[Any, str] = {}
+    try:
+        with ProcessPoolExecutor(
+            workers,
+            mp_context=worker_context(),
+            initializer=_start_worker,
+            initargs=(protocol, sources, cache, threads),
+        ) as pool:
+            while pending or running:
+                while pending and len(running) < 2 * workers:  # a short queue: a dead worker takes little with it
+                    ref, build, sig = pending.pop()
+                    running[pool.submit(_prepare_one, ref, build, sig)] = ref
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    running.pop(future)
+                    ref, built, presence, problem, rss = future.result()
+                    report.built += built
+                    report.worker_peak_rss_mib = max(report.worker_peak_rss_mib, rss)
+                    if problem is not None:
+                        report.problems.append(problem)
+                    if presence is not None:
+                        found.setdefault(ref.split("/", 1)[0], {})[ref.split("/", 1)[1]] = presence
+                        report.indexed += 1
+                    bar.update(1)
+                if sum(len(v) for v in found.values()) >= 200:
+                    flush()
+    except BrokenProcessPool:
+        raise DataError(
+            f"a worker process died (killed, or out of memory) while preparing {', '.join(sorted(running.values()))}; "
+            f"the {report.complete + report.built} complete entries are kept: run the same command again to resume "
+            "(with fewer --workers if memory ran out)"
+        ) from None
+    finally:
+        flush()
+        bar.close()
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """Where workers come from: a fork server that has imported what they need (started once per process).
+
+    Not plain fork: a worker forked from a process whose OpenMP threads have run (torch's intra-op pool,
+    e.g. after the caller preprocessed something) can hang in its first parallel region. The fork server
+    has imported torch and MONAI but run nothing, so each worker starts in well under a second, where a
+    spawned one would import them again (seconds). Spawn where there is no fork server (Windows).
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["jascl.data.prepare", "jascl.data.medical", "jascl.data.natural", "torch", "monai"])
+    return context
+
+
+def _remove_stale(cache: Path, echo: Callable[[str], None]) -> None:
+    """Remove temporary entry folders of killed processes; point at the cache format this version no longer reads."""
+    store = store_folder(cache)
+    stale = [p for folder in (store.glob("*") if store.is_dir() else []) for p in stale_temporary_dirs(folder)]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    if stale:
+        echo(f"[prepare] removed {len(stale)} unfinished entr(y/ies) of interrupted runs")
+    old = cache / "real" / "samples"
+    if old.is_dir():
+        files = list(old.rglob("*.npz"))
+        if files:
+            size = sum(f.stat().st_size for f in files) / 2**20
+            echo(
+                f"[prepare] note: {old} holds {len(files)} preprocessed sample(s) ({size:.0f} MiB) in the cache "
+                "format of earlier versions, which this version no longer reads; delete that folder to free the space"
+            )
