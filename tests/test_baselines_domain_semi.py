@@ -28,6 +28,7 @@ from jascl.methods.baselines.domain._shared import (
     domain_distillation,
     domain_specific_keys,
 )
+from jascl.methods.baselines.domain.domain_inference import batch_statistics, input_statistics, nearest_domain
 from jascl.methods.baselines.domain.mdil import MDILPlugin
 from jascl.methods.baselines.semi.csl import (
     block_mask,
@@ -160,7 +161,7 @@ def _domain_logits(plugin, trainer, model, store, session, x):
 def test_mdil_switches_domains_and_round_trips(pool_protocol, base, tmp_path):
     data, base_dir = base
     config = _config(pool_protocol, "freeze_incremental=all_but_classifier")
-    plugin, rec = MDILPlugin(shared_lr_ratio=0.0), Recorder()
+    plugin, rec = MDILPlugin(shared_lr_ratio=0.0, domain_oracle=True), Recorder()
     trainer, model, store = _session1(
         pool_protocol, config, Method("mdil", [plugin, rec]), data, base_dir, tmp_path / "s1"
     )
@@ -192,7 +193,7 @@ def test_mdil_switches_domains_and_round_trips(pool_protocol, base, tmp_path):
     # the checkpoint is a standard Segmenter state dict; the rest is plugin state that restores the branches
     saved = load_file(str(tmp_path / "s1" / "model.safetensors"))
     assert set(saved) == set(trainer.new_model(4).state_dict())
-    plugin2 = MDILPlugin(shared_lr_ratio=0.0)
+    plugin2 = MDILPlugin(shared_lr_ratio=0.0, domain_oracle=True)
     trainer2 = ContinualTrainer(pool_protocol, config, Method("mdil", [plugin2]), data, progress=False)
     model2, store2, _ = trainer2.load_session(tmp_path / "s1", 1)
     trainer2.restore_session(1, tmp_path / "s1", model2, store2)
@@ -200,6 +201,45 @@ def test_mdil_switches_domains_and_round_trips(pool_protocol, base, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.allclose(_domain_logits(plugin2, trainer2, model2, store2, 0, x), out_a, atol=1e-6)
     assert torch.allclose(_domain_logits(plugin2, trainer2, model2, store2, 1, x), out_b, atol=1e-6)
+
+
+def test_domain_statistics_and_the_nearest_domain_by_hand():
+    # two 1-channel images: [0, 2] (mean 1, std 1) and [1, 1, 1, 1] (mean 1, std 0) -> [1, 0.5]
+    images = [np.array([[0.0, 2.0]]), np.array([[1.0, 1.0, 1.0, 1.0]])]
+    assert input_statistics(images).tolist() == [1.0, 0.5]
+    assert input_statistics(images, limit=1).tolist() == [1.0, 1.0]
+    batch = torch.tensor([[[0.0, 2.0]], [[4.0, 4.0]]])  # means 1, 4; stds 1, 0 -> [2.5, 0.5]
+    assert batch_statistics(batch).tolist() == [2.5, 0.5]
+    domains = {"ct": torch.tensor([2.0, 0.0]), "mri": torch.tensor([3.0, 1.0])}
+    assert nearest_domain(torch.tensor([2.5, 0.5]), domains) == "ct"  # a tie (0.707 each): the first name
+    assert nearest_domain(torch.tensor([2.9, 0.6]), domains) == "mri"
+    with pytest.raises(ValueError):
+        nearest_domain(torch.tensor([0.0, 0.0]), {})
+
+
+def test_mdil_infers_each_test_batch_domain_without_the_oracle(pool_protocol, base, tmp_path):
+    data, base_dir = base
+    config = _config(pool_protocol, "freeze_incremental=all_but_classifier")
+    oracle = MDILPlugin(shared_lr_ratio=0.0, domain_oracle=True)
+    trainer, model, store = _session1(pool_protocol, config, Method("mdil", [oracle]), data, base_dir, tmp_path / "o")
+    inferred = MDILPlugin(shared_lr_ratio=0.0)
+    trainer2 = ContinualTrainer(pool_protocol, config, Method("mdil", [inferred]), data, progress=False)
+    model2, store2, _ = trainer2.load_session(tmp_path / "o", 1)
+    trainer2.restore_session(1, tmp_path / "o", model2, store2)
+    assert set(inferred.stats) == {"a", "b"}  # saved with the session, per domain
+    xa = torch.from_numpy(data[0].test.images).float()
+    xb = torch.from_numpy(data[1].test.images).float()
+    # whatever split the evaluation says (0 here), each batch goes to the branch of its own statistics: the same
+    # logits as the oracle's branch of the batch's true domain
+    got_a = _domain_logits(inferred, trainer2, model2, store2, 0, xa)
+    got_b = _domain_logits(inferred, trainer2, model2, store2, 0, xb)
+    assert torch.allclose(got_a, _domain_logits(oracle, trainer, model, store, 0, xa), atol=1e-6)
+    assert torch.allclose(got_b, _domain_logits(oracle, trainer, model, store, 1, xb), atol=1e-6)
+    assert not torch.allclose(got_b, _domain_logits(oracle, trainer, model, store, 0, xb), atol=1e-3)
+    # the method's option: off in the paper's plans, on with --set method_args.mdil.domain_oracle=true
+    assert create_method("mdil", config).plugins[0].domain_oracle is False
+    on = resolve_config(pool_protocol.training, "toy.yaml", overrides=["method_args.mdil.domain_oracle=true"])
+    assert create_method("mdil", on).plugins[0].domain_oracle is True
 
 
 def test_mdil_distills_old_domains_when_shared_parameters_move(pool_protocol, base, tmp_path):

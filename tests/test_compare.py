@@ -11,13 +11,20 @@ from jascl.experiments.compare import aggregate, compare_table, mean_std, parse_
 
 
 def test_parse_seeds():
-    assert parse_seeds("3", 1024) == [1024, 1025, 1026]
+    """--seeds takes seed values (one value is one seed), --num-seeds a count from the protocol's seed."""
+    assert parse_seeds("1024", 5) == [1024]  # the seed 1024, not 1024 seeds
+    assert parse_seeds("3", 1024) == [3]
     assert parse_seeds("1024,7", 5) == [1024, 7]
-    assert parse_seeds("1024,", 5) == [1024]
-    assert len(parse_seeds("100", 0)) == 100
-    with pytest.raises(ConfigError, match=r"--seeds 1024, \(with the comma\) or --seed 1024"):
-        parse_seeds("1024", 5)
-    for bad in ("0", "x", "1,1", "-1,2"):
+    assert parse_seeds("1024,", 5) == [1024]  # the old spelling of one seed still reads
+    assert parse_seeds(None, 1024, 3) == [1024, 1025, 1026]
+    assert parse_seeds(None, 7) == [7]
+    assert len(parse_seeds(None, 0, 100)) == 100
+    with pytest.raises(ConfigError, match=r"^--seeds 1,2 with --num-seeds 2: give the seed values"):
+        parse_seeds("1,2", 1, 2)
+    for count in (0, 101):
+        with pytest.raises(ConfigError, match=rf"^--num-seeds {count}: give a count from 1 to 100$"):
+            parse_seeds(None, 1, count)
+    for bad in ("x", "1,1", "-1,2", ","):
         with pytest.raises(ConfigError, match="--seeds"):
             parse_seeds(bad, 1)
 
@@ -104,8 +111,10 @@ def test_run_compare_two_seeds_shares_base_and_writes_tables(toy_protocol, toy_c
 def test_compare_cli_rejects_unknown_method_and_bad_seeds(capsys):
     assert main(["compare", "--methods", "vanilla,nope", "--no-progress"]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
-    assert main(["compare", "--seeds", "0", "--no-progress"]) == 2
-    assert "--seeds 0" in capsys.readouterr().err
+    assert main(["compare", "--num-seeds", "0", "--no-progress"]) == 2
+    assert "--num-seeds 0" in capsys.readouterr().err
+    assert main(["compare", "--seeds", "1,1", "--no-progress"]) == 2
+    assert "--seeds 1,1: seeds must be distinct" in capsys.readouterr().err
 
 
 def test_run_with_seeds_writes_per_seed_folders_and_aggregate(tmp_path, capsys):

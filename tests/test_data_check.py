@@ -54,7 +54,7 @@ def protocol_dict(shots: int = 2, unlabelled: int = 2, ct_labels=None) -> dict:
                 "sources": ["mr"],
             },
         ],
-        "training": {"patch_size": [16, 16, 16]},
+        "training": {"patch_size": [32, 32, 32]},  # the smallest the default U-Net takes; volumes are padded
     }
 
 

@@ -110,7 +110,7 @@ def test_prototypes_are_eq2_over_box_features(toy_det):
         {"boxes": np.array([[0, 0, 2, 2]], np.float32), "labels": np.array([1], np.int64)},
     ]
     split = DetectionSplit(np.zeros((2, 1, 16, 16), np.float32), targets, ["a", "b"])
-    trainer.data = [SessionData(protocol.sessions[0], split, split), *data[1:]]
+    trainer.data[0] = SessionData(protocol.sessions[0], split, split)  # the task sees the same list
     protos = trainer.compute_prototypes(BoxSizeFeatures(), 0, [1, 2])
     # eq. 2: per image the mean feature of its class-c boxes, unit-normalised, then averaged over the images
     a = torch.tensor([4.0, 2.0, 1.0]) / math.sqrt(21)

@@ -10,13 +10,8 @@ from safetensors.torch import save_file
 
 from jascl.errors import ConfigError
 from jascl.methods.gas import attach_gas
-from jascl.networks.detector import (
-    DETECTOR_VARIANTS,
-    PREDICTOR_PREFIX,
-    Detector,
-    create_detector,
-    load_detector_weights,
-)
+from jascl.networks.detector import DETECTOR_VARIANTS, Detector, create_detector
+from jascl.networks.detector_weights import PREDICTOR_PREFIX, load_detector_weights
 
 LOSSES = {"loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"}
 

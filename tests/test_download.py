@@ -155,7 +155,7 @@ def lung_protocol(tmp_path: Path) -> Path:
             }
         },
         "sessions": [{"name": "base", "domains": ["ct"], "new_classes": [1], "shots": "all", "sources": ["lung"]}],
-        "training": {"patch_size": [8, 8, 8]},
+        "training": {"patch_size": [32, 32, 32]},  # the smallest the default U-Net takes; volumes are padded
     }
     path = tmp_path / "lung-only.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -13,7 +13,8 @@ import torch
 
 from jascl.errors import ConfigError
 from jascl.networks import BACKBONES, create_segmenter
-from jascl.networks.medformer import MedFormer, bidirectional_attention, space_to_depth
+from jascl.networks.medformer import MedFormer
+from jascl.networks.medformer_blocks import bidirectional_attention, space_to_depth
 
 K3 = 27  # weights of one 3x3x3 kernel
 

@@ -87,6 +87,16 @@ def test_total_drop_recomputed_from_the_main_table():
             inconsistent.append(row.name)
     assert len(drops.rows) == 28
     assert inconsistent == ["STAR", "Saving100x", "YoooP", "UCB", "Adapt_replay"]
+    # their drops recomputed from the main table's rows, as t_drop's notes give them (printed: 96.9, 92.6, 96.9,
+    # 81.6, 96.4); e.g. YoooP 100 * ((0.700 - 0.176) + (0.176 - 0.028)) / 0.700 = 96.0
+    recomputed = {n: round(total_drop(main.session_values(main.row(n))), 1) for n in inconsistent}
+    assert recomputed == {"STAR": 97.1, "Saving100x": 92.4, "YoooP": 96.0, "UCB": 81.9, "Adapt_replay": 96.1}
+    for name, value in recomputed.items():
+        assert f"{name} {value:.1f} (" in " ".join(drops.notes)
+        assert (
+            drops.row(name).note
+            == f"recomputed from tab_set1_part: {value:.1f} (printed {drops.row(name).values[0]:.1f})"
+        )
     # hand-computed: PIFS 100 * ((0.700 - 0.129) + (0.129 - 0.078)) / 0.700 = 88.857; JASCL (0.276 + 0.062) / 0.736
     assert total_drop(main.session_values(main.row("PIFS"))) == pytest.approx(88.857, abs=1e-3)
     assert total_drop(main.session_values(main.row("JASCL (U-Net)"))) == pytest.approx(45.924, abs=1e-3)

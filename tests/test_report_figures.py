@@ -13,7 +13,7 @@ import pytest
 from matplotlib.colors import to_rgb
 from matplotlib.text import Text
 
-from jascl.results import plots
+from jascl.results import charts, figure_style, plots
 from jascl.results.losses import TOTAL, loss_series, parse_log, session_log_names
 from jascl.results.overlays import array_axis_codes
 from jascl.results.records import RunResults
@@ -23,40 +23,40 @@ from jascl.results.runs import RunInput
 
 
 def test_fitted_range_shows_a_difference_of_one_hundredth():
-    lo, hi = plots.fitted_range([0.50, 0.51, 0.505])
+    lo, hi = figure_style.fitted_range([0.50, 0.51, 0.505])
     assert 0.49 <= lo < 0.50 and 0.51 < hi <= 0.52
     assert (lo, hi) == pytest.approx((0.495, 0.515))  # widened to the smallest span, 0.02, around the centre
 
 
 def test_fitted_range_margin_clipping_and_empty_input():
-    assert plots.fitted_range([0.2, 0.7]) == pytest.approx((0.2 - 0.04, 0.7 + 0.04))  # 8 % of the span each side
-    assert plots.fitted_range([0.995, 1.0]) == pytest.approx((0.98, 1.0))  # clipped at 1, extended downwards
-    assert plots.fitted_range([0.0, 0.001]) == pytest.approx((0.0, 0.02))
-    assert plots.fitted_range([math.nan]) == (0.0, 1.0)
-    assert plots.fitted_range([2.0, 4.0], bounds=(0.0, math.inf)) == pytest.approx((1.84, 4.16))
+    assert figure_style.fitted_range([0.2, 0.7]) == pytest.approx((0.2 - 0.04, 0.7 + 0.04))  # 8 % of the span each side
+    assert figure_style.fitted_range([0.995, 1.0]) == pytest.approx((0.98, 1.0))  # clipped at 1, extended downwards
+    assert figure_style.fitted_range([0.0, 0.001]) == pytest.approx((0.0, 0.02))
+    assert figure_style.fitted_range([math.nan]) == (0.0, 1.0)
+    assert figure_style.fitted_range([2.0, 4.0], bounds=(0.0, math.inf)) == pytest.approx((1.84, 4.16))
 
 
 def test_curves_range_covers_the_band_over_seeds():
     # seeds 0.5 and 0.6: mean 0.55, sample std 0.0707; a second method at 0.58 exactly
     panels = {"all": {"a": [[0.5, 0.6]], "b": [[0.58]]}}
-    lo, hi = plots.curves_range(panels)
+    lo, hi = charts.curves_range(panels)
     std = 0.1 / math.sqrt(2)
     span = 2 * std
     assert (lo, hi) == pytest.approx((0.55 - std - 0.08 * span, 0.55 + std + 0.08 * span))
 
 
 def test_format_range_has_enough_decimals():
-    assert plots.format_range(0.495, 0.515) == "0.495–0.515"
-    assert plots.format_range(0.0, 0.98) == "0.00–0.98"
-    assert plots.format_range(0.1, 0.35, scale=100) == "10–35"
+    assert figure_style.format_range(0.495, 0.515) == "0.495–0.515"
+    assert figure_style.format_range(0.0, 0.98) == "0.00–0.98"
+    assert figure_style.format_range(0.1, 0.35, scale=100) == "10–35"
 
 
 def test_heatmap_numbers_are_readable_on_both_ends_of_the_colour_map():
     from matplotlib import colormaps
 
     viridis = colormaps["viridis"]
-    assert plots.text_colour_on(viridis(0.0)) == "white"  # dark purple
-    assert plots.text_colour_on(viridis(1.0)) == "black"  # yellow
+    assert figure_style.text_colour_on(viridis(0.0)) == "white"  # dark purple
+    assert figure_style.text_colour_on(viridis(1.0)) == "black"  # yellow
 
 
 # --- slices and planes ------------------------------------------------------------------------------------------
@@ -98,8 +98,11 @@ def test_several_slices_spread_over_the_foreground():
     label[:2, :2, 5:16] = 1  # z = 5..15 hold some foreground
     label[:, :, 9] = 2  # z = 9 the most
     views = plots.choose_slices(label, label.shape, count=3)
-    assert [v.index for v in views] == [9, 5, 15]  # 5, 10, 15 evenly; 10 replaced by the fullest, shown first
-    assert [v.index for v in plots.choose_slices(label, label.shape, count=2)] == [9, 15]
+    # z = 5..15 in three parts of 11/3 slices, centred on floor(6.83, 10.5, 14.17) = 6, 10, 14; 10 replaced by
+    # the fullest, shown first
+    assert [v.index for v in views] == [9, 6, 14]
+    # two parts centred on floor(7.75, 13.25) = 7, 13 (not the edge slice 15); 7 replaced by the fullest
+    assert [v.index for v in plots.choose_slices(label, label.shape, count=2)] == [9, 13]
     assert [v.index for v in plots.choose_slices(label, label.shape)] == [9]
     assert len(plots.choose_slices(label, label.shape, count=50)) == 11  # no more than the extent holds
 
@@ -245,5 +248,5 @@ def test_loss_series_over_seeds_pads_a_shorter_seed_with_nan(tmp_path):
     parsed = [parse_log(_LOG.splitlines()), parse_log(short.splitlines())]
     base = loss_series(run, "vanilla", parsed)[0][1][TOTAL]
     assert base[:2] == [[1.5, 1.5], [1.2, 1.2]] and base[2][0] == 1.0 and math.isnan(base[2][1])
-    png = plots.loss_curves({"vanilla": loss_series(run, "vanilla", parsed)}, total=TOTAL)
+    png = charts.loss_curves({"vanilla": loss_series(run, "vanilla", parsed)}, total=TOTAL)
     assert png[:4] == b"\x89PNG"

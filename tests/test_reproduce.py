@@ -9,7 +9,8 @@ import yaml
 
 from conftest import toy_protocol_dict
 from jascl.cli import main
-from jascl.experiments.reproduce import _job_protocol, base_key, plan_table, run_reproduce
+from jascl.experiments.reproduce import run_reproduce
+from jascl.experiments.reproduce_plan import base_key, job_protocol, plan_table
 from jascl.paper.tables import get_table, parse_table
 from jascl.results.records import RunResults
 from jascl.results.reproduce_table import reproduce_table
@@ -65,7 +66,7 @@ def test_plan_of_a_settings_table_makes_one_job_per_setting_and_refuses_unknown_
         ("ts", 11), ("amos", 11), ("bcv", 10), ("mots_hepaticvessel", 4), ("mots_colon", 3), ("mots_lung", 3)
     )  # fmt: skip
     assert base_key(job) == base_key(extra.jobs[status["JASCL (15 unlabeled samples)"][1]])  # one session-0 base
-    protocol = _job_protocol(job)
+    protocol = job_protocol(job)
     assert protocol.name == "med-ss-first5-s4extra42" and len(protocol.sessions) == 5
     assert protocol.sessions[4].unlabelled == 15 and protocol.sessions[4].unlabelled_extra == 42
     # the stand-in has sessions 0-3 only, so the table's session-4 cells are not in it
@@ -210,16 +211,72 @@ def test_cli_lists_tables_and_prints_a_plan(capsys):
     assert main(["reproduce", "--list"]) == 0
     out = capsys.readouterr().out
     assert "tab_set1_part" in out and "t_drop" in out and "clip_d" in out
-    assert main(["reproduce", "t_drop", "--dry-run", "--seeds", "2"]) == 0
+    assert main(["reproduce", "t_drop", "--dry-run", "--num-seeds", "2"]) == 0
     out = capsys.readouterr().out
     assert "28 cells, 28 to measure; seeds 1024, 1025" in out and "skipped" not in out  # every method registered
-    # 21 methods share the vanilla base and JASCL its own keyed base (1 + 1 + 22 x 2 sessions), 6 train their own
-    # (6 x 3, CLIP-CT among them): 64 sessions x 4.1 h x 2 seeds = 524.8
-    assert "about 525 GPU-hours" in out
+    # sessions costed by labelled samples x epochs against the timed Med-Disjoint session 1 (25 volumes x 200
+    # epochs = 4.1 h): the base (200 volumes x 200 epochs) 32.8 h, session 1 (AMOS 5 x 5 shots) 4.1 h, session 2
+    # (BCV 6 x 5) 4.92 h. Bases per seed: the vanilla one, JASCL's keyed one and 6 of methods training their own
+    # (8 x 32.8 = 262.4 h); every one of the 28 methods trains sessions 1-2 (28 x 9.02 = 252.56 h): 514.96 h per
+    # seed, 1029.92 h for 2
+    assert "about 1030 GPU-hours" in out and "base sessions 16 x 32.8 h = 525 h" in " ".join(out.split())
     assert "share the stochastic-classifier session-0 base: jascl" in out
-    # JASCL's keyed base counted once per base: med-disjoint 1 + 4 sessions x 4.1 h, med-ss 1 + 4 x 5.3 h, and the
-    # med-ss job with borrowed unlabelled data reuses med-ss's base: 4 x 5.3 h; 20.5 + 26.5 + 21.2 = 68.2
+    # JASCL's keyed base counted once per base: med-disjoint 32.8 + sessions 1-4 (4.1 + 4.92 + 3.28 + 2.46) h, med-ss
+    # at the semi-supervised rate (5.3 h per 25 x 200): 42.4 + (5.3 + 6.36 + 4.24 + 3.18) h, and the med-ss job
+    # with borrowed unlabelled data reuses med-ss's base: 19.08 h; 47.56 + 61.48 + 19.08 = 128.12
     assert main(["reproduce", "tab:unlabeled_effect", "--dry-run", "--seeds", "1"]) == 0
-    assert "about 68 GPU-hours" in " ".join(capsys.readouterr().out.split())
+    assert "about 128 GPU-hours" in " ".join(capsys.readouterr().out.split())
     assert main(["reproduce", "tab_nope"]) == 2
     assert "no paper table 'tab_nope'" in capsys.readouterr().err
+
+
+def test_every_paper_plan_trains_the_epochs_the_paper_states():
+    """SAM: 10 epochs per session (implementation details, line 2285); DeepLab and the other backbones keep their
+    protocol's, which are the paper's: medical 200, natural and surgery 100 (COCO-O: its protocol's 100 / 36)."""
+    from jascl.engine.config import resolve_config
+    from jascl.experiments.reproduce_plan import job_protocol
+    from jascl.paper.tables import paper_tables
+
+    seen = set()
+    for table in paper_tables().values():
+        for job in plan_table(table).jobs.values():
+            protocol = job_protocol(job)
+            config = resolve_config(protocol.training, protocol.path, None, list(job.overrides))
+            epochs = (config.epochs_base, config.epochs_incremental)
+            if config.backbone == "sam-vitb":
+                expected = (10, 10)
+            elif job.protocol == "coco-o":
+                expected = (100, 36)
+            elif job.protocol.startswith("med"):
+                expected = (200, 200)
+            else:
+                assert job.protocol.startswith(("natural", "surgery")), job.protocol
+                expected = (100, 100)
+            assert epochs == expected, (table.label, job.key, epochs)
+            seen.add(config.backbone)
+    assert {"sam-vitb", "deeplabv3plus", "unet3d-authors", "medformer"} <= seen
+
+
+def test_dry_run_checks_root_names_as_the_run_does(capsys, tmp_path):
+    # the real run refuses a root no protocol of the table reads; the dry run now says so too
+    assert main(["reproduce", "tab_set1_part", "--dry-run", "--root", f"totalsegmentator={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "--root totalsegmentator=...: no job of tab_set1_part reads a root of that name" in err
+    assert "ts" in err.split("read ")[-1]
+    assert main(["reproduce", "tab_set1_part", "--dry-run", "--root", f"ts={tmp_path}"]) == 0
+    capsys.readouterr()
+    assert main(["reproduce", "tab_set1_part", "--stand-in", "--dry-run", "--root", f"ts={tmp_path}"]) == 2
+    assert "the stand-in benchmarks read no dataset" in capsys.readouterr().err
+
+
+def test_each_job_gets_the_roots_its_protocol_reads():
+    # abl_robo spans surgery-cil (CholecSeg8k only) and surgery-dil / -cdil (CholecSeg8k and m2caiSeg): the run
+    # used to pass --root m2caiseg=... to every job, which surgery-cil's refuses
+    from jascl.experiments.reproduce_plan import check_roots, roots_for
+
+    plan = plan_table(get_table("abl_robo"))
+    roots = {"cholecseg8k": "/c", "m2caiseg": "/m"}
+    check_roots(plan, roots)
+    given = {job.protocol: roots_for(job, roots) for job in plan.jobs.values()}
+    assert given == {"surgery-cil": {"cholecseg8k": "/c"}, "surgery-dil": roots, "surgery-cdil": roots}
+    assert roots_for(next(iter(plan.jobs.values())), None) is None

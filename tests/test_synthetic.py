@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from conftest import toy_protocol_dict
-from jascl.data.datasets import LabelledDataset, training_labels
+from jascl.data.datasets import LabelledDataset, plain_tensors, training_labels
 from jascl.data.synthetic import SHAPES, SyntheticRenderer, class_intensity, load_or_generate, protocol_digest
 from jascl.protocols import get_protocol, parse_protocol
 
@@ -66,6 +66,35 @@ def test_training_label_policy():
     gt = np.array([[0, 1, 2], [3, 2, 255]])
     assert training_labels(gt, [2], "background").tolist() == [[0, 0, 2], [0, 2, 0]]
     assert training_labels(gt, [2], "ignore").tolist() == [[0, 255, 2], [255, 2, 255]]
+
+
+def test_dataset_items_equal_monai_metatensor_pipeline(toy_protocol, tmp_path):
+    """The loader's MONAI transforms run without metadata tracking: same crops and flips as with it, switch restored."""
+    import torch
+    from monai.data import get_track_meta
+
+    from jascl.data.sampling import derive_seed
+
+    _, inc = load_or_generate(toy_protocol, tmp_path)
+    ds = LabelledDataset(inc.train, [3, 1], augment=True, patch_size=[16, 24], seed=5)
+    images = {}
+    for key in [(p, i) for p in range(3) for i in range(len(ds))]:
+        item = ds[key]
+        assert get_track_meta() is True
+        # the same transform with MONAI's default MetaTensors
+        ds.transform.set_random_state(seed=derive_seed(5, *key))
+        label = torch.from_numpy(training_labels(inc.train.labels[key[1]], [3, 1]))
+        ref = ds.transform({"image": torch.from_numpy(inc.train.images[key[1]]), "label": label[None]})
+        assert type(ref["image"]).__name__ == "MetaTensor" and type(item["image"]) is torch.Tensor
+        assert torch.equal(item["image"], ref["image"].as_tensor())
+        assert torch.equal(item["label"], ref["label"][0].long())
+        images[key] = item["image"]
+    # crops and flips are drawn per pass: a sample differs between passes
+    assert any(not torch.equal(images[(0, i)], images[(1, i)]) for i in range(len(ds)))
+    with pytest.raises(KeyError), plain_tensors():
+        assert get_track_meta() is False
+        raise KeyError("the switch comes back after an error too")
+    assert get_track_meta() is True
 
 
 def test_dataset_hides_untaught_classes(toy_protocol, tmp_path):

@@ -68,7 +68,9 @@ def commit(tmp: str | Path, path: str | Path) -> None:
 def atomic_write(path: str | Path, write: Callable[[Path], object], suffix: str = ".tmp") -> None:
     """Write ``path`` atomically and durably: ``write(tmp)`` fills a temporary file next to it, then :func:`commit`.
 
-    The temporary file is removed if ``write`` or the commit fails (the target is then untouched).
+    The temporary file is removed if ``write`` or the commit fails (the target is then untouched). The file gets
+    the permissions a plain ``open`` would give it (``0666`` less the umask), not ``mkstemp``'s ``0600``: run
+    folders, reports and their figures are for everyone the umask allows.
 
     Args:
         write: writes the complete content to the path it is given (e.g. ``lambda p: save_file(t, str(p))``).
@@ -81,6 +83,9 @@ def atomic_write(path: str | Path, write: Callable[[Path], object], suffix: str 
     tmp = Path(name)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         commit(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -151,9 +156,6 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     def write(tmp: Path) -> None:
         with open(tmp, "w", encoding="utf-8", newline="") as fh:
             fh.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; results are for everyone the umask allows
 
     atomic_write(path, write)
 

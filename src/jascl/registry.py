@@ -11,7 +11,8 @@ description. With an index:
 * :meth:`Registry.get` imports the entry's module the first time the entry is used;
 * a name the index lacks (a method added since the index was written) makes :meth:`Registry.get` import every
   module of the registry's packages (:meth:`Registry.load_all`) before refusing it, so a stale index never
-  hides an entry from a run; ``tests/test_registry_index.py`` compares the index with the registrations,
+  hides an entry from a run; a name close to a listed one (a misspelling: :func:`did_you_mean`) is refused at
+  once with the suggestion, nothing imported; ``tests/test_registry_index.py`` compares the index with the registrations,
   entry by entry, so it cannot drift;
 * a module of the user's (``--import``) registers as before; a name the index gives to another module is
   refused as registered twice, as it was when every built-in module was imported first.
@@ -34,6 +35,18 @@ T = TypeVar("T")
 
 #: the index of the indexed registries: section (:attr:`Registry.index_section`) -> name -> record
 INDEX_FILE = Path(__file__).with_name("registry_index.json")
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """``" (did you mean 'jascl'?)"`` for the closest of ``choices`` to a misspelt ``name`` (difflib's ratio at
+    least 0.6, case ignored), or "" when none is close. Nothing is imported: give the registry's :meth:`Registry.list`."""
+    import difflib
+
+    options = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(str(name).lower(), list(options), n=2, cutoff=0.6)
+    if not close:
+        return ""
+    return " (did you mean " + " or ".join(repr(options[c]) for c in close) + "?)"
 
 
 @functools.cache
@@ -136,6 +149,8 @@ class Registry(Generic[T]):
         record = self._record(name)
         if record is not None:
             importlib.import_module(record["module"])
+        elif did_you_mean(name, self.list()):
+            return False  # a misspelling of a listed name: refused at once, nothing imported
         if name not in self._entries:
             self.load_all()
         return name in self._entries
@@ -143,7 +158,10 @@ class Registry(Generic[T]):
     def get(self, name: str) -> Callable[..., T]:
         """The factory of ``name``, its module imported if need be; a one-line ConfigError for an unknown name."""
         if not self._load(name):
-            raise ConfigError(f"unknown {self.kind} {name!r}; choose one of: {', '.join(self.list())}")
+            known = self.list()
+            raise ConfigError(
+                f"unknown {self.kind} {name!r}{did_you_mean(name, known)}; choose one of: {', '.join(known)}"
+            )
         return self._entries[name]
 
     def create(self, name: str, **kwargs) -> T:

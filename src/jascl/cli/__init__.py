@@ -9,9 +9,10 @@ from collections.abc import Sequence
 
 from jascl import __version__
 from jascl.cli.common import DEFAULT_METHODS, DEFAULT_PROTOCOL, add_root_arguments, import_modules
-from jascl.cli.experiments import cmd_bench, cmd_compare, cmd_report, cmd_reproduce, cmd_sweep
+from jascl.cli.experiments import cmd_bench, cmd_compare, cmd_report, cmd_sweep
 from jascl.cli.getting import add_weights_parser
 from jascl.cli.listing import add_data_parser, add_model_info_parser, cmd_backbones, cmd_methods, cmd_protocols
+from jascl.cli.reproduce import cmd_reproduce
 from jascl.cli.run import cmd_run
 from jascl.cli.study import add_study_parser
 from jascl.cli.text_embeddings import add_text_embeddings_parser
@@ -48,6 +49,26 @@ def add_launcher_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --launcher: train every cell with N processes (DistributedDataParallel; one GPU each, or gloo "
         "processes on CPU); the shared base trains once with one",
+    )
+
+
+def add_split_manifest(p: argparse.ArgumentParser, where: str = "", repeat: bool = False) -> None:
+    p.add_argument(
+        "--split-manifest",
+        default=[] if repeat else None,
+        action="append" if repeat else "store",
+        metavar="FILE",
+        help=f"reuse the samples (K shots, test, unlabelled) of an earlier run's manifest.json{where}",
+    )
+
+
+def add_num_seeds(p: argparse.ArgumentParser, start: str = "the protocol's seed") -> None:
+    p.add_argument(
+        "--num-seeds",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"run N seeds counted from {start} (N, N+1, ...) instead of --seeds",
     )
 
 
@@ -128,16 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--seeds",
         default=None,
-        help="run several seeds in sequence (a count up to 100, or a list such as 1024,7; one seed: 1024,) and "
-        "aggregate mean ± std; resumable",
+        help="run these seeds in sequence (e.g. 1024,7) into OUT/seed-<s>/ and aggregate mean ± std; resumable",
     )
+    add_num_seeds(run)
     add_root_arguments(run)
-    run.add_argument(
-        "--split-manifest",
-        default=None,
-        metavar="FILE",
-        help="reuse the samples (K shots, test, unlabelled) of an earlier run's manifest.json",
-    )
+    add_split_manifest(run)
     run.set_defaults(func=cmd_run)
 
     compare = sub.add_parser(
@@ -151,11 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated methods, or 'all' (default {DEFAULT_METHODS}; see 'jascl methods')",
     )
     add_root_arguments(compare)
+    add_split_manifest(compare, " for every seed (a fixed split: only the training seed varies)")
     compare.add_argument(
-        "--seeds",
-        default="1",
-        help="a count up to 100 (seeds from the protocol's) or a list, e.g. 1024,7; one seed: 1024, (default 1)",
+        "--seeds", default=None, help="the seeds, e.g. 1024,7 (default: the protocol's seed; a count: --num-seeds)"
     )
+    add_num_seeds(compare)
     compare.add_argument(
         "--out", default=None, help="compare folder (default runs/compare-<protocol>); reused to resume"
     )
@@ -163,21 +179,31 @@ def build_parser() -> argparse.ArgumentParser:
     compare.set_defaults(func=cmd_compare)
 
     reproduce = sub.add_parser(
-        "reproduce", help="run one of the paper's result tables and print the published value beside the measured one"
+        "reproduce",
+        help="run one of the paper's result tables or figures and print the published value beside the measured one",
     )
-    reproduce.add_argument("table", nargs="?", help="the table's label (see --list), e.g. tab_set1_part")
-    reproduce.add_argument("--list", action="store_true", help="list the paper's tables")
+    reproduce.add_argument(
+        "table", nargs="?", help="a table's label or a figure (see --list), e.g. tab_set1_part, fig_constraints"
+    )
+    reproduce.add_argument("--list", action="store_true", help="list the paper's tables and figures")
     reproduce.add_argument(
         "--dry-run", action="store_true", help="print the plan (jobs, shared bases, GPU-hour estimate) and stop"
+    )
+    reproduce.add_argument(
+        "--quick",
+        action="store_true",
+        help="quick mode: a quarter of every session's epochs, the first seed only; labelled QUICK in the output",
+    )
+    reproduce.add_argument(
+        "--report", action="store_true", help="re-render the output from the run folders in --out (no training)"
     )
     reproduce.add_argument(
         "--stand-in",
         action="store_true",
         help="run the table's methods on its embedded stand-in benchmark (synthetic-2d or synthetic-2d-ss)",
     )
-    reproduce.add_argument(
-        "--seeds", default="1024,", help="a count (from 1024) or a list, e.g. 1024,7; one seed: 1024, (default 1024,)"
-    )
+    reproduce.add_argument("--seeds", default=None, help="the seeds, e.g. 1024,7 (default 1024; a count: --num-seeds)")
+    add_num_seeds(reproduce, "1024")
     reproduce.add_argument("--out", default=None, help="folder (default runs/reproduce-<table>); reused to resume")
     reproduce.add_argument(
         "--preset", default=None, metavar="NAME", help="a named configuration preset in every job, e.g. authors"
@@ -191,7 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_root_arguments(reproduce)
     add_launcher_arguments(reproduce)
     add_import(reproduce)
-    reproduce.set_defaults(func=cmd_reproduce, split_manifest=None)
+    add_split_manifest(
+        reproduce,
+        " in the jobs on its protocol (repeat for several protocols; other jobs select their own)",
+        repeat=True,
+    )
+    reproduce.set_defaults(func=cmd_reproduce)
 
     sweep = sub.add_parser("sweep", help="run a grid of configurations (sensitivity / retention / layer-choice tables)")
     common(sweep)
@@ -201,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated grids: eps, sigma2, shots, tau, gas-layer, or 'all' (default tau)",
     )
     sweep.add_argument("--method", default="jascl", help="method to sweep (default jascl)")
+    add_root_arguments(sweep)
+    add_split_manifest(sweep, " at every point (a 'shots' point selects its own)")
     sweep.add_argument(
         "--out", default=None, help="sweep folder (default runs/sweep-<protocol>-seed<seed>); reused to resume"
     )
@@ -310,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (args.command != "run" or getattr(args, "seeds", None)):
+    several = getattr(args, "seeds", None) is not None or getattr(args, "num_seeds", None) is not None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (args.command != "run" or several):
         print(
             f"jascl: error: '{args.command}{' --seeds' if args.command == 'run' else ''}' runs in one process; "
             "only 'jascl run' (one seed) trains with several processes",

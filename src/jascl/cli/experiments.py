@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jascl.cli.common import _console, _echo, _protocol_and_overrides
+from jascl.cli.common import _console, _data_args, _echo, _protocol_and_overrides
 from jascl.cli.run import _run_seeds
 from jascl.errors import ConfigError
 
@@ -49,6 +49,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 cache_dir=args.cache_dir,
                 progress=not args.no_progress,
                 echo=_echo(console),
+                **_data_args(args),
             )
     except Stopped as exc:
         console.print(f"{exc}; rerun the same command to resume the sweep in {out}")
@@ -82,19 +83,37 @@ def cmd_report(args: argparse.Namespace) -> int:
     roots = RootOptions(parse_root_args(args.root), args.roots)
     out = Path(args.out) if args.out else Path(args.runs[0]) / "report"
     console = _console()
-    paths = write_report(
-        args.runs,
-        out,
-        samples=args.samples,
-        slices=args.slices,
-        device=args.device,
-        cache_dir=args.cache_dir,
-        echo=lambda msg: console.print(msg, markup=False),  # "[report] ..." is not rich markup
-        roots=roots,
-        skip=skip,
-    )
+    from contextlib import ExitStack
+
+    from jascl.experiments.preflight import RunLock
+
+    with ExitStack() as held:  # a run still writing into a folder the report goes into: one line, nothing written
+        for folder in _folders_written_into(args.runs, out):
+            held.enter_context(RunLock(folder, "jascl report"))
+        paths = write_report(
+            args.runs,
+            out,
+            samples=args.samples,
+            slices=args.slices,
+            device=args.device,
+            cache_dir=args.cache_dir,
+            echo=lambda msg: console.print(msg, markup=False),  # "[report] ..." is not rich markup
+            roots=roots,
+            skip=skip,
+        )
     console.print(f"report written to {paths['html']} (self-contained) and {paths['markdown']} (figures next to it)")
     return 0
+
+
+def _folders_written_into(runs: list[str], out: Path) -> list[Path]:
+    """The run folders a report into ``out`` writes into: each of ``runs`` that holds ``out``, and the run folders
+    below it (a multi-seed folder's ``seed-*/``), so that a run still training there keeps them to itself."""
+    target = out.resolve()
+    folders: list[Path] = []
+    for run in map(Path, runs):
+        if run.is_dir() and target.is_relative_to(run.resolve()):
+            folders += [run, *sorted(p.parent for p in run.glob("**/run.json") if p.parent != run)]
+    return folders
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -141,86 +160,4 @@ def cmd_bench(args: argparse.Namespace) -> int:
         atomic_write_text(out.with_suffix(".md"), to_markdown(summary))
         atomic_write_text(out.with_suffix(".json"), __import__("json").dumps(summary, indent=1, default=float))
         console.print(f"written to {out.with_suffix('.md')} and {out.with_suffix('.json')}")
-    return 0
-
-
-def cmd_reproduce(args: argparse.Namespace) -> int:
-    """``jascl reproduce``: a paper table's configuration run through compare, published beside measured."""
-    from rich.table import Table
-
-    from jascl.experiments.compare import parse_seeds
-    from jascl.paper.tables import get_table, paper_tables
-
-    console = _console()
-    if args.list or not args.table:
-        listing = Table(title="the paper's result tables (jascl reproduce TABLE)")
-        for h in ("table", "kind", "protocol", "stand-in", "rows x cols", "caption"):
-            listing.add_column(h, no_wrap=h == "table")
-        for t in paper_tables().values():
-            listing.add_row(
-                t.label,
-                t.kind,
-                t.protocol or "—",
-                t.stand_in or "—",
-                f"{len(t.rows)} x {len(t.columns)}",
-                t.caption if len(t.caption) < 90 else t.caption[:87] + "...",
-            )
-        console.print(listing)
-        if not args.list:
-            console.print("give a table label to reproduce it, e.g. jascl reproduce tab_set1_part --stand-in --dry-run")
-        return 0
-    from jascl.experiments.reproduce import describe_plan, plan_table, run_reproduce
-    from jascl.results.reproduce_table import reproduce_table, reproduce_title
-
-    table = get_table(args.table)
-    seeds = parse_seeds(args.seeds, 1024)
-    if args.dry_run:
-        for line in describe_plan(plan_table(table, stand_in=args.stand_in), seeds):
-            console.print(line, markup=False, highlight=False)
-        return 0
-    out = (
-        Path(args.out) if args.out else Path("runs") / f"reproduce-{table.label}{'-stand-in' if args.stand_in else ''}"
-    )
-    from jascl.cli.common import _data_args, recorded_imports
-    from jascl.engine.stop import REQUEST, Stopped
-    from jascl.experiments.launcher import parse_launcher
-
-    try:
-        with REQUEST.installed():
-            summary = run_reproduce(
-                table,
-                seeds,
-                out,
-                stand_in=args.stand_in,
-                overrides=[
-                    *([f"preset={args.preset}"] if args.preset else []),
-                    *(args.set or []),
-                    *([f"device={args.device}"] if args.device else []),
-                ],
-                echo=_echo(console),
-                cache_dir=args.cache_dir,
-                progress=not args.no_progress,
-                imports=recorded_imports(args.imports),
-                launcher=parse_launcher(args.launcher, args.launcher_opt, args.devices),
-                **_data_args(args),
-            )
-    except Stopped as exc:
-        console.print(f"{exc}; rerun the same command to continue in {out}")
-        return exc.exit_code
-    except KeyboardInterrupt:
-        console.print(f"aborted; finished sessions are saved in {out}; rerun the same command to continue")
-        return 130
-    header, rows = reproduce_table(summary)
-    shown = Table(title=reproduce_title(summary))
-    for h in header:
-        shown.add_column(h)
-    for r in rows:
-        shown.add_row(*r)
-    console.print(shown)
-    from jascl.results.fidelity import footnotes
-
-    methods = [c["method"] for c in summary["cells"] if c.get("method")]
-    for line in footnotes(methods) if methods else []:
-        console.print(line, highlight=False, markup=False)
-    console.print(f"written to {out}/reproduce.{{md,csv,json}}; the runs are in {out}/<job>/seed-*/")
     return 0

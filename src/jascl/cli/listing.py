@@ -118,12 +118,35 @@ def cmd_methods(args: argparse.Namespace) -> int:
         console.print("options: none")
         return 0
     key = f"{info['options_key']}." if info["options_key"] else ""  # a composed method's rows name their part
+    if console.width < WIDE_TABLE:  # five columns would wrap every description into a ribbon of words
+        return _option_blocks(console, f"options: --set method_args.{key}<option>=VALUE", info["options"])
     table = Table(title=f"options: --set method_args.{key}<option>=VALUE")
     for col in ("option", "type", "default", "allowed", "description"):
         table.add_column(col)
     for row in info["options"]:
         table.add_row(row["name"], row["type"], row["default"], row["allowed"], row["doc"])
     console.print(table)
+    return 0
+
+
+#: the terminal width from which ``jascl methods NAME`` prints its options as a table (narrower: one block each)
+WIDE_TABLE = 120
+
+
+def _option_blocks(console, title: str, rows: list[dict]) -> int:
+    """Each option as a heading line (name, type, default, allowed values) and its description wrapped below,
+    indented: readable in an 80-column terminal."""
+    from rich.padding import Padding
+    from rich.text import Text
+
+    console.print(title, highlight=False, markup=False)
+    for row in rows:
+        facts = [row["type"], f"default {row['default']}", row["allowed"]]
+        heading = Text(row["name"], style="bold")
+        heading.append(f"  ({'; '.join(f for f in facts if f)})")
+        console.print()
+        console.print(heading, highlight=False)
+        console.print(Padding(Text(row["doc"]), (0, 0, 0, 4), expand=False), highlight=False)
     return 0
 
 
@@ -221,9 +244,25 @@ def cmd_data_check(args: argparse.Namespace) -> int:
         print(f"{len(problems)} problem(s) found" if problems else "no problems found")
         return 2 if problems else 0
     from jascl.data.check import check_protocol
+    from jascl.engine.config import resolve_config
+    from jascl.experiments.preflight import backbone_problem
 
+    overrides = list(args.set or []) + ([f"backbone={args.backbone}"] if args.backbone else [])
+    config = resolve_config(protocol.training, protocol.path, None, overrides)
     print(f"jascl data check: protocol {protocol.name} (seed {protocol.seed}, file {protocol.path})")
-    report = check_protocol(protocol, roots, args.roots, args.cache_dir, echo=print)
+    report = check_protocol(
+        protocol,
+        roots,
+        args.roots,
+        args.cache_dir,
+        echo=print,
+        patch_size=config.patch_size,
+        split_manifest=args.split_manifest,
+    )
+    if protocol.task == "segmentation":  # what the backbone needs of the patch every volume is padded to
+        problem = backbone_problem(protocol, config)
+        if problem is not None:
+            report.problems.append(problem)
     for line in report.lines():
         print(line)
     return 0 if report.ok else 2
@@ -309,6 +348,21 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     add_root_arguments(check)
     check.add_argument("--seed", type=int, default=None, help="seed of the K-shot selection (default: the protocol's)")
     check.add_argument("--cache-dir", default=None, help="label-index cache (default $JASCL_CACHE or ~/.cache/jascl)")
+    check.add_argument(
+        "--split-manifest",
+        default=None,
+        metavar="FILE",
+        help="check the samples of a run's manifest.json (as run --split-manifest uses them) instead of a new selection",
+    )
+    check.add_argument(
+        "--backbone", default=None, help="the backbone the run will use (default: the protocol's), for its input sizes"
+    )
+    check.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a run configuration key the check depends on, e.g. --set patch_size=[64,64,64]",
+    )
     check.add_argument("--coco", default=None, metavar="JSON", help="check a COCO-format instances JSON instead")
     check.add_argument("--images", default=None, metavar="DIR", help="with --coco: the folder of its images")
     check.add_argument("--coco-o", default=None, metavar="ROOT", help="check every domain of a COCO-O copy instead")

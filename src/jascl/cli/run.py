@@ -22,6 +22,25 @@ from jascl.cli.common import (
 from jascl.errors import ConfigError
 
 
+def check_method_names(names: Sequence[str]) -> None:
+    """Refuse an unknown method name (with "did you mean") from the registry index, before any method's module is
+    imported: ``--methods vanilla,jascI`` stops at once, without importing torch for vanilla first."""
+    from jascl.methods import METHODS
+
+    for name in names:
+        METHODS.summary(name)
+
+
+def thread_count(config) -> str:
+    """``"threads N"`` for the run header: ``threads`` when set, else what torch will take (all cores unless
+    OMP_NUM_THREADS says otherwise; on a shared machine that can be slower than one: docs/performance.md)."""
+    import torch
+
+    if config.threads > 0:
+        return f"threads {config.threads}"
+    return f"threads {torch.get_num_threads()} (torch's default; --set threads=N)"
+
+
 def _without_devices(argv: Sequence[str]) -> list[str]:
     """``argv`` minus ``--devices N`` / ``--devices=N`` (what each torchrun process runs)."""
     out, skip = [], False
@@ -48,6 +67,7 @@ _RESUME_CONFLICTS = (
     "methods",
     "out",
     "seeds",
+    "num_seeds",
     "root",
     "roots",
     "split_manifest",
@@ -100,7 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.devices > 1 and not distributed.launched():
             from jascl.errors import ConfigError
 
-            if args.seeds is not None:
+            if args.seeds is not None or args.num_seeds is not None:
                 raise ConfigError("--devices with --seeds: run the seeds one by one (--seed S --devices N)")
             import torch
 
@@ -126,19 +146,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         protocol, overrides = _protocol_and_overrides(args)
         config = resolve_config(protocol.training, protocol.path, args.config, overrides)
         methods = [m.strip() for m in (args.methods or DEFAULT_METHODS).split(",") if m.strip()]
-        data_args = {**_data_args(args), "imports": recorded_imports(args.imports)}
-        if args.seeds is None:
+        check_method_names(methods)
+        several = args.seeds is not None or args.num_seeds is not None
+        if not several:
             from jascl.methods.registry import create_method
 
             for name in methods:  # an unknown name or a composition's overlap (a+b) is refused before any work
                 create_method(name, config, protocol.task)
-        if args.seeds is not None:
+        data_args = {**_data_args(args), "imports": recorded_imports(args.imports)}
+        if several:
             return _run_seeds(args, protocol, config, methods)
         out = (
             Path(args.out)
             if args.out
             else Path("runs") / f"{protocol.name}-seed{protocol.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
         )
+    from jascl.experiments.preflight import check_device, check_writable, preflight
+
+    check_writable(out, "--resume" if args.resume is not None else "--out")  # before any work: one line each
+    check_device(config.device)
+    preflight(out, protocol, config)  # and the backbone against the patch size
     # Heavy imports (torch, MONAI) only after the protocol and configuration are valid,
     # so that input errors are reported at once.
     from jascl import distributed
@@ -155,7 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ranks = f", {distributed.world_size()} processes" if distributed.active() else ""
         console.print(
             f"jascl {__version__}: protocol [bold]{protocol.name}[/] (seed {protocol.seed}), "
-            f"methods {', '.join(methods)}, backbone {config.backbone}{ranks}, output {out}"
+            f"methods {', '.join(methods)}, backbone {config.backbone}{ranks}, {thread_count(config)}, output {out}"
         )
     from jascl.engine.stop import REQUEST, Stopped
 
@@ -192,14 +219,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -> int:
-    """``jascl run --seeds N``: one run folder per seed under ``--out``, aggregated as mean ± std."""
+    """``jascl run --seeds S,T`` / ``--num-seeds N``: one run folder per seed under ``--out``, aggregated as mean ± std."""
+    check_method_names(methods)  # before the experiments' imports (torch)
     from rich.table import Table
 
     from jascl.experiments.compare import compare_table, compare_title, parse_seeds, run_compare
     from jascl.experiments.launcher import parse_launcher
     from jascl.methods.registry import create_method
 
-    seeds = parse_seeds(args.seeds, protocol.seed)
+    seeds = parse_seeds(args.seeds, protocol.seed, getattr(args, "num_seeds", None))
     for name in methods:
         create_method(
             name, config, protocol.task
@@ -208,7 +236,7 @@ def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -
     console = _console()
     console.print(
         f"jascl {__version__}: protocol [bold]{protocol.name}[/], seeds {', '.join(map(str, seeds))}, "
-        f"methods {', '.join(methods)}, backbone {config.backbone}, output {out}"
+        f"methods {', '.join(methods)}, backbone {config.backbone}, {thread_count(config)}, output {out}"
     )
     started = time.time()
     from jascl.engine.stop import REQUEST, Stopped

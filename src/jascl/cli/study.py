@@ -30,9 +30,11 @@ def add_study_parser(
     add_root_arguments(p)
     p.add_argument(
         "--seeds",
-        default="3",
-        help="a count up to 100 (seeds from the protocol's) or a list, e.g. 1024,7,1; one seed: 1024, (default 3; "
-        "an interval needs at least 2, a claim at least 3)",
+        default=None,
+        help="the seeds, e.g. 1024,7,1 (default: --num-seeds 3; an interval needs at least 2, a claim at least 3)",
+    )
+    p.add_argument(
+        "--num-seeds", type=int, default=None, metavar="N", help="N seeds counted from the protocol's (default 3)"
     )
     p.add_argument(
         "--components",
@@ -114,7 +116,8 @@ def cmd_study_components(args: argparse.Namespace) -> int:
         console.print(f"re-rendered {out}/study.md (and .json, variants.csv, differences.csv, seen-new-hm.png)")
         return 0
     config = resolve_config(protocol.training, protocol.path, args.config, overrides)
-    seeds = parse_seeds(args.seeds, protocol.seed)
+    count = args.num_seeds if args.num_seeds is not None or args.seeds is not None else 3
+    seeds = parse_seeds(args.seeds, protocol.seed, count)
     components = parse_components(args.components)
     plan_study(protocol, config, components)  # bad input is refused before anything trains
     from jascl.cli.common import recorded_imports

@@ -16,11 +16,12 @@ classes and labelled / unlabelled / test counts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jascl.data.real import DatasetSource, SessionPlan, open_source, plan_sessions, resolve_roots, session_summary
+from jascl.data.check_geometry import held_out_cases, held_out_lines, manifest_plans, planned_shape_report
+from jascl.data.real import DatasetSource, SessionPlan, open_source, resolve_roots, session_summary
 from jascl.data.synthetic import default_cache_dir
 from jascl.errors import DataError
 from jascl.protocols.schema import Protocol
@@ -41,6 +42,10 @@ class CheckReport:
     warnings: list[str] = field(default_factory=list)
     datasets: list[dict] = field(default_factory=list)
     sessions: list[dict] = field(default_factory=list)
+    #: dataset -> record ids of the test samples of any session (held out: never trained on)
+    held_out: dict[str, list[str]] = field(default_factory=dict)
+    #: what the run will do that is worth knowing and no defect (e.g. volumes padded to the patch)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -68,6 +73,8 @@ class CheckReport:
                 f"shots {s['shots']}; labelled {s['labelled']}, unlabelled {s['unlabelled']}, test {s['test']}"
                 + (f", validation {s['validation']}" if s.get("validation") else "")
             )
+        out += held_out_lines(self.held_out)
+        out += [f"note: {n}" for n in self.notes]
         out += [f"warning: {w}" for w in self.warnings]
         out += [f"error: {p}" for p in self.problems]
         out.append(f"{len(self.problems)} problem(s) found" if self.problems else "no problems found")
@@ -85,8 +92,15 @@ def check_protocol(
     cache_dir: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
     echo: Callable[[str], None] = print,
+    patch_size: Sequence[int] | None = None,
+    split_manifest: str | Path | None = None,
 ) -> CheckReport:
     """Check the local dataset copies named by ``roots`` (and the environment) against ``protocol``.
+
+    ``split_manifest``: a run's ``manifest.json`` whose samples are checked instead of a new selection (as
+    ``jascl run --split-manifest`` uses them). ``patch_size``: the training patch; volumes smaller after preprocessing are reported as padded
+    (:func:`jascl.data.check_geometry.planned_shape_report`, which also refuses a shape that resampling
+    collapses or inflates past the voxel limit).
 
     Raises:
         ConfigError: the protocol is not on datasets, or ``roots`` names a root it does not use.
@@ -114,6 +128,7 @@ def check_protocol(
         if src is None:
             entry["status"] = "could not be opened"
             continue
+        report.warnings += getattr(src.layout, "warnings", [])
         for rid, record in src.records.items():
             try:
                 found = src.layout.check(record)
@@ -122,6 +137,9 @@ def check_protocol(
             if found:
                 problems.extend(str(p) for p in found)
                 src.excluded.add(rid)
+        shape_problems, shape_notes = planned_shape_report({name: src}, patch_size)
+        problems += shape_problems
+        report.notes += shape_notes
         src.index(cache, echo=echo, problems=problems)
         if src.known is not None:
             for rid in sorted(src.presence):
@@ -144,7 +162,7 @@ def check_protocol(
         )
         sources[name] = src
 
-    plans = plan_sessions(protocol, sources, problems=problems, echo=lambda m: None)
+    plans = manifest_plans(protocol, sources, split_manifest, problems)
     rows = session_summary(protocol, plans)
     for session, plan, row in zip(protocol.sessions, plans, rows):
         missing = sorted({s.dataset for s in session.sources} - set(sources))
@@ -152,6 +170,7 @@ def check_protocol(
             row["skipped"] = f"dataset(s) {', '.join(missing)} unavailable"
         report.warnings += [f"session {plan.session} ({plan.name}): {s}" for s in plan.shortfalls]
     report.sessions = rows
+    report.held_out = held_out_cases(plans)
     report.problems = _unique(problems)
     report.warnings = _unique(report.warnings)
     return report

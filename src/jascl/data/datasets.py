@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
+from monai.data import get_track_meta, set_track_meta
 from monai.transforms import Compose, MapTransform, RandFlipd, Randomizable, RandSpatialCropd, SpatialPadd
 from torch.utils.data import DataLoader, Dataset
 
@@ -181,6 +183,21 @@ def training_labels(labels: np.ndarray, taught: Sequence[int], other_classes: st
     return table[labels]
 
 
+@contextlib.contextmanager
+def plain_tensors() -> Iterator[None]:
+    """MONAI transforms inside return plain tensors: no ``MetaTensor`` (affine, applied-operations list) is built.
+
+    The arrays are the same (the metadata is never read here), at about 40 % of the cost per training item of
+    64 x 64 images (the metadata's copying was most of it). MONAI's switch is process-wide; it is restored on exit.
+    """
+    previous = get_track_meta()
+    set_track_meta(False)
+    try:
+        yield
+    finally:
+        set_track_meta(previous)
+
+
 class RandForegroundCropd(Randomizable, MapTransform):
     """Crop ``roi_size`` centred, with probability ``fg_prob``, on a random voxel of a taught
     class (label not 0 / 255), otherwise placed uniformly; inputs at least ``roi_size`` large.
@@ -342,9 +359,10 @@ class LabelledDataset(Dataset):
         label = torch.from_numpy(training_labels(self.split.labels[index], self.taught, self.other_classes))
         if self.transform is not None:
             self.transform.set_random_state(seed=derive_seed(self.seed, pass_index, index))
-            out = self.transform({"image": image, "label": label[None]})
-            # plain tensors: MONAI's MetaTensor would route every later operation (the model's too) through
-            # its __torch_function__
+            # plain tensors: building MONAI's MetaTensor costs more than the flips, and it would route every
+            # later operation (the model's too) through its __torch_function__
+            with plain_tensors():
+                out = self.transform({"image": image, "label": label[None]})
             image = torch.as_tensor(out["image"]).as_subclass(torch.Tensor)
             label = torch.as_tensor(out["label"]).as_subclass(torch.Tensor)[0]
         label = label.long().contiguous()

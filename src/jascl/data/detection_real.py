@@ -6,7 +6,8 @@ instances_val2017.json`` beside ``<root>/<domain>/val2017/``; option ``folder`` 
 entry's ``domain``) or ``coco`` (any instances JSON and image folder: options ``annotations`` and ``images``, paths
 relative to the root). Category names map to the protocol's class names (``labels`` may be left out, or map a
 category name or id to a class). :func:`load_detection_datasets` turns them into one
-:class:`~jascl.data.types.SessionData` of :class:`~jascl.data.types.DetectionSplit` per session:
+:class:`~jascl.data.types.SessionData` of :class:`~jascl.data.types.DetectionSplit` per session (the
+entries are opened by :mod:`jascl.data.detection_entries`, steps 2-3 are :mod:`jascl.data.detection_selection`):
 
 1. **Roots**: :func:`jascl.data.real.resolve_roots` (``--root NAME=PATH``, a roots file, ``JASCL_ROOT_<NAME>``); a
    root not set, or not a folder, is one :class:`~jascl.errors.DataError` line naming the ``--root`` fix.
@@ -50,22 +51,20 @@ of one class and a test image of another; here every image belongs to one split.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import overload
 
 import numpy as np
 
-from jascl.data.coco import CocoSplit, load_coco
-from jascl.data.coco_o import check_coco_o, domain_paths
+from jascl.data.coco_o import check_coco_o
+from jascl.data.detection_entries import COCO_LAYOUTS, CocoEntry, entry_paths, open_entry
+from jascl.data.detection_selection import DetectionPlan, draw_per_class, hold_out_test, plan_detection_sessions
 from jascl.data.real.manifests import load_manifest
 from jascl.data.real.roots import resolve_roots
-from jascl.data.real.selection import select_k_shot
 from jascl.data.types import DetectionSplit, SessionData
 from jascl.errors import ConfigError, DataError
-from jascl.protocols.schema import DatasetSpec, Protocol, SessionSpec
+from jascl.protocols.schema import Protocol
 
 __all__ = [
     "COCO_LAYOUTS",
@@ -79,348 +78,7 @@ __all__ = [
     "plan_detection_sessions",
 ]
 
-#: the dataset layouts this module reads
-COCO_LAYOUTS = ("coco", "coco-o")
-
 _SPLITS = ("train", "test", "unlabelled", "validation")
-
-
-@dataclass
-class CocoEntry:
-    """One opened dataset entry: its COCO split and boxes in global ids.
-
-    Attributes:
-        spec: the protocol's entry.
-        split: the instances JSON as read by :func:`jascl.data.coco.load_coco`.
-        label_of: COCO category id -> global class id (categories the protocol maps).
-        boxes: image id -> ``(x1, y1, x2, y2, global id, iscrowd)`` rows, clipped to the image, with area.
-        shows: image id -> global ids of its non-crowd boxes.
-    """
-
-    spec: DatasetSpec
-    split: CocoSplit
-    label_of: dict[int, int]
-    boxes: dict[int, list[tuple[float, float, float, float, int, bool]]]
-    shows: dict[int, frozenset[int]]
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    def ref(self, image_id: int) -> str:
-        """The sample id ``<entry>/<image id>``."""
-        return f"{self.spec.name}/{image_id}"
-
-    def images_showing(self, classes: Iterable[int]) -> list[int]:
-        """Image ids (JSON order) with a non-crowd box of one of ``classes``."""
-        wanted = set(classes)
-        return [im.id for im in self.split.images if self.shows[im.id] & wanted]
-
-
-def _paths(spec: DatasetSpec, root: Path) -> tuple[Path, Path]:
-    if spec.layout == "coco-o":
-        return domain_paths(root, str(spec.options.get("folder", spec.domain)))
-    ann, images = spec.options.get("annotations"), spec.options.get("images")
-    if not isinstance(ann, str) or not isinstance(images, str):
-        raise ConfigError(
-            f"datasets.{spec.name}.options: layout 'coco' needs 'annotations' (the instances JSON) and 'images' "
-            "(the image folder), paths relative to the root"
-        )
-    return root / ann, root / images
-
-
-def open_entry(protocol: Protocol, spec: DatasetSpec, root: Path) -> CocoEntry:
-    """Read one entry's instances JSON (images are not opened) and map its categories to global ids.
-
-    Raises:
-        ConfigError: the entry's layout is not a COCO layout, or it names dataset splits.
-        DataError: the JSON is missing or malformed (one line naming the file).
-    """
-    if spec.layout not in COCO_LAYOUTS:
-        raise ConfigError(
-            f"{protocol.path}: datasets.{spec.name}.layout: detection protocols read COCO-format data "
-            f"({', '.join(COCO_LAYOUTS)}), got {spec.layout!r}"
-        )
-    if spec.test_splits or spec.group_by:
-        raise ConfigError(
-            f"{protocol.path}: datasets.{spec.name}: a COCO-format entry is one split; hold its test images out "
-            "with test_fraction (no test_splits / group_by)"
-        )
-    json_path, image_dir = _paths(spec, root)
-    if not json_path.is_file():
-        raise DataError(
-            f"{json_path}: instances JSON of dataset {spec.name} not found; point --root {spec.root}=PATH at the "
-            "folder ood_coco.zip unpacks into (with its domain folders)"
-            if spec.layout == "coco-o"
-            else f"{json_path}: instances JSON of dataset {spec.name} not found; check --root {spec.root}=PATH "
-            "and the entry's options.annotations"
-        )
-    split = load_coco(json_path, image_dir)
-    names = {c.name: c.id for c in protocol.classes}
-    label_of: dict[int, int] = {}
-    for cid, cname in split.categories.items():
-        target = spec.labels.get(cname, spec.labels.get(cid))
-        if target is not None and target in names.values() and target != 0:
-            label_of[cid] = target
-    by_id = {im.id: im for im in split.images}
-    boxes: dict[int, list[tuple[float, float, float, float, int, bool]]] = {im.id: [] for im in split.images}
-    for image_id, rows in split.boxes.items():
-        im = by_id.get(image_id)
-        if im is None:
-            continue
-        for b in rows:
-            gid = label_of.get(b.category_id)
-            if gid is None:
-                continue
-            x1, y1, x2, y2 = b.box
-            x1, x2 = min(max(x1, 0.0), im.width), min(max(x2, 0.0), im.width)
-            y1, y2 = min(max(y1, 0.0), im.height), min(max(y2, 0.0), im.height)
-            if x2 > x1 and y2 > y1:
-                boxes[image_id].append((x1, y1, x2, y2, gid, b.iscrowd))
-    shows = {i: frozenset(r[4] for r in rows if not r[5]) for i, rows in boxes.items()}
-    return CocoEntry(spec, split, label_of, boxes, shows)
-
-
-# ------------------------------------------------------------------------------------------------ selection
-
-
-def _stable_order(refs: Iterable[str]) -> list[str]:
-    """An order that depends on the ids alone (no seed): by a hash of each id."""
-    return sorted(refs, key=lambda r: (hashlib.sha1(r.encode()).hexdigest(), r))
-
-
-def hold_out_test(order: Sequence[str], shows: Callable[[str], Iterable[int]], fraction: float) -> list[str]:
-    """Test images, stratified: each class keeps ``round(fraction x n_c)`` images showing it (at most ``n_c - 1``).
-
-    Args:
-        order: candidate ids in the order to take them (a fixed, seed-free order).
-        shows: id -> the classes the image shows.
-        fraction: share of each class's images held out.
-
-    Returns:
-        The held-out ids, in ``order``. Classes are served rarest first (then by id); an image held for one
-        class counts for every class it shows, and is passed over when holding it would leave a class it
-        shows without a training image.
-    """
-    per_class: dict[int, list[str]] = {}
-    for r in order:
-        for c in shows(r):
-            per_class.setdefault(c, []).append(r)
-    held: set[str] = set()
-    held_of = dict.fromkeys(per_class, 0)
-    for c in sorted(per_class, key=lambda c: (len(per_class[c]), c)):
-        want = min(int(np.floor(fraction * len(per_class[c]) + 0.5)), len(per_class[c]) - 1)
-        for r in per_class[c]:
-            if held_of[c] >= want:
-                break
-            if r in held or any(held_of[o] + 1 >= len(per_class[o]) for o in shows(r)):
-                continue
-            held.add(r)
-            for o in shows(r):
-                held_of[o] += 1
-    return [r for r in order if r in held]
-
-
-def draw_per_class(
-    order: Sequence[str], shows: Callable[[str], Iterable[int]], counts: Mapping[int, int], taken: set[str]
-) -> tuple[dict[int, list[str]], dict[int, int]]:
-    """``counts[c]`` images showing class ``c`` per class, each drawn for one class; ``taken`` grows with them.
-
-    Classes are served rarest first (fewest available images, then id); each takes the images of ``order`` that
-    show it and are not yet taken. An image counts only for the class it was drawn for.
-
-    Returns:
-        (class -> ids drawn for it in drawing order, class -> shortfall (0 when complete)).
-    """
-    avail = {c: [r for r in order if c in shows(r) and r not in taken] for c in counts}
-    drawn: dict[int, list[str]] = {}
-    short: dict[int, int] = {}
-    for c in sorted(counts, key=lambda c: (len(avail[c]), c)):
-        got: list[str] = []
-        for r in avail[c]:
-            if len(got) >= counts[c]:
-                break
-            if r not in taken:
-                taken.add(r)
-                got.append(r)
-        drawn[c] = got
-        short[c] = counts[c] - len(got)
-    return drawn, short
-
-
-@dataclass
-class DetectionPlan:
-    """Sample ids of one session's splits (``unlabelled`` / ``validation``: None when the session asks for none)."""
-
-    train: list[str]
-    test: list[str]
-    unlabelled: list[str] | None
-    validation: list[str] | None
-
-
-def _names(protocol: Protocol, classes: Iterable[int]) -> str:
-    return ", ".join(protocol.class_name(c) for c in classes)
-
-
-def _option_counts(protocol: Protocol, spec: DatasetSpec, classes: tuple[int, ...]) -> dict[int, int] | None:
-    raw = spec.options.get("unlabelled")
-    if not isinstance(raw, Mapping):
-        return None
-    out: dict[int, int] = {}
-    for k, n in raw.items():
-        cid = protocol.class_id(k) if isinstance(k, str) else int(k)
-        if cid in classes:
-            out[cid] = int(n)
-    return out
-
-
-def plan_detection_sessions(
-    protocol: Protocol, entries: Mapping[str, CocoEntry], echo: Callable[[str], None] = print
-) -> list[DetectionPlan]:
-    """Seeded selection of every session's splits (module docstring, step 3).
-
-    Raises:
-        DataError: a class of a K-shot session is shown by fewer than K images left for training, or a session
-            has no test image.
-    """
-    shows: dict[str, frozenset[int]] = {}
-    test_pools: dict[str, set[str]] = {}
-    for name, e in entries.items():
-        taught = frozenset(
-            c for s in protocol.sessions for src in s.sources if src.dataset == name for c in src.classes
-        )
-        for im in e.split.images:
-            shows[e.ref(im.id)] = e.shows[im.id] & taught
-        eligible = _stable_order(e.ref(i) for i in e.images_showing(taught))
-        test_pools[name] = set(hold_out_test(eligible, shows.__getitem__, e.spec.test_fraction))
-    used: set[str] = set()
-    plans: list[DetectionPlan] = []
-    for session in protocol.sessions:
-        plans.append(_plan_session(protocol, session, entries, shows, test_pools, used, echo))
-        p = plans[-1]
-        used.update(p.train, p.unlabelled or (), p.validation or ())
-    return plans
-
-
-def _plan_session(
-    protocol: Protocol,
-    session: SessionSpec,
-    entries: Mapping[str, CocoEntry],
-    shows: Mapping[str, frozenset[int]],
-    test_pools: Mapping[str, set[str]],
-    used: set[str],
-    echo: Callable[[str], None],
-) -> DetectionPlan:
-    where = f"{protocol.path}: session {session.index} ({session.name})"
-    rng = np.random.default_rng([protocol.seed, session.index, 3571])
-    taken = set(used)  # images of earlier sessions never serve again
-    # per source: (entry, classes taught from it, its images in seeded order, minus the test pool)
-    sources: list[tuple[CocoEntry, tuple[int, ...], list[str]]] = []
-    test: list[str] = []
-    missing_any: set[int] = set()  # classes without annotation: warned about once
-    for src in session.sources:
-        e = entries[src.dataset]
-        missing = [c for c in src.classes if not e.images_showing([c])]
-        missing_any.update(missing)
-        if missing:
-            message = (
-                f"{where}: class(es) {_names(protocol, missing)} have no annotation in dataset {e.name} "
-                f"({e.split.json_path})"
-            )
-            if session.shots is not None:
-                raise DataError(f"{message}; a {session.shots}-shot session needs {session.shots} images of each")
-            echo(f"warning: {message}; they are never trained")
-        refs = sorted(e.ref(i) for i in e.images_showing(src.classes))
-        test += [r for r in _stable_order(refs) if r in test_pools[e.name] and r not in used]
-        order = [r for r in (refs[i] for i in rng.permutation(len(refs))) if r not in test_pools[e.name]]
-        sources.append((e, src.classes, [r for r in order if r not in taken]))
-
-    train: list[str] = []
-    validation: list[str] | None = [] if session.validation else None
-    if session.shots is None and session.validation:  # first: at most half of each class's images
-        assert validation is not None
-        for e, classes, order in sources:
-            cands = {c: [r for r in order if c in shows[r]] for c in classes}
-            cands = {c: v[: len(v) // 2] for c, v in cands.items()}
-            in_session = frozenset(classes)
-
-            def classes_of(r: str, cs: frozenset[int] = in_session) -> set[int]:
-                return set(shows[r] & cs)
-
-            chosen, got = select_k_shot(cands, classes_of, session.validation)
-            validation += chosen
-            taken.update(chosen)
-            low = [c for c in classes if got[c] < session.validation and c not in missing_any]
-            if low:
-                echo(
-                    f"warning: {where}: class(es) {_names(protocol, low)} get fewer than validation="
-                    f"{session.validation} validation images in dataset {e.name} (at most half of a class's images)"
-                )
-    elif session.shots is not None:  # K images drawn for each class
-        for e, classes, order in sources:
-            drawn, short = draw_per_class(order, shows.__getitem__, dict.fromkeys(classes, session.shots), taken)
-            for c in classes:
-                if short[c]:
-                    raise DataError(
-                        f"{where}: class {protocol.class_name(c)} is shown by only {len(drawn[c])} training "
-                        f"image(s) of dataset {e.name}, fewer than shots K={session.shots}; lower 'shots' or "
-                        "test_fraction, or add data"
-                    )
-            train += [r for c in classes for r in drawn[c]]
-
-    unlabelled: list[str] | None = [] if session.has_unlabelled_pool else None
-    if unlabelled is not None:
-        per_class = False
-        for e, classes, order in sources:
-            counts = _option_counts(protocol, e.spec, classes)
-            if counts is None and session.unlabelled_per_class:
-                counts = dict.fromkeys(classes, session.unlabelled_per_class)
-            if counts is None:
-                continue
-            per_class = True
-            pool, short = draw_per_class(order, shows.__getitem__, counts, taken)
-            unlabelled += [r for c in classes if c in pool for r in pool[c]]
-            for c in sorted(c for c in short if short[c] > 0):
-                echo(
-                    f"warning: {where}: dataset {e.name} has {len(pool[c])} image(s) of {protocol.class_name(c)} "
-                    f"left for the unlabelled pool; the protocol asks for {counts[c]}"
-                )
-        if session.unlabelled and not per_class:  # a total size: images showing any session class
-            rest = [r for _, _, order in sources for r in order if r not in taken]
-            rest = [rest[i] for i in rng.permutation(len(rest))][: session.unlabelled]
-            if len(rest) < session.unlabelled:
-                echo(
-                    f"warning: {where}: {len(rest)} image(s) left for the unlabelled pool; the protocol asks for "
-                    f"{session.unlabelled}"
-                )
-            unlabelled += rest
-            taken.update(rest)
-
-    if session.shots is None:
-        for _, _, order in sources:
-            train += [r for r in order if r not in taken]
-        train = train[: session.train] if session.train is not None else train
-    elif session.validation:  # last, so the shots and the pool are those of validation: 0
-        assert validation is not None
-        for e, classes, order in sources:
-            val, short = draw_per_class(order, shows.__getitem__, dict.fromkeys(classes, session.validation), taken)
-            validation += [r for c in classes for r in val[c]]
-            low = [c for c in classes if short[c]]
-            if low:
-                echo(
-                    f"warning: {where}: class(es) {_names(protocol, low)} get fewer than validation="
-                    f"{session.validation} validation images in dataset {e.name}"
-                )
-    if session.test is not None:
-        test = test[: session.test]
-    if not test:
-        raise DataError(
-            f"{where}: no test image shows its classes {_names(protocol, session.classes)}; raise test_fraction or "
-            "add data"
-        )
-    if not train:
-        raise DataError(f"{where}: no training image shows its classes {_names(protocol, session.classes)}")
-    return DetectionPlan(train, test, unlabelled, validation)
 
 
 # ------------------------------------------------------------------------------------------------ lazy splits
@@ -632,7 +290,7 @@ def check_detection_protocol(
             problems += check_coco_o(root)
         elif spec.layout == "coco":
             try:
-                problems += check_coco(*_paths(spec, root))
+                problems += check_coco(*entry_paths(spec, root))
             except ConfigError as exc:
                 problems.append(str(exc))
     if problems:

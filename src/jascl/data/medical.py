@@ -19,12 +19,14 @@ are nibabel's voxel-to-world (RAS+ world) 4 x 4 matrices, which is what MONAI's
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from jascl.data.geometry import MAX_SPACING_MM, affine_problem, header_size_problem, planned_shape_problem
 from jascl.data.layouts.base import Problem, Sample, image_value_problems
 from jascl.errors import ConfigError, DataError
 
@@ -38,9 +40,6 @@ CT_WINDOW = (-175.0, 250.0)
 
 REDOWNLOAD = "re-download or re-extract it from the dataset's release"
 
-#: the largest voxel spacing (mm) ``check_volumes`` accepts; thicker "slices" are a header error
-MAX_SPACING_MM = 20.0
-
 
 def _nib():
     import nibabel  # imported on first use: layouts are imported by every CLI call
@@ -48,14 +47,36 @@ def _nib():
     return nibabel
 
 
+def missing_reason(path: Path) -> str:
+    """Why ``path`` is not a readable file: "symlink loop", "broken symlink (to ...)", "a folder, not a file" or
+    "file not found"."""
+    if path.is_symlink():
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:  # Python < 3.13 raises RuntimeError for a loop
+            return "symlink loop (the link points back to itself)"
+        except OSError as exc:
+            if getattr(exc, "errno", None) == 40:  # ELOOP
+                return "symlink loop (the link points back to itself)"
+            return f"broken symlink (to {os.readlink(path)}, which does not exist)"
+    if path.is_dir():
+        return "a folder, not a file"
+    return "file not found"
+
+
 def _open(path: Path):
-    """The nibabel image of ``path`` (header only); DataError when missing or not a NIfTI."""
+    """The nibabel image of ``path`` (header only); DataError when missing, not a NIfTI, or when its header
+    declares more voxels than the file holds or than the limit (:func:`jascl.data.geometry.header_size_problem`)."""
     if not path.is_file():
-        raise DataError(f"{path}: file not found; {REDOWNLOAD} or remove the sample from the dataset's list")
+        raise DataError(f"{path}: {missing_reason(path)}; {REDOWNLOAD} or remove the sample from the dataset's list")
     try:
-        return _nib().load(str(path))
+        img = _nib().load(str(path))
     except Exception as exc:  # nibabel raises many types for a bad file (ImageFileError, EOFError, zlib.error ...)
         raise DataError(f"{path}: unreadable or corrupt NIfTI ({_reason(exc)}); {REDOWNLOAD}") from None
+    size = header_size_problem(path, img)
+    if size is not None:
+        raise DataError(f"{path}: {size}")
+    return img
 
 
 def _reason(exc: Exception) -> str:
@@ -181,7 +202,8 @@ def read_volumes(record_id: str, images: Sequence[Path], label: Path | None, met
     if label is not None:
         label_ids, _ = load_label(label)
         check_label_shape(label_ids, image, label)
-    return Sample(image, label_ids, affine, {"spacing": voxel_spacing(affine), "id": record_id, **meta})
+    meta = {"spacing": voxel_spacing(affine), "id": record_id, "path": str(images[0]), **meta}
+    return Sample(image, label_ids, affine, meta)
 
 
 def check_volumes(
@@ -199,7 +221,8 @@ def check_volumes(
     label(s) must have its spatial shape and (within ``tolerance``) its affine.
     Every image is decoded: non-finite values and constant images are reported
     (:func:`~jascl.data.layouts.base.image_value_problems`), as are voxel spacings
-    that are zero, negative or over :data:`MAX_SPACING_MM`, 4D files where one 3D
+    that are zero, negative or over :data:`MAX_SPACING_MM` (in ``pixdim`` or in the affine resampling uses,
+    which must also be finite), headers that declare more voxels than the file holds, 4D files where one 3D
     channel file is expected (and a file whose channel count differs from
     ``channels``), and 4D labels.
 
@@ -222,12 +245,25 @@ def check_volumes(
 
     def open_checked(path: Path, what: str, decode: bool) -> tuple[Any, np.ndarray | None] | None:
         if not path.is_file():
+            reason = missing_reason(path)
             problems.append(
-                Problem(path, f"missing {what}", f"restore the file ({REDOWNLOAD}) or drop the sample from the dataset")
+                Problem(
+                    path,
+                    f"missing {what}" if reason == "file not found" else f"{what} is unreadable: {reason}",
+                    f"restore the file ({REDOWNLOAD}) or drop the sample from the dataset",
+                )
             )
             return None
         try:
             img = _nib().load(str(path))
+        except Exception as exc:
+            problems.append(Problem(path, f"unreadable or corrupt NIfTI ({_reason(exc)})", REDOWNLOAD))
+            return None
+        size = header_size_problem(path, img)  # before decoding: a lying header would allocate what it claims
+        if size is not None:
+            problems.append(Problem(path, f"{what}: {size}"))
+            return None
+        try:
             # decoding the voxels is the only way to find a truncated / corrupt compressed stream
             data = np.asarray(img.dataobj) if decode else img.dataobj.get_unscaled()
         except Exception as exc:
@@ -336,13 +372,15 @@ def _shape_problems(
 
 
 def _spacing_problems(path: Path, img: Any, what: str) -> list[Problem]:
-    """Voxel spacing (the header's zooms) that is zero, negative, not finite or over MAX_SPACING_MM."""
+    """Voxel spacing (the header's zooms) that is zero, negative, not finite or over MAX_SPACING_MM; else what
+    is wrong with the affine resampling uses (:func:`jascl.data.geometry.affine_problem`: NaN, a zero axis)."""
     try:
         zooms = [float(z) for z in img.header.get_zooms()[:3]]
-    except Exception:  # a header without zooms: nothing to check
-        return []
+    except Exception:  # a header without zooms: only the affine is checked
+        zooms = [1.0, 1.0, 1.0]
     if all(np.isfinite(z) and 0 < z <= MAX_SPACING_MM for z in zooms):
-        return []
+        wrong = affine_problem(img.affine)
+        return [] if wrong is None else [Problem(path, f"{what}: {wrong}")]
     return [
         Problem(
             path,
@@ -409,11 +447,18 @@ def preprocess_volume(sample: Sample, options: dict | None = None) -> tuple[np.n
 
     Raises:
         ConfigError: an unknown option key or value.
+        DataError: the affine cannot be resampled (NaN, a zero axis) or resampling would collapse an axis or
+            exceed the voxel limit (:func:`jascl.data.geometry.planned_shape_problem`).
     """
     options = dict(options or {})
     unknown = sorted(set(options) - set(PREPROCESS_KEYS))
     if unknown:
         raise ConfigError(f"preprocess: unknown option(s) {unknown}; known: {list(PREPROCESS_KEYS)}")
+    if sample.affine is not None:  # the geometry MONAI resamples with, checked before it fails inside MONAI
+        wrong, _ = planned_shape_problem(sample.image.shape[1:], sample.affine, options)
+        if wrong is not None:
+            where = sample.meta.get("path") or f"sample {sample.meta.get('id', '?')}"
+            raise DataError(f"{where}: {wrong} (found while preprocessing it; 'jascl data check' lists all)")
     import torch
     from monai.data import MetaTensor
     from monai.transforms import NormalizeIntensityd, Orientationd, ScaleIntensityRanged, Spacingd

@@ -33,7 +33,7 @@ from jascl.engine.progress import SessionProgress
 from jascl.engine.prototypes import PrototypeStore
 from jascl.engine.state import LoopState
 from jascl.engine.stop import REQUEST
-from jascl.engine.tasks import create_task
+from jascl.engine.tasks import TaskContext, create_task
 from jascl.errors import ConfigError, TrainingError
 from jascl.networks.base import Segmenter
 from jascl.protocols.schema import Protocol
@@ -89,7 +89,21 @@ class ContinualTrainer:
                 "processes; every rank needs at least one sample per step (batch_size is global)"
             )
         #: what the sessions learn (:mod:`jascl.engine.tasks`): the model, batches, default plugins and prototypes
-        self.task = create_task(protocol.task, self)
+        self.task = create_task(
+            protocol.task,
+            TaskContext(
+                protocol=protocol,
+                config=config,
+                data=data,
+                device=self.device,
+                seed=self.seed,
+                method=self.method,
+                autocast=self.autocast,
+                checkpoint_meta=self.checkpoint_meta,
+                memory_format=self.memory_format,
+                progress=progress,
+            ),
+        )
         defaults = self.task.default_plugins()
         #: what the loop fires: the defaults the method does not replace, then the method's plugins
         self.plugins = self.method.compose(defaults)

@@ -33,31 +33,42 @@ from jascl.results.fidelity import footnotes, mark
 from jascl.results.records import RunResults
 from jascl.results.report import MISSING, format_score, md_table, table_title
 
-#: the largest seed count ``--seeds`` accepts; a larger number is almost always one seed meant as a list
+#: the largest seed count ``--num-seeds`` accepts
 MAX_SEED_COUNT = 100
 
 
-def parse_seeds(spec: str | int, base_seed: int) -> list[int]:
-    """``"3"`` -> three seeds starting at the protocol's (``base, base+1, base+2``); ``"1024,7"`` -> those seeds;
-    ``"1024,"`` -> the single seed 1024. A count above :data:`MAX_SEED_COUNT` is refused: ``--seeds 1024`` is
-    far more often the seed 1024 than a request for 1024 runs of every method."""
+def parse_seeds(spec: str | int | None, base_seed: int, count: int | None = None) -> list[int]:
+    """The seeds of a multi-seed command: ``--seeds`` gives seed values, ``--num-seeds`` a count.
+
+    ``"1024"`` -> the seed 1024; ``"1024,7"`` -> those seeds (``"1024,"`` as before: 1024); ``count=3`` ->
+    three seeds from ``base_seed`` (``base, base+1, base+2``); neither -> ``[base_seed]``. Earlier versions read
+    a bare number as a count (``--seeds 3``); it is a seed value now, so that ``--seeds 1024`` means the
+    seed 1024, and counts are ``--num-seeds``. Folders keep their ``seed-<s>/`` names, so a folder made
+    with ``--seeds 3`` continues with ``--num-seeds 3``.
+
+    Raises:
+        ConfigError: both given, a count outside 1..:data:`MAX_SEED_COUNT`, or seeds that are not distinct
+        non-negative integers.
+    """
+    if spec is not None and count is not None:
+        raise ConfigError(
+            f"--seeds {spec} with --num-seeds {count}: give the seed values (--seeds 1024,7) or a count from "
+            "the protocol's seed (--num-seeds 3), not both"
+        )
+    if count is not None:
+        if not 1 <= int(count) <= MAX_SEED_COUNT:
+            raise ConfigError(f"--num-seeds {count}: give a count from 1 to {MAX_SEED_COUNT}")
+        return [base_seed + i for i in range(int(count))]
+    if spec is None:
+        return [base_seed]
     text = str(spec).strip()
     try:
-        if "," in text:
-            seeds = [int(s) for s in text.split(",") if s.strip()]
-        else:
-            count = int(text)
-            if count < 1:
-                raise ValueError
-            if count > MAX_SEED_COUNT:
-                raise ConfigError(
-                    f"--seeds {spec} asks for {count} seeds (a count); for the single seed {count} write "
-                    f"--seeds {count}, (with the comma) or --seed {count}; at most {MAX_SEED_COUNT} counted seeds"
-                )
-            seeds = [base_seed + i for i in range(count)]
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+        if not seeds:
+            raise ValueError
     except ValueError:
         raise ConfigError(
-            f"--seeds {spec}: give a count (e.g. 3) or a comma-separated list of seeds (e.g. 1024,7)"
+            f"--seeds {spec}: give seed values, e.g. 1024 or 1024,7 (a count of seeds is --num-seeds 3)"
         ) from None
     if any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
         raise ConfigError(f"--seeds {spec}: seeds must be distinct non-negative integers")

@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -42,11 +43,13 @@ from jascl import distributed
 from jascl.data.sessions import apply_unlabelled_noise, check_same_samples, load_sessions, write_manifest
 from jascl.data.types import SessionData
 from jascl.engine.config import RunConfig, translate_legacy
+from jascl.engine.console import EpochLines, interactive
 from jascl.engine.loop import ContinualTrainer
 from jascl.engine.plugin import Method, Plugin
 from jascl.engine.prototypes import PrototypeStore
 from jascl.errors import ConfigError, JasclError
 from jascl.evaluation.metrics import per_class_forgetting, total_drop
+from jascl.experiments.preflight import RunFolder, preflight
 from jascl.experiments.provenance import environment
 from jascl.fileio import atomic_write_text
 from jascl.methods.presets import jascl_options
@@ -93,16 +96,18 @@ def ensure_base(
     progress: bool = True,
     echo=print,
     method: Method | None = None,
+    plugins: Sequence[Plugin] = (),
 ) -> None:
     """Train the shared session-0 model into ``base_dir`` unless it is already complete there.
 
     ``method``: the plugins that train a keyed shared base (:meth:`Method.base_method`); default none
-    (the vanilla base every method that leaves session 0 alone shares)."""
+    (the vanilla base every method that leaves session 0 alone shares). ``plugins``: added after the
+    method's (the run's progress display)."""
     if distributed.broadcast_object((base_dir / "metrics.json").exists()):
         return
     method = method or Method("base")
     echo(f"session 0 ({protocol.sessions[0].name}): training the shared base model {base_dir.name}")
-    trainer = ContinualTrainer(protocol, config, method, list(data), progress=progress)
+    trainer = ContinualTrainer(protocol, config, method, list(data), progress=progress, extra_plugins=plugins)
     trainer.run_session(0, trainer.initial_model(len(protocol.seen_classes(0))), PrototypeStore(), base_dir)
     distributed.barrier()  # rank 0 has written it before anyone reads it
 
@@ -284,7 +289,8 @@ def read_run_file(out: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(
             f"{out}: not a jascl run folder (no run.json); give the --out folder of an earlier "
-            "'jascl run' (runs made before jascl 0.2 resume by rerunning their command with --out)"
+            "'jascl run' (a folder written before run folders kept run.json resumes by rerunning its command "
+            "with --out)"
         )
     try:
         record = json.loads(path.read_text())
@@ -346,14 +352,24 @@ def run_benchmark(
         raise ConfigError(f"--methods: a method is listed twice ({','.join(methods)})")
     out = Path(out)
     main = distributed.is_main()
+    hold = main and stage != "cell"  # a launcher's cell jobs share the folder the "base" stage prepared
+    if hold:
+        preflight(out, protocol, config)
+    run_folder = RunFolder(out, hold)
+    run_folder.open()  # locked before anything is written into it (log.txt included)
     extras = list(extra_plugins)
     if config.tensorboard and main:  # live scalars; last plugin, so it sees every loss term and statistic
         from jascl.results.tensorboard import TensorBoardPlugin
 
         extras.append(lambda: TensorBoardPlugin(out))
+    bars = progress and main and interactive()  # a log file gets lines, not carriage-return redraws
+    shown = [EpochLines(echo, bars)] if progress and main else []  # one line per epoch, a step bar in a terminal
+    extras += shown
+    progress = bars
     if main:
         out.mkdir(parents=True, exist_ok=True)
     handler = _setup_logging(out)
+    started = False
     try:
         if protocol.uses_datasets and protocol.task == "segmentation" and config.patch_size is None:
             raise ConfigError(
@@ -372,6 +388,7 @@ def run_benchmark(
         check_reusable(out, config, protocol)
         if main and stage != "cell":
             write_run_files(out, protocol, config, methods, data, cache_dir, roots, roots_file, split_manifest, imports)
+        started = True  # from here a failure is written into the folder's log; before, the folder is left as it was
         log.info("run %s: protocol %s seed %d methods %s", out, protocol.name, protocol.seed, ",".join(methods))
 
         shared_base = None
@@ -392,10 +409,12 @@ def run_benchmark(
             check_method_options(out / method.name, method.name, config)
         if stage == "base":
             if any(not m.changes_base_session for m in built):
-                ensure_base(protocol, config, data, out / "base", progress, echo)
+                ensure_base(protocol, config, data, out / "base", progress, echo, plugins=shown)
             for m in built:  # keyed bases too, so that the jobs sharing one do not train it side by side
                 if m.base_key is not None:
-                    ensure_base(protocol, config, data, out / f"base-{m.base_key}", progress, echo, m.base_method())
+                    ensure_base(
+                        protocol, config, data, out / f"base-{m.base_key}", progress, echo, m.base_method(), shown
+                    )
             return {}
         bar = tqdm(
             total=len(built) * len(protocol.sessions), desc="sessions", unit="session", disable=not (progress and main)
@@ -408,7 +427,7 @@ def run_benchmark(
             if not method.changes_base_session:
                 base_dir = out / "base"
                 if shared_base is None:
-                    ensure_base(protocol, config, data, base_dir, progress, echo)
+                    ensure_base(protocol, config, data, base_dir, progress, echo, plugins=shown)
                     shared_base = base_dir
                 model, store, record = trainer.load_session(shared_base, 0)
                 trainer.restore_session(0, shared_base, model, store)
@@ -417,7 +436,7 @@ def run_benchmark(
                 start = 1
             elif method.base_key is not None:  # a base shared with the methods of the same key
                 keyed = out / f"base-{method.base_key}"
-                ensure_base(protocol, config, data, keyed, progress, echo, method.base_method())
+                ensure_base(protocol, config, data, keyed, progress, echo, method.base_method(), shown)
                 model, store, record = trainer.load_session(keyed, 0)
                 trainer.restore_session(0, keyed, model, store)
                 records.append(record)
@@ -452,6 +471,11 @@ def run_benchmark(
         if main and stage != "cell":
             write_all(results, out)
         return results
+    except BaseException as exc:  # the folder's log says why the run stopped (input refused earlier: untouched)
+        if started:
+            log.error("stopped: %s", (str(exc).splitlines() or [type(exc).__name__])[0])
+        raise
     finally:
         log.removeHandler(handler)
         handler.close()
+        run_folder.close(failed=sys.exc_info()[0] is not None)

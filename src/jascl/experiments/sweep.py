@@ -27,7 +27,7 @@ import io
 import math
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import cast
 
@@ -74,15 +74,23 @@ def run_sweep(
     cache_dir: str | Path | None = None,
     progress: bool = True,
     echo=print,
+    roots: Mapping[str, str | Path] | None = None,
+    roots_file: str | Path | None = None,
+    split_manifest: str | Path | None = None,
 ) -> list[dict]:
-    """Run every point of ``grids`` for ``method`` and write the sweep table; returns its rows."""
+    """Run every point of ``grids`` for ``method`` and write the sweep table; returns its rows.
+
+    ``roots`` / ``roots_file``: dataset roots (protocols on datasets); ``split_manifest``: a run's
+    ``manifest.json`` whose samples every point reuses, but the points of the ``shots`` grid (another K
+    selects its own samples)."""
     unknown = [g for g in grids if g not in GRIDS]
     if unknown or not grids:
         raise ConfigError(f"--grid {','.join(unknown) or '(none)'}: choose from {', '.join(GRIDS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     base_config = resolve_config(protocol.training, protocol.path, config_file, list(overrides))
-    ensure_base(protocol, base_config, load_sessions(protocol, cache_dir, echo), out / "base", progress, echo)
+    base_data = load_sessions(protocol, cache_dir, echo, roots, split_manifest, roots_file, base_config.patch_size)
+    ensure_base(protocol, base_config, base_data, out / "base", progress, echo)
     rows = []
     for grid in grids:
         for point in GRIDS[grid]:
@@ -103,8 +111,18 @@ def run_sweep(
                 except OSError:  # file systems without symlinks
                     shutil.copytree(out / "base", link)
             echo(f"[sweep] {grid}: {_point_name(point)}")
+            manifest = split_manifest if "shots" not in point else None
             results = run_benchmark(
-                point_protocol, config, [method], folder, cache_dir=cache_dir, progress=progress, echo=echo
+                point_protocol,
+                config,
+                [method],
+                folder,
+                cache_dir=cache_dir,
+                progress=progress,
+                echo=echo,
+                split_manifest=manifest,
+                roots=roots,
+                roots_file=roots_file,
             )
             m = RunResults.from_json(results).methods[method]
             pls = [s for s in m.sessions if s.pseudo_labels is not None]

@@ -52,7 +52,7 @@ from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
 from jascl.methods.fidelity import Fidelity, check_fidelity, combine
 from jascl.methods.options import describe_options, read_options
-from jascl.registry import Registry, read_index
+from jascl.registry import Registry, did_you_mean, read_index
 
 #: a factory as the registry stores it: the resolved run configuration -> the method
 MethodFactory = Callable[[RunConfig], Method]
@@ -287,7 +287,8 @@ class MethodRegistry(Registry[Method]):
             if not part or composed_parts(part) is not None or not (self._registered(part) or self._load(part)):
                 known = ", ".join(self.list())
                 raise ConfigError(
-                    f"unknown method {part!r} in {name!r}: compose registered methods as a{COMPOSE}b; choose from: {known}"
+                    f"unknown method {part!r}{did_you_mean(part, self.list())} in {name!r}: compose registered "
+                    f"methods as a{COMPOSE}b; choose from: {known}"
                 )
         if len(set(parts)) < len(parts):
             raise ConfigError(f"method {name!r} names a part twice")

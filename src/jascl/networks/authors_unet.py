@@ -123,13 +123,25 @@ class AuthorsUNet(Backbone):
                 )
             )
 
+    def _bottom(self) -> list[int]:
+        """Per axis, the product of the four pooling factors (one voxel at the bottom level)."""
+        return [int(torch.tensor([s[i] for s in self.scales]).prod()) for i in range(self.spatial_dims)]
+
+    def smallest_patch(self, size: Sequence[int]) -> tuple[int, ...]:
+        return tuple(max(int(s), 2 * n) for s, n in zip(size, self._bottom()))
+
+    def input_size(self, size: Sequence[int]) -> tuple[int, ...]:
+        # whole samples run in eval mode (BatchNorm's running statistics): one voxel at the bottom suffices
+        return tuple(max(int(s), n) for s, n in zip(size, self._bottom()))
+
     def check_input_size(self, size: tuple[int, ...], what: str) -> None:
         # interpolation to the skip sizes accepts any size; the bottom level needs >= 2 voxels per axis
-        need = [2 * int(torch.tensor([s[i] for s in self.scales]).prod()) for i in range(self.spatial_dims)]
+        need = list(self.smallest_patch([1] * self.spatial_dims))
         if any(s < n for s, n in zip(size, need)):
             raise ConfigError(
                 f"{what}={list(size)}: unet3d-authors needs at least {need} "
-                f"(four poolings by {self.scales}); set patch_size accordingly"
+                f"(four poolings by {self.scales}); set patch_size accordingly (the smallest that works here: "
+                f"{list(self.smallest_patch(size))})"
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

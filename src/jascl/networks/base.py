@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,14 +63,32 @@ class Backbone(nn.Module):
                 module.train(False)  # frozen means frozen: no dropout, no running-statistics updates
         return self
 
+    def smallest_patch(self, size: Sequence[int]) -> tuple[int, ...]:
+        """The smallest training patch, per axis at least ``size``, that :meth:`check_input_size` accepts."""
+        d = self.size_divisor
+        return tuple(int(s) for s in size) if not d else tuple(max(2 * d, -(-int(s) // d) * d) for s in size)
+
     def check_input_size(self, size: tuple[int, ...], what: str) -> None:
         """Raise a ConfigError if a training patch / image size does not fit this backbone."""
         d = self.size_divisor
         if d and any(s % d or s < 2 * d for s in size):
             raise ConfigError(
                 f"{what}={list(size)}: the {type(self).__name__} backbone needs every size to be a "
-                f"multiple of {d} and at least {2 * d}; set patch_size accordingly"
+                f"multiple of {d} and at least {2 * d}; set patch_size accordingly (the smallest that works "
+                f"here: {list(self.smallest_patch(size))})"
             )
+
+    def input_size(self, size: Sequence[int]) -> tuple[int, ...]:
+        """The size (per axis, at least ``size``) a whole image or volume is zero-padded to before the forward.
+
+        Training patches already fit (:meth:`check_input_size`); whole samples (prototypes, Fisher information,
+        a teacher's pass, the authors' evaluation crops) may be smaller than the patch or of any size.
+        :class:`Segmenter` pads such an input at its far end and crops the outputs back, so that every size
+        goes through. Default: unchanged without a :attr:`size_divisor`, else :meth:`smallest_patch`.
+        Backbones that take more sizes (MONAI's BasicUNet pads odd sizes itself) override it with their
+        exact rule, so inputs that went through before are not padded.
+        """
+        return self.smallest_patch(size)
 
 
 @contextlib.contextmanager
@@ -125,9 +144,22 @@ class Segmenter(nn.Module):
         return self.classifier.num_classes
 
     def forward_features(self, x: torch.Tensor) -> SegmenterOutput:
-        features = self.backbone(x)
-        logits = resize(self.classifier(features), x.shape[2:])
-        return SegmenterOutput(logits, features)
+        """Logits at the input's size and the backbone's features; an input the backbone cannot take as it is
+        (smaller than its deepest level needs, or not a multiple of its stride: :meth:`Backbone.input_size`) is
+        zero-padded at its far end, and logits and features are cropped back to the input's extent."""
+        size = tuple(x.shape[2:])
+        padded = self.backbone.input_size(size)
+        if padded == size:
+            features = self.backbone(x)
+            return SegmenterOutput(resize(self.classifier(features), size), features)
+        widths: list[int] = []
+        for n, p in reversed(list(zip(size, padded))):
+            widths += [0, p - n]
+        features = self.backbone(nn.functional.pad(x, widths))
+        crop: tuple[Any, ...] = (..., *(slice(0, n) for n in size))
+        logits = resize(self.classifier(features), padded)[crop]
+        kept: tuple[Any, ...] = (..., *(slice(0, -(-n * f // p)) for n, p, f in zip(size, padded, features.shape[2:])))
+        return SegmenterOutput(logits, features[kept])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits only (what sliding-window inference calls)."""

@@ -280,6 +280,15 @@ class ClipDrivenBackbone(Backbone):
         self.hidden = hidden
         self.head_channels = head_channels
 
+    def input_size(self, size: Sequence[int]) -> tuple[int, ...]:
+        return self.body.input_size(size)
+
+    def smallest_patch(self, size: Sequence[int]) -> tuple[int, ...]:
+        return self.body.smallest_patch(size)
+
+    def check_input_size(self, size: tuple[int, ...], what: str) -> None:
+        self.body.check_input_size(size, what)
+
     def decoder_prefixes(self) -> tuple[str, ...] | None:
         inner = self.body.decoder_prefixes()
         return tuple(f"body.{p}" for p in inner) if inner else None

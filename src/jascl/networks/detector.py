@@ -16,7 +16,7 @@ Conventions:
       classifier's input for one RoI, the representation eq. 2 prototypes and PAS use.
     * module names follow torchvision's (``backbone.*``, ``rpn.*``, ``roi_heads.box_head.*``,
       ``roi_heads.box_predictor.*``), so a torchvision Faster R-CNN state dict loads by name
-      (:func:`load_detector_weights`).
+      (:func:`jascl.networks.detector_weights.load_detector_weights`).
 
 Variants (:data:`DETECTOR_VARIANTS`):
     * ``small`` (tests, CPU, the synthetic benchmark): three stride-2 conv + GroupNorm + ReLU stages of 16, 32, 64
@@ -43,14 +43,10 @@ anchors, proposals and deltas in bfloat16, 4-8 px apart at 1000 px).
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import re
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -68,17 +64,18 @@ from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops import boxes as box_ops
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from jascl.errors import CheckpointError, ConfigError
+from jascl.errors import ConfigError
 from jascl.networks.classifier import PixelClassifier
-from jascl.networks.weights import read_state_dict
+from jascl.networks.detector_parts import (
+    BoxPredictor,
+    BoxRegressor,
+    KeepSizeTransform,
+    SmallBackbone,
+    float32_features,
+    rpn_context,
+)
 
 DETECTOR_VARIANTS = ("small", "resnet50-fpn")
-
-#: what the predictor's state-dict names start with (never loaded from a file: its class count differs)
-PREDICTOR_PREFIX = "roi_heads.box_predictor."
-
-#: std of the box regressor's initial weights (Detectron / mmdetection's Fast R-CNN head)
-BOX_REGRESSOR_STD = 0.001
 
 # options a caller may pass through to torchvision (FasterRCNN's and its transform's keyword arguments)
 _TORCHVISION_OPTIONS = (
@@ -112,111 +109,6 @@ class DetectorOutput:
     roi_targets: torch.Tensor
     roi_batch: torch.Tensor
     roi_boxes: list[torch.Tensor] = field(default_factory=list)
-
-
-class BoxRegressor(nn.Module):
-    """Class-specific box deltas: (N, D) -> (N, 4K), rows 4k..4k+3 for class row k; grows with the classifier."""
-
-    def __init__(self, in_features: int, num_classes: int) -> None:
-        super().__init__()
-        self.in_features = in_features
-        self.weight = nn.Parameter(torch.empty(4 * num_classes, in_features).normal_(0.0, BOX_REGRESSOR_STD))
-        self.bias = nn.Parameter(torch.zeros(4 * num_classes))
-
-    @property
-    def num_classes(self) -> int:
-        return self.weight.shape[0] // 4
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """Deltas in float32 even under autocast: box coordinates in bfloat16 are 4-8 px apart at 1000 px."""
-        with torch.autocast(features.device.type, enabled=False):
-            return F.linear(features.float(), self.weight.float(), self.bias.float())
-
-    @torch.no_grad()
-    def grow(self, num_new: int) -> None:
-        """Append 4 * ``num_new`` rows (normal std 0.001, bias 0); old rows are kept bit-exactly."""
-        if num_new <= 0:
-            return
-        old_w, old_b = self.weight.data, self.bias.data
-        new_w = torch.empty(4 * num_new, self.in_features, dtype=old_w.dtype, device=old_w.device)
-        new_w.normal_(0.0, BOX_REGRESSOR_STD)
-        self.weight = nn.Parameter(torch.cat([old_w, new_w]), requires_grad=self.weight.requires_grad)
-        self.bias = nn.Parameter(
-            torch.cat([old_b, old_b.new_zeros(4 * num_new)]), requires_grad=self.bias.requires_grad
-        )
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, num_classes={self.num_classes}"
-
-
-class BoxPredictor(nn.Module):
-    """torchvision's box-predictor interface ((N, D[, 1, 1]) -> (class logits (N, K), box deltas (N, 4K)))
-    over a growable :class:`PixelClassifier` and :class:`BoxRegressor`."""
-
-    def __init__(self, in_features: int, num_classes: int, cosine: bool = False, temperature: float = 10.0) -> None:
-        super().__init__()
-        self.classifier = PixelClassifier(in_features, num_classes, cosine=cosine, temperature=temperature)
-        self.box_regressor = BoxRegressor(in_features, num_classes)
-
-    def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        features = features.flatten(start_dim=1)
-        return self.classifier(features), self.box_regressor(features)
-
-
-class SmallBackbone(nn.Sequential):
-    """Stride-2 conv + GroupNorm + ReLU stages: (B, C, H, W) -> (B, widths[-1], H/2^n, W/2^n) (n = len(widths))."""
-
-    def __init__(self, in_channels: int, widths: tuple[int, ...] = (16, 32, 64)) -> None:
-        layers: list[nn.Module] = []
-        channels = in_channels
-        for width in widths:
-            layers += [
-                nn.Conv2d(channels, width, 3, stride=2, padding=1, bias=False),
-                nn.GroupNorm(8, width),
-                nn.ReLU(inplace=True),
-            ]
-            channels = width
-        super().__init__(*layers)
-        self.out_channels = channels  # what torchvision's FasterRCNN reads
-
-
-class _KeepSizeTransform(GeneralizedRCNNTransform):
-    """torchvision's transform without the resize: images (and boxes) keep their size; normalising and batching
-    (padding to a multiple of ``size_divisible``) are torchvision's."""
-
-    def resize(
-        self, image: torch.Tensor, target: dict[str, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-        return image, target
-
-
-def _float32(features: OrderedDict[str, torch.Tensor]) -> OrderedDict[str, torch.Tensor]:
-    return OrderedDict((name, f.float()) for name, f in features.items())
-
-
-@contextlib.contextmanager
-def _rpn_context(rpn: nn.Module, training: bool, device: torch.device) -> Iterator[None]:
-    """The RPN with its flag set to ``training`` (see :func:`_training_flag`) and autocast off.
-
-    Under autocast torchvision's RPN would make its anchors, deltas and proposals in bfloat16 (the feature maps'
-    dtype), whose spacing is 4-8 px at the coordinates of an 800x1333 image; run on float32 features it proposes in
-    float32 at the cost of its head's convolution in float32."""
-    with _training_flag(rpn, training), torch.autocast(device.type, enabled=False):
-        yield
-
-
-@contextlib.contextmanager
-def _training_flag(module: nn.Module, training: bool) -> Iterator[None]:
-    """Set ``module.training`` alone (not its children's) for the block.
-
-    Used on the RPN, whose flag only chooses its training or testing proposal counts and whether it computes its
-    losses (its head has no dropout or normalisation)."""
-    previous = module.training
-    module.training = training
-    try:
-        yield
-    finally:
-        module.training = previous
 
 
 class Detector(nn.Module):
@@ -321,7 +213,7 @@ class Detector(nn.Module):
         )
         if image_size is None:
             extra = {k: settings[k] for k in ("size_divisible", "fixed_size") if k in settings}
-            rcnn.transform = _KeepSizeTransform(side, side, mean, std, **extra)
+            rcnn.transform = KeepSizeTransform(side, side, mean, std, **extra)
         return rcnn
 
     # ------------------------------------------------------------------ the parts plugins use
@@ -432,8 +324,8 @@ class Detector(nn.Module):
         image_list, transformed = self.transform(images, prepared)
         assert transformed is not None
         features = self._features(image_list.tensors)
-        with _rpn_context(self.rpn, True, image_list.tensors.device):
-            proposals, rpn_losses = self.rpn(image_list, _float32(features), transformed)
+        with rpn_context(self.rpn, True, image_list.tensors.device):
+            proposals, rpn_losses = self.rpn(image_list, float32_features(features), transformed)
         heads = self.roi_heads
         proposals, _, labels, regression_targets = heads.select_training_samples(proposals, transformed)
         roi_features = heads.box_head(heads.box_roi_pool(features, proposals, image_list.image_sizes))
@@ -466,8 +358,8 @@ class Detector(nn.Module):
         original_sizes = [(int(img.shape[-2]), int(img.shape[-1])) for img in images]
         image_list, _ = self.transform(images)
         features = self._features(image_list.tensors)
-        with _rpn_context(self.rpn, False, image_list.tensors.device):
-            proposals, _ = self.rpn(image_list, _float32(features))
+        with rpn_context(self.rpn, False, image_list.tensors.device):
+            proposals, _ = self.rpn(image_list, float32_features(features))
         heads = self.roi_heads
         roi_features = heads.box_head(heads.box_roi_pool(features, proposals, image_list.image_sizes))
         class_logits, box_regression = heads.box_predictor(roi_features)
@@ -554,64 +446,3 @@ def detector_for_backbone(backbone: str, in_channels: int, num_classes: int, **k
             f"{', '.join(DETECTOR_BACKBONES)} (--set backbone=...)"
         )
     return create_detector(DETECTOR_BACKBONES[backbone], in_channels, num_classes, **kwargs)
-
-
-# torchvision's pre-0.13 names (e.g. its fasterrcnn_resnet50_fpn_coco-258fb6c6.pth) -> today's; torchvision maps them
-# through state-dict version metadata, which a tensor-by-tensor load (or a .safetensors file) does not carry
-_LEGACY_NAMES = (
-    (re.compile(r"^(backbone\.fpn\.(?:inner|layer)_blocks\.\d+)\.(weight|bias)$"), r"\1.0.\2"),
-    (re.compile(r"^(rpn\.head\.conv)\.(weight|bias)$"), r"\1.0.0.\2"),
-)
-_WRAPPER_PREFIXES = ("module.", "model.", "detector.")
-
-
-def _candidate_names(name: str) -> list[str]:
-    names = [name]
-    for pattern, replacement in _LEGACY_NAMES:
-        if pattern.match(name):
-            names.append(pattern.sub(replacement, name))
-    return names
-
-
-@torch.no_grad()
-def load_detector_weights(model: Detector, path: str | Path) -> dict:
-    """Load a local torchvision Faster R-CNN state dict (``.pth``/``.pt``/``.bin`` or ``.safetensors``) by name.
-
-    Every tensor whose (torchvision) name and shape match a tensor of ``model`` is copied, except the box predictor's
-    (``roi_heads.box_predictor.*``: its class count differs); torchvision's pre-0.13 FPN / RPN-head names are mapped
-    to today's, and a ``module.`` / ``model.`` prefix on every key is dropped.
-
-    Returns:
-        ``{"loaded": number of tensors copied, "skipped": file keys not loaded (the predictor's, unknown names,
-        other shapes), "missing": model tensors left as they were}``.
-
-    Raises:
-        ConfigError: one line naming the file: missing, unreadable, not a state dict, or nothing matching.
-    """
-    try:
-        tensors = read_state_dict(path)
-    except CheckpointError as exc:
-        raise ConfigError(f"{exc} (detector weights: a torchvision Faster R-CNN state dict)") from None
-    for prefix in _WRAPPER_PREFIXES:
-        if all(k.startswith(prefix) for k in tensors):
-            tensors = {k[len(prefix) :]: v for k, v in tensors.items()}
-    own = model.state_dict(keep_vars=True)
-    loaded: set[str] = set()
-    skipped: list[str] = []
-    for key, tensor in tensors.items():
-        target = next(
-            (n for n in _candidate_names(key) if n in own and tuple(own[n].shape) == tuple(tensor.shape)), None
-        )
-        if key.startswith(PREDICTOR_PREFIX) or target is None or target in loaded:
-            skipped.append(key)
-            continue
-        own[target].data.copy_(tensor)
-        loaded.add(target)
-    if not loaded:
-        example = next(iter(tensors))
-        raise ConfigError(
-            f"{path}: no tensor matches the {model.variant} detector (the file has e.g. {example!r}); pass a "
-            "torchvision Faster R-CNN state dict of the same architecture (fasterrcnn_resnet50_fpn for resnet50-fpn)"
-        )
-    missing = [n for n in own if n not in loaded and not n.startswith(PREDICTOR_PREFIX)]
-    return {"loaded": len(loaded), "skipped": skipped, "missing": missing}

@@ -56,6 +56,16 @@ class MonaiUNet(Backbone):
         )
         self.net.final_conv = nn.Identity()
 
+    def input_size(self, size: Sequence[int]) -> tuple[int, ...]:
+        """BasicUNet pads odd sizes itself; it needs every axis >= 16 (four 2x poolings leave one voxel) and
+        more than one voxel in all at the bottom (instance norm), so only such inputs are padded."""
+        d = self.size_divisor
+        out = [max(int(s), d) for s in size]
+        if all(s // d == 1 for s in out):  # a 1 x 1 (x 1) bottom level: the shortest axis doubles
+            shortest = min(range(len(out)), key=lambda i: out[i])
+            out[shortest] = 2 * d
+        return tuple(out)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 

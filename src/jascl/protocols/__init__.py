@@ -39,4 +39,7 @@ def get_protocol(name_or_path: str | Path) -> Protocol:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
         return load_protocol(path)
-    raise ConfigError(f"protocol {name_or_path!r}: not a built-in ({', '.join(builtins)}) nor a YAML file path")
+    from jascl.registry import did_you_mean
+
+    hint = did_you_mean(str(name_or_path), builtins)
+    raise ConfigError(f"protocol {name_or_path!r}{hint}: not a built-in ({', '.join(builtins)}) nor a YAML file path")

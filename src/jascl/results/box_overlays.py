@@ -3,8 +3,8 @@
 
 The detection counterpart of :mod:`jascl.results.overlays` (which loads the run's protocol and data and hands a
 ``task: detection`` protocol over to :func:`box_qualitative`). Conventions are those of
-:mod:`jascl.results.plots`: one fixed colour per class id (:func:`~jascl.results.plots.class_colours`), figures
-at most :data:`~jascl.results.plots.EMBED_WIDTH_PX` wide that wrap into rows, PNG bytes from an explicit Agg
+:mod:`jascl.results.figure_style`: one fixed colour per class id (:func:`~jascl.results.style.class_colours`), figures
+at most :data:`~jascl.results.style.EMBED_WIDTH_PX` wide that wrap into rows, PNG bytes from an explicit Agg
 canvas. A box is an unfilled rectangle in its class colour with a dark halo, labelled with the class name
 (and the detection score on predictions); crowd / ignore boxes of the ground truth (``iscrowd`` 1, neither
 rewarded nor penalised by mAP) are dashed.
@@ -28,7 +28,7 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from jascl.results import plots
+from jascl.results import figure_style as style
 from jascl.results.blocks import ReportBlock, _figure
 from jascl.results.records import RunResults
 from jascl.results.runs import _session_folder
@@ -157,8 +157,8 @@ def _draw_boxes(
             x1,
             y1,
             text,
-            fontsize=plots._SMALL,
-            color=plots.text_colour_on(to_rgba(colour)),
+            fontsize=style.SMALL_PT,
+            color=style.text_colour_on(to_rgba(colour)),
             va="top" if top else "bottom",
             ha="left",
             clip_on=True,
@@ -180,7 +180,7 @@ def box_overlay_figure(
     n_cols = len(columns)
     per_sample = max(1, math.ceil(n_cols / max(1, max_columns)))
     grid_cols = max(1, math.ceil(n_cols / per_sample))
-    cell = min(2.5, (plots.EMBED_WIDTH_PX / plots.DPI - 0.6) / grid_cols)
+    cell = min(2.5, (style.EMBED_WIDTH_PX / style.DPI - 0.6) / grid_cols)
     height = len(rows) * (per_sample * (cell + 0.35) + 0.35) + 0.8
     fig = Figure(figsize=(grid_cols * cell + 0.4, height), layout="constrained")
     subfigs: list = list(fig.subfigures(len(rows), 1, squeeze=False)[:, 0]) if rows else []
@@ -199,7 +199,7 @@ def box_overlay_figure(
             many = boxes is not None and len(boxes) > max_boxes
             ax.set_title(
                 f"{columns[c]} ({max_boxes} of {len(boxes)})" if many and boxes is not None else columns[c],
-                fontsize=plots._TICK,
+                fontsize=style.TICK_PT,
             )
             if c == 0:
                 continue
@@ -211,7 +211,7 @@ def box_overlay_figure(
                     ha="center",
                     va="center",
                     transform=ax.transAxes,
-                    fontsize=plots._TICK,
+                    fontsize=style.TICK_PT,
                     color="white",
                     bbox={"facecolor": "black", "alpha": 0.6},
                 )
@@ -221,18 +221,18 @@ def box_overlay_figure(
             _draw_boxes(ax, boxes, colours, names, shown.shape[0])
             ax.set_xlim(-0.5, shown.shape[1] - 0.5)
             ax.set_ylim(shown.shape[0] - 0.5, -0.5)
-        sub.suptitle(str(row.get("label", "")), fontsize=plots._LABEL, x=0.01, ha="left")
+        sub.suptitle(str(row.get("label", "")), fontsize=style.LABEL_PT, x=0.01, ha="left")
     handles = [Patch(facecolor=colours[c], label=f"{c} {names.get(c, '')}".strip()) for c in sorted(present)]
     if handles:
         fig.legend(
             handles=handles,
             loc="outside lower center",
             ncol=min(len(handles), max(3, grid_cols * 2)),
-            fontsize=plots._TICK,
+            fontsize=style.TICK_PT,
             frameon=False,
         )
     if title:
-        fig.suptitle(title, fontsize=plots._TITLE)
+        fig.suptitle(title, fontsize=style.TITLE_PT)
     return fig
 
 
@@ -252,14 +252,14 @@ def box_overlay_grid(
             in grey), ``"label"`` its caption, and for every column but the first a list of :class:`DrawnBox`
             (``None`` draws "not available").
         columns: panel titles; the first is the input image alone.
-        colours: class id -> colour (:func:`jascl.results.plots.class_colours`).
+        colours: class id -> colour (:func:`jascl.results.style.class_colours`).
         names: class id -> name (box labels and legend).
         title: figure title.
         max_columns: panels per row; more wrap onto further rows.
         max_boxes: boxes drawn per panel at most, the first of its list (detections: the highest-scoring); the
             panel's title then says "(max_boxes of n)".
     """
-    return plots._png(box_overlay_figure(rows, columns, colours, names, title, max_columns, max_boxes))
+    return style.png_bytes(box_overlay_figure(rows, columns, colours, names, title, max_columns, max_boxes))
 
 
 def overlay_sessions(
@@ -337,7 +337,7 @@ def box_qualitative(
 ) -> list[ReportBlock]:
     """The report's qualitative figures of a detection run, one per session (:func:`overlay_sessions`)."""
     names = {c.id: c.name for c in protocol.classes}
-    colours = plots.class_colours([c.id for c in protocol.classes])
+    colours = style.class_colours([c.id for c in protocol.classes])
     blocks = []
     for overlay in overlay_sessions(run, results, methods, samples, protocol, config, data, device):
         t, session = overlay.session, protocol.sessions[overlay.session]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jascl.errors import ConfigError
-from jascl.results import plots
+from jascl.results import charts
 from jascl.results.blocks import ReportBlock, _figure, _text
 from jascl.results.records import SessionRecord
 from jascl.results.runs import RunInput, shared_base_of
@@ -167,4 +167,4 @@ def losses_section(run: RunInput, prefix: str) -> list[ReportBlock]:
         + ". A session marked 'shared model' was trained once, as the shared base model of that name. "
         "Each y axis is fitted to its values (not from 0)."
     )
-    return [_figure(f"{prefix}-losses", plots.loss_curves(methods, total=TOTAL), caption)]
+    return [_figure(f"{prefix}-losses", charts.loss_curves(methods, total=TOTAL), caption)]

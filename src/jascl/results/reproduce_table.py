@@ -19,11 +19,17 @@ PERCENT_METRICS = ("total_drop", "retention")
 
 
 def _fmt(value: float | None, metric: str, scale: float) -> str:
-    """Printed like the paper: percentages with one decimal, mIoU (scale 100) with two, fractions with three."""
+    """Printed like the paper: percentages with one decimal, mIoU (scale 100) with two, fractions with three;
+    the compute table's parameters (M) and MACs (T) with two decimals, hours with three (two significant digits
+    below 0.01: a toy run's seconds)."""
     if value is None or value != value:  # None or NaN
         return "—"
     if metric in PERCENT_METRICS:
         return f"{value:.1f}"
+    if metric in ("params_m", "tflops", "hours"):
+        if 0 < abs(value) < 0.01:
+            return f"{value:.2g}"
+        return f"{value:.3f}" if metric == "hours" else f"{value:.2f}"
     return f"{value:.2f}" if scale != 1 else f"{value:.3f}"
 
 
@@ -34,33 +40,60 @@ def _fmt_delta(value: float | None, metric: str, scale: float) -> str:
     return "0" if float(text) == 0 else f"+{text}"
 
 
+#: what a cell that is not (yet) measured shows in the jascl column
+_UNFINISHED = {"pending": "—", "failed": "failed"}
+
+
+def row_label(row: str, cells: list[Mapping[str, Any]]) -> str:
+    """The row's first column: its printed name with its method's fidelity mark (``Gen-Replay [S]``; the footnotes
+    under the table, :func:`reproduce_footnotes`, say what the marks mean); a row with no method as it is."""
+    method = next((c["method"] for c in cells if c.get("method")), None)
+    return f"{row} [{mark(method).rsplit('[', 1)[1]}" if method else row
+
+
+def reproduce_footnotes(summary: Mapping[str, Any]) -> list[str]:
+    """The fidelity footnotes of the table's methods (none for a table without methods)."""
+    methods = [c["method"] for c in summary["cells"] if c.get("method")]
+    return footnotes(methods) if methods else []
+
+
 def reproduce_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Rows of the paper (each with its method's fidelity mark); per paper column three columns: paper, measured
-    (± std over seeds), Δ."""
+    """Rows of the paper; per paper column three columns: paper, measured (± std over seeds), Δ.
+
+    A cell finished by some seeds shows their mean with "(k/n seeds)"; one no seed has finished yet "—"."""
     scale = float(summary.get("scale", 1))
     n = len(summary.get("seeds", []))
     columns: list[str] = list(dict.fromkeys(c["column"] for c in summary["cells"]))
     header = ["Row"]
     for col in columns:
         header += [f"{col} paper", f"{col} jascl", f"{col} Δ"]
-    rows: dict[str, list[str]] = {}
+    by_row: dict[str, list[Mapping[str, Any]]] = {}
     for c in summary["cells"]:
-        metric = str(c.get("metric") or summary["metric"])
-        # the row's name with its method's fidelity mark (footnotes under the table)
-        label = f"{c['row']} [{mark(c['method']).rsplit('[', 1)[1]}" if c.get("method") else c["row"]
-        row = rows.setdefault(c["row"], [label] + [""] * (3 * len(columns)))
-        i = 1 + 3 * columns.index(c["column"])
-        row[i] = _fmt(c["published"], metric, scale)
-        if c["status"] == "measured":
-            text = _fmt(c["measured"], metric, scale)
-            row[i + 1] = text + (f" ± {_fmt(c['std'], metric, scale)}" if n > 1 else "")
-            row[i + 2] = _fmt_delta(c["delta"], metric, scale)
-        else:
-            row[i + 1] = c["status"]
-    return header, list(rows.values())
+        by_row.setdefault(c["row"], []).append(c)
+    rows = []
+    for name, cells in by_row.items():
+        row = [row_label(name, cells)] + [""] * (3 * len(columns))
+        for c in cells:
+            metric = str(c.get("metric") or summary["metric"])
+            i = 1 + 3 * columns.index(c["column"])
+            row[i] = _fmt(c["published"], metric, scale)
+            if c["status"] in ("measured", "partial"):
+                text = _fmt(c["measured"], metric, scale)
+                done = int(c.get("seeds_done", n))
+                if done > 1:
+                    text += f" ± {_fmt(c['std'], metric, scale)}"
+                if c["status"] == "partial":
+                    text += f" ({done}/{n} seeds)"
+                row[i + 1] = text
+                row[i + 2] = _fmt_delta(c["delta"], metric, scale)
+            else:
+                row[i + 1] = _UNFINISHED.get(c["status"], c["status"])
+        rows.append(row)
+    return header, rows
 
 
 def reproduce_title(summary: Mapping[str, Any]) -> str:
+    """The table's title: what it is, where it was measured, quick mode, seeds, and how many cells are done."""
     seeds = summary.get("seeds", [])
     where = (
         f"measured on the stand-in benchmark {summary['stand_in']} (the published numbers are a reference, "
@@ -71,14 +104,24 @@ def reproduce_title(summary: Mapping[str, Any]) -> str:
     seed_text = (
         f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''} ({', '.join(map(str, seeds))})" if seeds else "no seeds"
     )
-    return f"{summary['table']}: {summary['caption']} · {where} · mean ± std over {seed_text}"
+    parts = [f"{summary['table']}: {summary['caption']}"]
+    if summary.get("quick"):
+        divisor = summary.get("quick_epoch_divisor")
+        share = f"1/{divisor} of the epochs" if divisor else "fewer epochs"
+        parts.append(f"QUICK mode ({share}, one seed: a smoke test, not the table's setting)")
+    if summary.get("device"):
+        where += f" on {summary['device']}"
+    parts += [where] + ([f"mean ± std over {seed_text}"] if seeds or "device" not in summary else [])
+    if "cells_total" in summary:
+        parts.append(f"{summary['cells_measured']} of {summary['cells_total']} cells")
+    return " · ".join(parts)
 
 
 def not_measured(summary: Mapping[str, Any]) -> list[str]:
     """One line per reason a cell was not measured, with the rows it concerns."""
     reasons: dict[str, list[str]] = {}
     for c in summary["cells"]:
-        if c["status"] not in ("measured", "planned") and c.get("reason"):
+        if c["status"] not in ("measured", "planned", "partial", "pending") and c.get("reason"):
             reasons.setdefault(f"{c['status']}: {c['reason']}", []).append(c["row"])
     return [f"{r} ({', '.join(dict.fromkeys(rows))})" for r, rows in reasons.items()]
 
@@ -90,9 +133,9 @@ def write_reproduce(summary: Mapping[str, Any], out: str | Path) -> dict[str, Pa
     out.mkdir(parents=True, exist_ok=True)
     header, rows = reproduce_table(summary)
     lines = [f"**{reproduce_title(summary)}**", "", md_table(header, rows)]
-    methods = [c["method"] for c in summary["cells"] if c.get("method")]
-    if methods:
-        lines += [""] + [f"- {line}" for line in footnotes(methods)]
+    notes = reproduce_footnotes(summary)
+    if notes:
+        lines += [""] + [f"- {line}" for line in notes]
     reasons = not_measured(summary)
     if reasons:
         lines += ["", "Not measured:", ""] + [f"- {r}" for r in reasons]
@@ -100,7 +143,7 @@ def write_reproduce(summary: Mapping[str, Any], out: str | Path) -> dict[str, Pa
         lines += ["", "Notes on the paper's table:", ""] + [f"- {n}" for n in summary["notes"]]
     paths = {"md": out / "reproduce.md", "csv": out / "reproduce.csv", "json": out / "reproduce.json"}
     atomic_write_text(paths["md"], "\n".join(lines) + "\n")
-    csv = ["table,row,column,method,published,measured_mean,measured_std,delta,status,per_seed"]
+    csv = ["table,row,column,method,published,measured_mean,measured_std,delta,status,seeds_done,per_seed"]
     for c in summary["cells"]:
 
         def num(v: Any) -> str:
@@ -116,6 +159,7 @@ def write_reproduce(summary: Mapping[str, Any], out: str | Path) -> dict[str, Pa
             num(c["std"]),
             num(c["delta"]),
             c["status"],
+            str(c.get("seeds_done", len(c["values"]))),
             ";".join(num(v) for v in c["values"]),
         ]
         csv.append(",".join('"' + f.replace('"', '""') + '"' if ("," in f or '"' in f) else f for f in fields))

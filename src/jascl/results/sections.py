@@ -14,7 +14,7 @@ import yaml
 
 from jascl import __version__
 from jascl.errors import DataError
-from jascl.results import plots, tables
+from jascl.results import charts, figure_style, tables
 from jascl.results.blocks import ReportBlock, _figure, _safe, _table, _text
 from jascl.results.report import is_detection_metric, metric_name, table_title
 from jascl.results.runs import RunInput, _config_of, _load_protocol, _mean_std, _read_json, _values, fmt_values
@@ -92,8 +92,8 @@ def curves_section(run: RunInput, prefix: str) -> list[ReportBlock]:
     ylabels = {every: f"{metric} (mean over all classes seen)", base: f"{metric} (mean over base classes)"}
     if is_detection_metric(run.metric):  # a class's score is its AP: "mAP over base classes" reads as it is
         ylabels = {every: "mAP (over all classes seen)", base: "mAP (over base classes)"}
-    lo, hi = plots.curves_range(panels)
-    png = plots.session_curves(labels, panels, ylabels, (lo, hi))
+    lo, hi = charts.curves_range(panels)
+    png = charts.session_curves(labels, panels, ylabels, (lo, hi))
     seeds = (
         f"line: mean over {len(run.seeds)} seeds, band: ± std"
         if run.multi_seed
@@ -101,7 +101,7 @@ def curves_section(run: RunInput, prefix: str) -> list[ReportBlock]:
     )
     caption = (
         f"{metric} per session per method, a marker per session ({seeds}); both y axes fitted to the values: "
-        f"{plots.format_range(lo, hi)}, not 0–1"
+        f"{figure_style.format_range(lo, hi)}, not 0–1"
     )
     return [_figure(f"{prefix}-curves", png, caption)]
 
@@ -132,7 +132,7 @@ def heatmaps_section(run: RunInput, prefix: str) -> list[ReportBlock]:
     one colour scale for all of them, fitted to the run's values and stated in the caption."""
     matrices = {m: _class_matrix(run, m) for m in run.methods()}
     values = [matrix.ravel() for matrix, _ in matrices.values() if matrix.size]
-    lo, hi = plots.fitted_range(np.concatenate(values)) if values else (0.0, 1.0)
+    lo, hi = figure_style.fitted_range(np.concatenate(values)) if values else (0.0, 1.0)
     iou = run.metric == "iou"
     scale = 100.0 if iou else 1.0
     metric = "IoU ×100" if iou else "AP" if is_detection_metric(run.metric) else _metric_name(run)
@@ -141,7 +141,7 @@ def heatmaps_section(run: RunInput, prefix: str) -> list[ReportBlock]:
             "Rows are foreground classes, columns sessions (the model after that session); grey = class "
             "not yet seen, or absent from the test data"
             + (". Cells are means over seeds." if run.multi_seed else ".")
-            + f" The colour scale is fitted to this run's values, {plots.format_range(lo, hi, scale)}, and is the "
+            + f" The colour scale is fitted to this run's values, {figure_style.format_range(lo, hi, scale)}, and is the "
             "same for every method; the printed numbers are the scores."
         )
     ]
@@ -150,7 +150,7 @@ def heatmaps_section(run: RunInput, prefix: str) -> list[ReportBlock]:
         if matrix.size == 0:
             blocks.append(_text(f"{m}: no per-class scores in results.json."))
             continue
-        png = plots.class_heatmap(
+        png = charts.class_heatmap(
             matrix,
             rows,
             cols,
@@ -164,7 +164,7 @@ def heatmaps_section(run: RunInput, prefix: str) -> list[ReportBlock]:
             _figure(
                 f"{prefix}-heatmap-{_safe(m)}",
                 png,
-                f"{m}: per-class {metric} by session (colour scale {plots.format_range(lo, hi, scale)})",
+                f"{m}: per-class {metric} by session (colour scale {figure_style.format_range(lo, hi, scale)})",
             )
         )
     return blocks
@@ -256,9 +256,9 @@ def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
             )
         )
         return blocks
-    lo, hi = plots.curves_range(series)
+    lo, hi = charts.curves_range(series)
     ylabels = {"coverage": "kept / teacher boxes", "precision": "precision (IoU ≥ 0.5, same class)"} if boxes else None
-    png = plots.pseudo_label_plot([f"S{t} {sessions[t][1]}" for t in shown], series, (lo, hi), ylabels)
+    png = charts.pseudo_label_plot([f"S{t} {sessions[t][1]}" for t in shown], series, (lo, hi), ylabels)
     words = (
         "Kept / teacher boxes = boxes PAS kept / the teacher's detections on the unlabelled images; precision = "
         "kept boxes matching a hidden ground-truth box of the same class at IoU ≥ 0.5 / kept boxes"
@@ -272,7 +272,7 @@ def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
             png,
             words
             + ("; line: mean over seeds, band: ± std" if run.multi_seed else "")
-            + f"; y axes fitted to the values: {plots.format_range(lo, hi)}",
+            + f"; y axes fitted to the values: {figure_style.format_range(lo, hi)}",
         )
     )
     return blocks

@@ -3,7 +3,7 @@
 As the paper's ablation figures show it: after each incremental session, the score on the seen (old)
 classes, on the session's new classes and their harmonic mean, one bar per variant, here with the 95 %
 confidence interval over seeds as an error bar (:mod:`jascl.evaluation.intervals`). Built on an Agg
-canvas like every figure of :mod:`jascl.results.plots` (no pyplot state).
+canvas like every figure of jascl (:mod:`jascl.results.figure_style`, no pyplot state).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from jascl.results.plots import DPI, EMBED_WIDTH_PX, _png
+from jascl.results.figure_style import DPI, EMBED_WIDTH_PX, png_bytes
 
 #: the measures of each panel, in bar-group order, with their axis labels
 MEASURES = (("seen", "Seen"), ("new", "New"), ("hm", "HM"))
@@ -69,4 +69,4 @@ def seen_new_hm_figure(
         ax.set_visible(False)
     axes[0].set_ylim(0.0, max(max(tops) * 1.08, 0.05))
     fig.legend(loc="outside lower center", ncols=min(len(variants), 5), fontsize=_TICK)
-    return _png(fig)
+    return png_bytes(fig)

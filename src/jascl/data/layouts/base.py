@@ -134,6 +134,9 @@ class DatasetLayout:
     def __init__(self, root: str | Path, **options: Any) -> None:
         self.root = Path(root)
         self.options = options
+        #: what :meth:`scan` found odd but could read (e.g. a case listed twice), one line each;
+        #: ``jascl data check`` prints them as warnings
+        self.warnings: list[str] = []
 
     def scan(self) -> list[Record]:
         """Every sample found under :attr:`root`, sorted by id.

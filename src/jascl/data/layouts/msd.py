@@ -39,6 +39,9 @@ from jascl.errors import DataError
 
 CHANNEL_SUFFIX_DIGITS = 4
 
+#: file endings nibabel reads as volumes (NIfTI first; Analyze and MGH as nibabel opens them too)
+NIFTI_ENDINGS = (".nii.gz", ".nii", ".img", ".hdr", ".img.gz", ".mgz", ".mgh")
+
 
 #: the dataset.json keys jascl reads, with the JSON type each must have
 _META_TYPES = (
@@ -54,6 +57,11 @@ _META_TYPES = (
 
 def _strip(name: str, ending: str) -> str:
     return name[: -len(ending)] if name.endswith(ending) else name
+
+
+def _layouts_2d() -> list[str]:
+    """The registered layouts of 2D images (what a PNG dataset wants instead)."""
+    return [n for n in LAYOUTS.list() if getattr(LAYOUTS.get(n), "spatial_dims", 3) == 2]
 
 
 @LAYOUTS.register(
@@ -105,7 +113,8 @@ class MSDLayout(DatasetLayout):
                     "root at the folder holding dataset.json, imagesTr/ and labelsTr/"
                 )
             try:
-                meta = json.loads(path.read_text())
+                # utf-8-sig: a byte-order mark, as Windows editors write one, is read, not refused
+                meta = json.loads(path.read_text(encoding="utf-8-sig"), object_pairs_hook=self._no_twice(path))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise DataError(f"{path}: not valid JSON ({exc}); restore the dataset's dataset.json") from None
             if not isinstance(meta, dict):
@@ -119,9 +128,41 @@ class MSDLayout(DatasetLayout):
             self._meta = meta
         return self._meta
 
+    def _no_twice(self, path: Path):
+        """A JSON object hook that keeps the last of a repeated key, as ``json`` does, and warns about it."""
+
+        def pairs(items: list[tuple[str, Any]]) -> dict:
+            seen: dict[str, Any] = {}
+            for key, value in items:
+                if key in seen:
+                    self.warnings.append(
+                        f"{path}: key {key!r} appears twice in one object; the last one is used (remove the other)"
+                    )
+                seen[key] = value
+            return seen
+
+        return pairs
+
     @property
     def ending(self) -> str:
         return str(self.meta.get("file_ending", ".nii.gz"))
+
+    def _check_nifti(self, records: list[Record]) -> None:
+        """One line for a dataset whose files are not NIfTI (a PNG dataset given to this layout), instead of an
+        "unreadable NIfTI" line per file."""
+        names = [p.name for r in records for p in r.images]
+        names += [Path(n).name for r in records for n in (r.meta.get("listed") or {}).get("images", [])]
+        endings = {self.ending} | {
+            "".join(Path(n).suffixes[-2:]) if n.endswith(".gz") else Path(n).suffix for n in names
+        }
+        foreign = sorted(e for e in endings if e and e.lower() not in NIFTI_ENDINGS)
+        if foreign:
+            example = next((n for n in names if not n.lower().endswith(NIFTI_ENDINGS)), None)
+            raise DataError(
+                f"{self.root}: the msd layout reads NIfTI volumes (.nii.gz, .nii), but this dataset's files are "
+                f"{', '.join(foreign)}" + (f" (e.g. {example})" if example is not None else "") + "; convert them to "
+                f"NIfTI, or give a 2D dataset a 2D layout ({', '.join(_layouts_2d())})"
+            )
 
     @property
     def modalities(self) -> list[str]:
@@ -193,6 +234,7 @@ class MSDLayout(DatasetLayout):
             raise DataError(f"{self.root / 'dataset.json'}: '{key}' must be a list of entries; fix the file")
         channel_files = any(folder.glob(f"*_0000{self.ending}")) if folder.is_dir() else "file_ending" in self.meta
         cases: dict[str, tuple[Path | None, str, str]] = {}
+        listed: set[str] = set()
         for entry in entries:
             image = entry.get("image") if isinstance(entry, dict) else entry
             label = entry.get("label") if isinstance(entry, dict) else None
@@ -202,6 +244,13 @@ class MSDLayout(DatasetLayout):
                     "(and a label file); fix the list"
                 )
             case = self._entry_case(image, folder, channel_files)
+            same = os.path.normpath(image)
+            if same in listed:  # the same file listed again (an entry per channel file is no repeat)
+                self.warnings.append(
+                    f"{self.root / 'dataset.json'}: '{key}' lists case {case} ({image}) more than once; it is used "
+                    "once (remove the repeated entry)"
+                )
+            listed.add(same)
             if case not in cases:  # an entry per channel file names the case once
                 cases[case] = (self._resolve_listed(label, "labelsTr") if label else None, image, label or "")
         return cases
@@ -284,6 +333,7 @@ class MSDLayout(DatasetLayout):
                 records.append(Record(rid, self._image_files(images_ts, case, split_ts), None, "test", meta))
         if not records:
             raise DataError(f"{self.root}: no cases found in imagesTr/ or dataset.json; check the root")
+        self._check_nifti(records)
         return sorted(records, key=lambda r: r.id)
 
     def _training_records(

@@ -127,6 +127,9 @@ def load_real(
         plans = plans_from_manifest(manifest, protocol, sources, str(split_manifest))
     else:
         plans = plan_sessions(protocol, sources, echo=echo)
+    from jascl.data.geometry import check_planned_volumes
+
+    check_planned_volumes(sources, plans)  # a header resampling cannot use stops the run before it trains
     store = SampleStore(protocol, sources, cache)
     data: list[SessionData] = []
     for session, plan in zip(protocol.sessions, plans):

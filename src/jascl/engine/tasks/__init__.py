@@ -15,24 +15,19 @@ implementation for that task (:meth:`jascl.methods.registry.MethodRegistry.regis
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from jascl.engine.tasks.base import Task, TaskContext
 
-from jascl.engine.tasks.base import Task
-
-if TYPE_CHECKING:
-    from jascl.engine.loop import ContinualTrainer
-
-__all__ = ["Task", "create_task"]
+__all__ = ["Task", "TaskContext", "create_task"]
 
 
-def create_task(name: str, trainer: ContinualTrainer) -> Task:
-    """The task ``name`` ("segmentation" or "detection") for ``trainer``."""
+def create_task(name: str, context: TaskContext) -> Task:
+    """The task ``name`` ("segmentation" or "detection") serving the run ``context``."""
     if name == "segmentation":
         from jascl.engine.tasks.segmentation import SegmentationTask
 
-        return SegmentationTask(trainer)
+        return SegmentationTask(context)
     if name == "detection":
         from jascl.engine.tasks.detection import DetectionTask
 
-        return DetectionTask(trainer)
+        return DetectionTask(context)
     raise ValueError(f"unknown task {name!r}: segmentation or detection")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -10,15 +12,47 @@ from torch import nn
 from torch.utils.data import Dataset
 
 if TYPE_CHECKING:
-    from jascl.engine.loop import ContinualTrainer
-    from jascl.engine.plugin import Plugin
+    from jascl.data.types import SessionData
+    from jascl.engine.config import RunConfig
+    from jascl.engine.plugin import Method, Plugin
     from jascl.engine.state import LoopState
+    from jascl.protocols.schema import Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskContext:
+    """What a task needs from the run it serves, and nothing more (not the trainer: the loop owns the task,
+    so a task that held the loop would tie the two modules in a circle).
+
+    Attributes:
+        protocol: the validated protocol (sessions, classes, spatial dims).
+        config: the resolved run configuration.
+        data: one :class:`~jascl.data.types.SessionData` per protocol session.
+        device: where models and batches live.
+        seed: the run's seed (the configuration's, else the protocol's).
+        method: the method being trained (the checkpoint plugin saves its plugins' state).
+        autocast: a context manager for forwards in the run's precision.
+        checkpoint_meta: ``t -> dict``, what a session-``t`` checkpoint must match to be loaded.
+        memory_format: ``torch.channels_last[_3d]`` with ``channels_last``, else None.
+        progress: show progress bars.
+    """
+
+    protocol: Protocol
+    config: RunConfig
+    data: Sequence[SessionData]
+    device: torch.device
+    seed: int
+    method: Method
+    autocast: Callable[[], AbstractContextManager]
+    checkpoint_meta: Callable[[int], dict]
+    memory_format: torch.memory_format | None = None
+    progress: bool = True
 
 
 class Task:
     """What the loop asks of a task.
 
-    The loop (:class:`~jascl.engine.loop.ContinualTrainer`) owns the sessions, the events, the optimiser, the
+    The loop (``jascl.engine.loop.ContinualTrainer``) owns the sessions, the events, the optimiser, the
     epochs and the checkpoints; the task supplies everything that depends on what is learnt:
 
     * the model: :meth:`new_model`, :meth:`load_weights` (``--weights``), :meth:`frozen_modules`;
@@ -31,20 +65,20 @@ class Task:
     * eq. 2 prototypes (:meth:`compute_prototypes`).
 
     Args:
-        trainer: the trainer the task serves (its protocol, configuration, data, device and precision).
+        context: the run the task serves (:class:`TaskContext`: protocol, configuration, data, device, precision).
     """
 
     #: the protocol key's value
     name = ""
 
-    def __init__(self, trainer: ContinualTrainer) -> None:
-        self.trainer = trainer
+    def __init__(self, context: TaskContext) -> None:
+        self.context = context
 
     #: collates a list of dataset items into a batch (None: torch's default)
     collate: Callable[[list[dict]], dict] | None = None
 
     def new_model(self, num_classes: int) -> nn.Module:
-        """A fresh model with ``num_classes`` classifier rows (background included), on the trainer's device."""
+        """A fresh model with ``num_classes`` classifier rows (background included), on the run's device."""
         raise NotImplementedError
 
     def load_weights(self, model: nn.Module, path: str) -> None:

@@ -370,14 +370,14 @@ class DetectionTask(Task):
     collate = staticmethod(detection_collate)
 
     def new_model(self, num_classes: int) -> nn.Module:
-        trainer = self.trainer
-        torch.manual_seed(trainer.seed)
-        return build_detector(trainer.protocol, trainer.config, num_classes).to(trainer.device)
+        run = self.context
+        torch.manual_seed(run.seed)
+        return build_detector(run.protocol, run.config, num_classes).to(run.device)
 
     def load_weights(self, model: nn.Module, path: str) -> None:
-        from jascl.networks.detector import load_detector_weights
+        from jascl.networks.detector_weights import load_detector_weights
 
-        report = load_detector_weights(model, path)  # type: ignore[arg-type]
+        report = load_detector_weights(model, path)
         log.info("detector weights %s: %d tensors loaded, %d skipped", path, report["loaded"], len(report["skipped"]))
 
     def frozen_modules(self, model: nn.Module, t: int, policy: str) -> list[nn.Module]:
@@ -390,17 +390,17 @@ class DetectionTask(Task):
         return frozen
 
     def labelled_dataset(self, t: int, augment: bool, crop: bool) -> DetectionDataset:
-        trainer = self.trainer
-        session = trainer.protocol.sessions[t]
+        run = self.context
+        session = run.protocol.sessions[t]
         return DetectionDataset(
-            detection_split(trainer.data[t].train, f"session {t} training split"),
+            detection_split(run.data[t].train, f"session {t} training split"),
             session.classes,
             augment=augment,
-            seed=derive_seed(trainer.seed, "augment", t),
+            seed=derive_seed(run.seed, "augment", t),
         )
 
     def model_inputs(self, state: LoopState) -> tuple[Any, ...]:
-        batch, device = state.batch, self.trainer.device
+        batch, device = state.batch, self.context.device
         assert batch is not None, "the loop sets the batch before the closure runs"
         images = [image.to(device, non_blocking=True) for image in batch["image"]]
         targets = [
@@ -418,7 +418,7 @@ class DetectionTask(Task):
     def ddp_forward(self, model: nn.Module, find_unused: bool) -> Callable[..., Any]:
         from jascl.networks.detector import DetectorOutput
 
-        ddp = distributed.wrap(_DetectionTrainForward(model), self.trainer.device, find_unused)  # type: ignore[arg-type]
+        ddp = distributed.wrap(_DetectionTrainForward(model), self.context.device, find_unused)  # type: ignore[arg-type]
 
         def forward(images: list[torch.Tensor], targets: list[dict[str, torch.Tensor]]) -> DetectorOutput:
             (names, *losses), (logits, features, rows, batch, boxes) = ddp(images, targets)
@@ -427,14 +427,14 @@ class DetectionTask(Task):
         return forward
 
     def default_plugins(self) -> list[Plugin]:
-        trainer = self.trainer
+        run = self.context
         return [
             DetectorGrowth(),
             DetectionLoss(),
-            DetectionModelSelection(trainer.data, trainer.autocast),
+            DetectionModelSelection(run.data, run.autocast),
             StorePrototypes(),
-            DetectionEvaluation(trainer.data, trainer.autocast),
-            SessionCheckpoint(trainer.method, trainer.checkpoint_meta),
+            DetectionEvaluation(run.data, run.autocast),
+            SessionCheckpoint(run.method, run.checkpoint_meta),
         ]
 
     @torch.no_grad()
@@ -450,14 +450,14 @@ class DetectionTask(Task):
     ) -> dict[int, torch.Tensor]:
         """Eq. 2 over RoI features: an image is a sample, its ground-truth boxes (label: their class) and its
         :func:`background_boxes` (label 0) are its pixels; see the module docstring."""
-        trainer = self.trainer
+        run = self.context
         detector: Any = model
-        session = trainer.protocol.sessions[t]
-        split = detection_split(trainer.data[t].train, f"session {t} training split")
+        session = run.protocol.sessions[t]
+        split = detection_split(run.data[t].train, f"session {t} training split")
         acc = PrototypeAccumulator(classes, normalize_pixels, keep_samples=per_sample, complement=complement, form=form)
-        batch_size = trainer.config.batch_size
+        batch_size = run.config.batch_size
         indices = distributed.shard(range(len(split)))
-        with eval_mode(detector), trainer.autocast():
+        with eval_mode(detector), run.autocast():
             for start in range(0, len(indices), batch_size):
                 chunk = indices[start : start + batch_size]
                 images = [torch.as_tensor(np.asarray(split.images[i], dtype=np.float32)) for i in chunk]
@@ -465,11 +465,11 @@ class DetectionTask(Task):
                 for i, image in zip(chunk, images):
                     target = taught_targets(split.targets[i], session.classes)
                     bg = background_boxes(int(image.shape[-2]), int(image.shape[-1]), target["boxes"])
-                    boxes.append(torch.cat([target["boxes"], bg]).to(trainer.device))
+                    boxes.append(torch.cat([target["boxes"], bg]).to(run.device))
                     labels.append(torch.cat([target["labels"], torch.zeros(len(bg), dtype=torch.int64)]))
-                feats = detector.box_features([im.to(trainer.device) for im in images], boxes)
+                feats = detector.box_features([im.to(run.device) for im in images], boxes)
                 for f, lab in zip(feats, labels):
                     if len(lab):  # one image = one sample: (1, D, M) features, (1, M) labels
-                        acc.update(f.float().t()[None], lab.to(trainer.device)[None])
+                        acc.update(f.float().t()[None], lab.to(run.device)[None])
         acc.all_reduce(detector.feature_channels)
         return acc.samples() if per_sample else acc.compute()

@@ -50,9 +50,9 @@ class SegmentationTask(Task):
     name = "segmentation"
 
     def new_model(self, num_classes: int) -> Segmenter:
-        trainer = self.trainer
-        cfg, protocol = trainer.config, trainer.protocol
-        torch.manual_seed(trainer.seed)
+        run = self.context
+        cfg, protocol = run.config, run.protocol
+        torch.manual_seed(run.seed)
         model = create_segmenter(
             cfg.backbone,
             protocol.spatial_dims,
@@ -70,13 +70,13 @@ class SegmentationTask(Task):
             model.backbone.check_input_size(tuple(cfg.patch_size), "patch_size")
         else:
             model.backbone.check_input_size(
-                tuple(dense(trainer.data[0].train).images.shape[2:]), "image size (patch_size=null)"
+                tuple(dense(run.data[0].train).images.shape[2:]), "image size (patch_size=null)"
             )
-        model = model.to(trainer.device)
+        model = model.to(run.device)
         if cfg.sync_batchnorm:
-            distributed.sync_batchnorm(model, trainer.device)
-        if trainer.memory_format is not None:
-            model = model.to(memory_format=trainer.memory_format)
+            distributed.sync_batchnorm(model, run.device)
+        if run.memory_format is not None:
+            model = model.to(memory_format=run.memory_format)
         if cfg.compile:
             # in place, so parameter names (and checkpoints) stay the same; static shapes: one graph per input
             # shape (batch remainders, evaluation sizes) is more robust than symbolic shapes
@@ -99,30 +99,30 @@ class SegmentationTask(Task):
         return frozen
 
     def labelled_dataset(self, t: int, augment: bool, crop: bool) -> LabelledDataset:
-        trainer = self.trainer
-        session = trainer.protocol.sessions[t]
-        patch = trainer.config.patch_size
+        run = self.context
+        session = run.protocol.sessions[t]
+        patch = run.config.patch_size
         return LabelledDataset(
-            dense(trainer.data[t].train),
+            dense(run.data[t].train),
             session.classes,
             session.other_classes,
             augment=augment,
             patch_size=patch if crop else None,
-            seed=derive_seed(trainer.seed, "augment", t),
+            seed=derive_seed(run.seed, "augment", t),
         )
 
     def model_inputs(self, state: LoopState) -> tuple[Any, ...]:
-        trainer, batch = self.trainer, state.batch
+        run, batch = self.context, state.batch
         assert batch is not None, "the loop sets the batch before the closure runs"
-        x = batch["image"].to(trainer.device, non_blocking=True)
-        if trainer.memory_format is not None:
-            x = x.contiguous(memory_format=trainer.memory_format)
+        x = batch["image"].to(run.device, non_blocking=True)
+        if run.memory_format is not None:
+            x = x.contiguous(memory_format=run.memory_format)
         labels = batch["label"]
         if "ignore" in batch:  # flagged per sample by the dataset
             state.has_ignore = bool(batch["ignore"].any())
         else:  # a batch a plugin made: check on the host if it is there
             state.has_ignore = bool((labels == IGNORE_INDEX).any()) if labels.device.type == "cpu" else None
-        state.target = state.class_index(labels.to(trainer.device, non_blocking=True))
+        state.target = state.class_index(labels.to(run.device, non_blocking=True))
         return (x,)
 
     def training_forward(self, model: nn.Module) -> Callable[..., Any]:
@@ -131,18 +131,18 @@ class SegmentationTask(Task):
 
     def ddp_forward(self, model: nn.Module, find_unused: bool) -> Callable[..., Any]:
         assert isinstance(model, Segmenter)
-        ddp = distributed.wrap(_TrainForward(model), self.trainer.device, find_unused)
+        ddp = distributed.wrap(_TrainForward(model), self.context.device, find_unused)
         return lambda x: SegmenterOutput(*ddp(x))
 
     def default_plugins(self) -> list[Plugin]:
-        trainer = self.trainer
+        run = self.context
         return [
             ClassifierGrowth(),
             SupervisedLoss(),
-            ModelSelection(trainer.data, trainer.autocast),
+            ModelSelection(run.data, run.autocast),
             StorePrototypes(),
-            Evaluation(trainer.data, trainer.autocast, trainer.progress),
-            SessionCheckpoint(trainer.method, trainer.checkpoint_meta),
+            Evaluation(run.data, run.autocast, run.progress),
+            SessionCheckpoint(run.method, run.checkpoint_meta),
         ]
 
     @torch.no_grad()
@@ -157,18 +157,17 @@ class SegmentationTask(Task):
         form: str = "eq2",
     ) -> dict[int, torch.Tensor]:
         assert isinstance(model, Segmenter)
-        trainer = self.trainer
+        run = self.context
         acc = PrototypeAccumulator(classes, normalize_pixels, keep_samples=per_sample, complement=complement, form=form)
         dataset = self.labelled_dataset(t, augment=False, crop=False)
         # whole samples: batch them only when they all have one size (real datasets vary)
-        uniform = getattr(trainer.data[t].train.images, "uniform", True)
+        uniform = getattr(run.data[t].train.images, "uniform", True)
         loader = DataLoader(
-            Subset(dataset, distributed.shard(range(len(dataset)))),
-            batch_size=trainer.config.batch_size if uniform else 1,
+            Subset(dataset, distributed.shard(range(len(dataset)))), batch_size=run.config.batch_size if uniform else 1
         )
-        with eval_mode(model), trainer.autocast():
+        with eval_mode(model), run.autocast():
             for batch in loader:
-                out = model.forward_features(batch["image"].to(trainer.device))
-                acc.update(out.features, batch["label"].to(trainer.device))
+                out = model.forward_features(batch["image"].to(run.device))
+                acc.update(out.features, batch["label"].to(run.device))
         acc.all_reduce(model.backbone.feature_channels)
         return acc.samples() if per_sample else acc.compute()

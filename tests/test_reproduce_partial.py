@@ -1,0 +1,138 @@
+"""``jascl reproduce`` when it does not finish: killed, stopped, a failed job; the quick mode; ``--report``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from conftest import toy_protocol_dict
+from jascl.errors import TrainingError
+from jascl.experiments.reproduce import report_reproduce, run_reproduce
+from jascl.experiments.reproduce_plan import plan_table
+from jascl.paper.tables import parse_table
+from jascl.results.records import RunResults
+
+
+def _two_job_table(tmp_path):
+    """A toy table of two jobs: vanilla / JASCL at the toy's settings, and vanilla with a second setting."""
+    proto = tmp_path / "toy.yaml"
+    proto.write_text(yaml.safe_dump(toy_protocol_dict(2)))
+    data = {
+        "label": "toy_two_jobs",
+        "caption": "two jobs",
+        "line": 1,
+        "kind": "methods",
+        "metric": "dice",
+        "protocol": "med-disjoint",
+        "stand_in": str(proto),
+        "columns": [{"name": "Session 0", "session": 0}, {"name": "Session 1", "session": 1}],
+        "rows": [
+            {"name": "Vanilla", "method": "vanilla", "values": [0.7, 0.1]},
+            {"name": "JASCL", "method": "jascl-no-unlabelled", "values": [0.7, 0.4]},
+            {"name": "Vanilla lr", "method": "vanilla", "set": {"lr_incremental": 0.05}, "values": [0.7, 0.2]},
+        ],
+    }
+    return data, str(proto)
+
+
+_KILLED = """
+import os, signal, sys
+from jascl.experiments.reproduce import run_reproduce
+from jascl.paper.tables import parse_table
+data, proto, out, cache, how = {args}
+
+def echo(message):  # killed once the second job starts: the first job's cells are finished
+    if message.startswith("[reproduce] job 2/2"):
+        os.kill(os.getpid(), getattr(signal, how))
+
+from jascl.engine.stop import REQUEST, Stopped
+try:
+    with REQUEST.installed():
+        run_reproduce(parse_table(data, "toy.yaml"), [3], out, stand_in=True, protocols=[proto], echo=echo,
+                      progress=False, cache_dir=cache)
+except Stopped as exc:  # as jascl reproduce does
+    sys.exit(exc.exit_code)
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_killed_reproduction_shows_its_finished_cells(tmp_path, how):
+    data, proto = _two_job_table(tmp_path)
+    out, cache = tmp_path / "rep", tmp_path / "cache"
+    script = textwrap.dedent(_KILLED).replace("{args}", repr((data, proto, str(out), str(cache), how)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == (-signal.SIGKILL if how == "SIGKILL" else 128 + signal.SIGTERM), done.stderr[-2000:]
+    md = (out / "reproduce.md").read_text()
+    # the first job (vanilla and JASCL) is finished: 4 of the 6 cells, the second job's "—"; stopped by SIGTERM,
+    # the second job had linked the shared base model (its session 0) and stopped before its session 1
+    done = 4 if how == "SIGKILL" else 5
+    assert f"{done} of 6 cells" in md
+    (first,) = [p for p in out.iterdir() if p.is_dir() and (p / "seed-3" / "results.json").is_file()]
+    results = RunResults.read(first / "seed-3" / "results.json")
+    summary = json.loads((out / "reproduce.json").read_text())
+    cells = {(c["row"], c["column"]): c for c in summary["cells"]}
+    assert cells[("JASCL", "Session 1")]["measured"] == pytest.approx(
+        results.methods["jascl-no-unlabelled"].sessions[1].all
+    )
+    assert cells[("Vanilla lr", "Session 1")]["status"] == "pending"
+    assert cells[("Vanilla lr", "Session 0")]["status"] == ("pending" if how == "SIGKILL" else "measured")
+    assert "| 0.200 | — |  |" in md.split("| Vanilla lr |")[1].splitlines()[0] + "|"
+    # --report re-renders from the folders: the same cells
+    again = report_reproduce(parse_table(data, "toy.yaml"), out, protocols=[proto])
+    assert [c["measured"] for c in again["cells"]] == [c["measured"] for c in summary["cells"]]
+    assert again["cells_measured"] == done and again["cells_total"] == 6
+
+
+def test_a_failed_job_keeps_the_others_and_says_why(tmp_path, monkeypatch):
+    from jascl.experiments import compare
+
+    data, proto = _two_job_table(tmp_path)
+    real = compare.run_compare
+
+    def flaky(protocol, config, methods, seeds, out, **kw):
+        if config.lr_incremental == 0.05:
+            raise TrainingError("loss is NaN in session 1")
+        return real(protocol, config, methods, seeds, out, **kw)
+
+    monkeypatch.setattr(compare, "run_compare", flaky)
+    out = tmp_path / "rep"
+    summary = run_reproduce(
+        parse_table(data, "toy.yaml"), [3], out, stand_in=True, protocols=[proto], echo=lambda *a: None,
+        progress=False, cache_dir=tmp_path / "cache",
+    )  # fmt: skip
+    status = {(c["row"], c["column"]): (c["status"], c["reason"]) for c in summary["cells"]}
+    assert status[("Vanilla lr", "Session 1")] == ("failed", "TrainingError: loss is NaN in session 1")
+    assert status[("Vanilla lr", "Session 0")][0] == "measured"  # the shared base model, linked before the job ran
+    assert status[("Vanilla", "Session 1")][0] == "measured"
+    md = (out / "reproduce.md").read_text()
+    assert "5 of 6 cells" in md and md.split("| Vanilla lr |")[1].splitlines()[0].endswith("| 0.200 | failed |  |")
+    assert "failed: TrainingError: loss is NaN in session 1 (Vanilla lr)" in md
+
+
+def test_quick_mode_trains_a_quarter_of_the_epochs_on_one_seed_and_says_so(tmp_path):
+    data, proto = _two_job_table(tmp_path)
+    data["rows"] = data["rows"][:1]
+    toy = toy_protocol_dict(2)
+    toy["training"].update(epochs_base=8, epochs_incremental=6)
+    (tmp_path / "toy.yaml").write_text(yaml.safe_dump(toy))
+    table = parse_table(data, "toy.yaml")
+    assert plan_table(table, stand_in=True, quick=True, protocols=[proto]).quick
+    out = tmp_path / "rep"
+    summary = run_reproduce(
+        table, [3, 4], out, stand_in=True, quick=True, protocols=[proto], echo=lambda *a: None, progress=False,
+        cache_dir=tmp_path / "cache",
+    )  # fmt: skip
+    assert summary["seeds"] == [3] and summary["quick"] is True
+    config = (out / "toy" / "seed-3" / "config.yaml").read_text()
+    assert "epochs_base: 2" in config and "epochs_incremental: 1" in config  # 8 // 4, 6 // 4
+    assert not (out / "toy" / "seed-4").exists()
+    md = (out / "reproduce.md").read_text()
+    assert "QUICK mode (1/4 of the epochs, one seed" in md and "2 of 2 cells" in md
