@@ -2,7 +2,7 @@
 
 A page writes a marker; the hook replaces it when the site is built:
 
-- ``<!-- generated:methods -->``: every registered method (name, options block, paper, description);
+- ``<!-- generated:methods -->``: every registered method (name, options block, paper, description, fidelity);
 - ``<!-- generated:events -->``: the loop's events in firing order;
 - ``<!-- generated:defaults -->``: the loop's default plugins and what each does;
 - ``<!-- generated:paper-tables -->``: the paper's tables shipped as data (``jascl reproduce --list``);
@@ -26,12 +26,17 @@ def _cell(text: str) -> str:
 
 def _methods() -> str:
     from jascl.methods import METHODS
+    from jascl.methods.fidelity import Fidelity
 
-    rows = ["| method | options | paper | description |", "|---|---|---|---|"]
+    rows = ["| method | options | paper | description | fidelity |", "|---|---|---|---|---|"]
     for name in METHODS.list():
         info = METHODS.summary(name)
         block = f"`method_args.{info.options_key}`" if info.options else "—"
-        rows.append(f"| `{name}` | {block} | {_cell(info.paper) or '—'} | {_cell(info.doc)} |")
+        fid = Fidelity(info.fidelity, info.flags)
+        rows.append(
+            f"| `{name}` | {block} | {_cell(info.paper) or '—'} | {_cell(info.doc)} | "
+            f"[{fid.mark}] {_cell(fid.text())} |"
+        )
     return "\n".join(rows)
 
 

@@ -1,7 +1,8 @@
 """FSCIL-SS and BCM (few-shot baselines acting in incremental sessions only).
 
-Pure rules on hand-computed tiny tensors; each plugin on the toy two-session protocol (session 0 trained
-once for the module, session 1 with the method), FSCIL-SS with and without an unlabelled pool.
+Pure rules on hand-computed tiny tensors (BCM: the official IBM/BCM mapping, under-sampling, folds, refiner and
+prediction rule); each plugin on the toy two-session protocol (session 0 trained once for the module, session 1
+with the method), FSCIL-SS with and without an unlabelled pool.
 """
 
 import json
@@ -18,10 +19,15 @@ from jascl.engine.loop import ContinualTrainer
 from jascl.engine.prototypes import PrototypeStore
 from jascl.errors import ConfigError
 from jascl.methods import Method, Plugin
-from jascl.methods.baselines.fewshot.bcm import (
-    mine_relevant_base_classes,
-    relevant_anchor_loss,
-    relevant_logit_constraint,
+from jascl.methods.baselines.fewshot._bcm_refiner import (
+    Refiner,
+    fit_logistic,
+    fit_refiner,
+    mine_base_classes,
+    predict_proba,
+    refine,
+    stratified_folds,
+    under_sample,
 )
 from jascl.methods.baselines.fewshot.fscil_ss import (
     predictive_uncertainty,
@@ -91,60 +97,54 @@ def test_ss_distillation_hand_values_over_labelled_and_pool_pixels():
 # ----------------------------------------------------------------------------- BCM: pure rules
 
 
-def test_mining_takes_the_most_similar_base_prototypes_with_softmax_weights():
-    novel = torch.tensor([[1.0, 0.0]])
-    base = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # cosines with novel: 1, 0, 1/sqrt 2
-    index, weight = mine_relevant_base_classes(novel, base, top_k=2, temperature=0.1)
-    assert index.tolist() == [[0, 2]]
-    w0 = 1 / (1 + math.exp(-(1 - 1 / math.sqrt(2)) / 0.1))  # softmax(10, 7.071)[0] = 0.949282
-    assert weight[0].tolist() == pytest.approx([w0, 1 - w0], abs=1e-5)
-    # top_k above the number of base classes is clipped; every row sums to 1
-    index, weight = mine_relevant_base_classes(novel, base, top_k=5, temperature=0.1)
-    assert index.tolist() == [[0, 2, 1]] and weight.sum().item() == pytest.approx(1.0)
-    # ties keep the lower index first and share the weight equally
-    index, weight = mine_relevant_base_classes(torch.tensor([[1.0, 1.0]]), base[:2], top_k=2, temperature=0.5)
-    assert index.tolist() == [[0, 1]] and weight[0].tolist() == pytest.approx([0.5, 0.5])
+def test_bcm_mapping_takes_the_base_rows_predicted_most_on_each_novel_class():
+    # novel class 7: base rows 0 (x3), 2 (x2); novel class 9: base rows 1 (x2), 2 (x2) -> tie, smaller row first
+    base_pred = torch.tensor([0, 0, 0, 2, 2, 1, 1, 2, 2, 1])
+    labels = torch.tensor([7, 7, 7, 7, 7, 9, 9, 9, 9, 0])
+    assert mine_base_classes(base_pred, labels, [7, 9], top_k=1) == {0: [7], 1: [9]}
+    assert mine_base_classes(base_pred, labels, [7, 9], top_k=2) == {0: [7], 1: [9], 2: [7, 9]}
+    assert mine_base_classes(base_pred, labels, [5], top_k=1) == {}  # a class without pixels maps nowhere
 
 
-def test_relevant_logit_constraint_acts_on_novel_pixels_and_relevant_rows_only():
-    # 1 x 3 pixels; rows 0..3; novel row 3 at pixel 0 only (pixel 2 ignored)
-    target = torch.tensor([[[3, 0, 255]]])
-    teacher = torch.zeros(1, 3, 1, 3)
-    teacher[0, 1, 0, 0] = 1.0
-    student = torch.zeros(1, 4, 1, 3)
-    student[0, 1, 0, 0], student[0, 2, 0, 0] = 2.0, 1.0  # diffs at pixel 0: row 1 -> 1, row 2 -> 1
-    student[0, 0, 0, 0] = 5.0  # row 0 is not relevant: no effect
-    student[0, 1, 0, 1] = 9.0  # pixel 1 is background: no effect
-    relevant, weight = torch.tensor([[1, 2]]), torch.tensor([[0.75, 0.25]])
-    # 0.75 * (2 - 1)^2 + 0.25 * (1 - 0)^2 = 1.0 over one pixel
-    value = relevant_logit_constraint(student, teacher, target, [3], relevant, weight)
-    assert value.item() == pytest.approx(1.0)
-    # two novel pixels share one mean: pixel 1 labelled 3 too with zero change -> 1.0 / 2
-    student_p1 = student.clone()
-    student_p1[0, 1, 0, 1] = 0.0
-    both = relevant_logit_constraint(student_p1, teacher, torch.tensor([[[3, 3, 255]]]), [3], relevant, weight)
-    assert both.item() == pytest.approx(0.5)
-    # no novel pixel: 0, still attached to the student's graph
-    s = student.clone().requires_grad_(True)
-    none = relevant_logit_constraint(s, teacher, torch.tensor([[[0, 0, 255]]]), [3], relevant, weight)
-    assert none.item() == 0.0 and none.requires_grad
-    # 3D (B, K, D, H, W)
-    vol = relevant_logit_constraint(
-        student.view(1, 4, 1, 1, 3), teacher.view(1, 3, 1, 1, 3), target.view(1, 1, 1, 3), [3], relevant, weight
+def test_under_sampling_keeps_the_rarest_nonzero_count_of_every_class():
+    y = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 2, 2])
+    keep = under_sample(y, torch.Generator().manual_seed(0))
+    assert torch.bincount(y[keep]).tolist() == [2, 2, 2]
+    assert keep.tolist() == sorted(keep.tolist())
+    assert under_sample(torch.zeros(4, dtype=torch.long), torch.Generator()).tolist() == [0, 1, 2, 3]
+
+
+def test_stratified_folds_cut_each_class_in_consecutive_chunks():
+    y = torch.tensor([0, 1, 0, 1, 0, 1, 0])  # class 0 at 0, 2, 4, 6; class 1 at 1, 3, 5
+    assert [f.tolist() for f in stratified_folds(y, 2)] == [[0, 1, 2, 3], [4, 5, 6]]
+
+
+def test_logistic_regression_minimises_scikit_learns_objective():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 3, generator=g, dtype=torch.float64)
+    y = (x[:, 0] + 0.3 * torch.randn(40, generator=g, dtype=torch.float64) > 0).long()
+    w = fit_logistic(x, y, 2, c=1.0).requires_grad_(True)
+    objective = 0.5 * (w[:, :-1] ** 2).sum() + torch.nn.functional.cross_entropy(
+        x @ w[:, :-1].T + w[:, -1], y, reduction="sum"
     )
-    assert vol.item() == pytest.approx(1.0)
+    (grad,) = torch.autograd.grad(objective, [w])
+    assert grad.abs().max() < 1e-4  # a stationary point of the (convex) objective: its minimum
+    assert ((predict_proba(w.detach(), x).argmax(1) == y).float().mean()) > 0.85
 
 
-def test_relevant_anchor_loss_hand_value():
-    rows = torch.tensor([[0.0, 0.0], [1.0, 1.0], [2.0, 0.0], [5.0, 5.0]])
-    anchors = torch.tensor([[0.0, 0.0], [0.0, 1.0], [2.0, 2.0]])
-    # 0.75 * |(1,1)-(0,1)|^2 + 0.25 * |(2,0)-(2,2)|^2 = 0.75 + 1.0; row 3 (novel) is never anchored
-    assert relevant_anchor_loss(rows, anchors, torch.tensor([[1, 2]]), torch.tensor([[0.75, 0.25]])).item() == (
-        pytest.approx(1.75)
-    )
-    # a base row relevant to two novel classes counts once per class
-    two = relevant_anchor_loss(rows, anchors, torch.tensor([[1], [1]]), torch.tensor([[1.0], [0.5]]))
-    assert two.item() == pytest.approx(1.5)
+def test_refiner_separates_its_novel_class_and_the_rule_overrides_only_its_base_row():
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([torch.randn(30, 2, generator=g) - 2, torch.randn(30, 2, generator=g) + 2])
+    y = torch.cat([torch.zeros(30, dtype=torch.long), torch.full((30,), 5)])  # class 5 is the novel class
+    refiner = fit_refiner(x, y, base_row=0, novel=[5], generator=torch.Generator().manual_seed(0))
+    assert refiner.novel == [5] and refiner.weights.shape == (2, 3)
+    base_pred = torch.tensor([0, 0, 1])  # the third pixel is predicted as base row 1: the refiner of row 0 skips it
+    feats = torch.tensor([[2.0, 2.0], [-2.0, -2.0], [2.0, 2.0]])
+    rows = Refiner(0, [7], refiner.weights)  # novel class 5 as classifier row 7
+    assert refine(base_pred, feats, [rows]).tolist() == [7, 0, 1]
+    # two refiners of one row: the more probable novel prediction wins
+    sure = Refiner(0, [8], torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 50.0]], dtype=torch.float64))
+    assert refine(base_pred, feats, [rows, sure]).tolist() == [8, 8, 1]
 
 
 def test_options_are_checked():
@@ -155,6 +155,8 @@ def test_options_are_checked():
         )
     with pytest.raises(ConfigError, match="method_args.bcm"):
         create_method("bcm", resolve_config(protocol.training, "x.yaml", overrides=["method_args.bcm.top_k=0"]))
+    with pytest.raises(ConfigError, match="method_args.bcm"):
+        create_method("bcm", resolve_config(protocol.training, "x.yaml", overrides=["method_args.bcm.folds=1"]))
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -255,50 +257,32 @@ def test_fscil_ss_without_a_pool_is_distillation_only_and_the_term_is_the_pure_f
     assert "pseudo_labels" not in record
 
 
-def test_bcm_mines_by_prototype_similarity_and_its_terms_are_the_pure_functions(base, tmp_path):
+def test_bcm_keeps_the_base_model_and_refines_its_prediction_with_the_mapped_refiners(base, tmp_path):
+    """BCM's defining parts: the base model is not trained again, the novel class is mapped to the base row the
+    model predicts most on its pixels, and evaluation predicts the novel class only through that row's refiner."""
     protocols, data, base_dir = base
     protocol = protocols["plain"]
     config = _config(protocol)
     method = create_method("bcm", config)
-    plugin = method.plugins[0]
-    mined = {}
-
-    class Mine(Plugin):
-        name = "mine"
-
-        def before_session(self, state):
-            if state.session.index == 1:  # the same session-start model the plugin mined with
-                novel = state.compute_prototypes([3])[3].cpu()
-                base_protos = torch.stack([state.prototypes.entries[(0, c)] for c in (1, 2)])
-                mined["expected"] = mine_relevant_base_classes(novel[None], base_protos, 3, 0.1)
-                mined["anchor"] = plugin.teacher.classifier.weight.detach().clone()
-
-    def recompute(state):
-        with torch.no_grad():
-            teacher = plugin.teacher(state.batch["image"].to(state.device))[:, : plugin.num_old]
-        logit = relevant_logit_constraint(
-            state.output.logits.detach(), teacher, state.target, [3], plugin.relevant_rows, plugin.relevance
-        )
-        anchor = relevant_anchor_loss(
-            state.model.classifier.weight.detach(), mined["anchor"], plugin.relevant_rows, plugin.relevance
-        )
-        return {k: float(v.detach()) for k, v in state.losses.items()}, float(logit), float(anchor)
-
-    check = Check(recompute)
-    method.plugins += [Mine(), check]
-    _, model, _ = _session1(protocol, config, method, data["plain"], base_dir, tmp_path / "s1")
-
-    # rows: seen = [0, 1, 2, 3] -> class c is row c; top_k 3 is clipped to the 2 base classes
-    index, weight = mined["expected"]
-    assert plugin.relevant_rows is None  # released after the session
+    (plugin,) = method.plugins
+    trainer, model, _ = _session1(protocol, config, method, data["plain"], base_dir, tmp_path / "s1")
+    base_model, _, _ = trainer.load_session(base_dir, 0)
+    after, before = model.state_dict(), base_model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items() if k in after and after[k].shape == v.shape)
+    assert plugin.base_classes == [0, 1, 2]
     record = json.loads((tmp_path / "s1" / "metrics.json").read_text())
-    relevance = record["bcm_relevance"]["3"]
-    assert [c for c, _ in relevance] == [[1, 2][int(i)] for i in index[0]]
-    assert [w for _, w in relevance] == pytest.approx(weight[0].tolist(), abs=1e-6)
-    assert sum(w for _, w in relevance) == pytest.approx(1.0)
-    # each step's terms are the pure functions on the step's tensors; both act by the second step
-    for terms, logit, anchor in check.seen:
-        assert terms["bcm_logit"] == pytest.approx(logit, rel=1e-5, abs=1e-12)
-        assert terms["bcm_anchor"] == pytest.approx(anchor, rel=1e-5, abs=1e-12)
-    assert check.seen[0][0]["bcm_anchor"] == 0.0  # rows start at their anchors
-    assert check.seen[-1][0]["bcm_anchor"] > 0 and check.seen[-1][0]["bcm_logit"] > 0
+    ((session, refiner),) = plugin.refiners
+    assert session == 1 and refiner.novel == [3]
+    assert record["bcm_mapping"] == {"3": [refiner.base_row]}
+    # the head: base rows' argmax, overridden by the refiner where it predicts class 3
+    state = type("S", (), {"seen": [0, 1, 2, 3], "session": protocol.sessions[1], "model": model})()
+    state.session = type("Sess", (), {"index": 1})()
+    head = plugin.head(state)
+    features = torch.randn(1, model.classifier.in_channels, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = head(features)
+        base_pred = model.classifier(features)[:, :3].argmax(1)
+        x = features.movedim(1, -1).reshape(-1, features.shape[1])
+        expected = refine(base_pred.reshape(-1), x, [Refiner(refiner.base_row, [3], refiner.weights)])
+    assert logits.shape == (1, 4, 4, 4) and torch.equal(logits.argmax(1).reshape(-1), expected)
+    assert set(logits.unique().tolist()) <= {0.0, -30.0}

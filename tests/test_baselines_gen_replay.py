@@ -1,6 +1,7 @@
-"""Gen-Replay (replay family): hand-computed values of the pure functions, the generator's shapes and its
-kept state, and the generator fitted to closed-form statistics. (The method end to end runs in the
-registry-wide tests.)"""
+"""Gen-Replay (replay family): hand-computed values of the pure functions, the conv generator's shapes, its kept
+state and its fit to closed-form statistics; the diffusion prior (the paper's row): its pieces by hand, a prior that
+learns a 2D pattern and, slice-wise, a depth gradient, its kept state, the bank, and the refusal without diffusers.
+(The method end to end runs in the registry-wide tests.)"""
 
 import math
 
@@ -10,19 +11,21 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from jascl.engine.config import RunConfig
+from jascl.methods.baselines.replay._gen_sources import ConvSource, DiffusionSource
 from jascl.methods.baselines.replay._generator import (
     NormInputTaps,
     TinyGenerator,
     channel_moments,
     class_frequency,
     class_prior_loss,
+    fit_to_statistics,
     mix_moments,
     moment_matching_loss,
     one_hot_like_targets,
     pixel_entropy,
     soft_cross_entropy,
 )
-from jascl.methods.baselines.replay.gen_replay import GenReplayOptions, GenReplayPlugin, fit_to_statistics
+from jascl.methods.baselines.replay.gen_replay import GenReplayOptions, GenReplayPlugin
 from jascl.methods.registry import METHODS, create_method
 
 # ----------------------------------------------------------------------------- statistics
@@ -170,25 +173,30 @@ def test_fitted_generator_reproduces_the_reference_image_statistics():
     assert x.var().item() == pytest.approx(0.04, abs=0.02)
 
 
-def test_extra_state_round_trips_the_generator_through_safetensors(tmp_path):
-    plugin = GenReplayPlugin(GenReplayOptions(z_dim=4, channels=3, upsamplings=1))
+def test_extra_state_round_trips_the_conv_generator_through_safetensors(tmp_path):
+    plugin = GenReplayPlugin(GenReplayOptions(generator="conv", z_dim=4, channels=3, upsamplings=1))
+    assert isinstance(plugin.source, ConvSource)
     assert plugin.extra_state() == {}
     torch.manual_seed(0)
-    plugin.generator = TinyGenerator(4, 3, 1, (6, 10), upsamplings=1).eval()
-    plugin.images, plugin.trained_through = 12.0, 1
+    plugin.source.generator = TinyGenerator(4, 3, 1, (6, 10), upsamplings=1).eval()
+    plugin.source.images, plugin.trained_through = 12.0, 1
     save_file(plugin.extra_state(), tmp_path / "extra.safetensors")
-    other = GenReplayPlugin()
+    other = GenReplayPlugin(GenReplayOptions(generator="conv"))
     other.load_extra_state(load_file(tmp_path / "extra.safetensors"))
-    assert (other.images, other.trained_through) == (12.0, 1)
-    assert other.generator is not None and other.generator.size == (6, 10) and other.generator.base == (3, 5)
+    assert (other.source.images, other.trained_through) == (12.0, 1)
+    g = other.source.generator
+    assert g is not None and g.size == (6, 10) and g.base == (3, 5)
     z = torch.randn(2, 4)
-    assert torch.equal(other.generator(z), plugin.generator(z))
+    assert torch.equal(g(z), plugin.source.generator(z))
 
 
 def test_registered_with_its_options_and_loss_term():
     plugin = create_method("gen-replay", RunConfig()).plugins[0]
     assert "gen-replay" in METHODS.list()
     assert isinstance(plugin, GenReplayPlugin)
+    assert isinstance(plugin.source, DiffusionSource)  # the paper's row: a diffusion model
     assert plugin.loss_terms == ("gen_replay_replay",)
     assert not plugin.changes_base_session  # the shared vanilla base; its generator is fitted when it is restored
     assert plugin.o == GenReplayOptions()
+    conv = create_method("gen-replay", RunConfig(method_args={"gen-replay": {"generator": "conv"}})).plugins[0]
+    assert isinstance(conv.source, ConvSource)

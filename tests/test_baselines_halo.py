@@ -142,6 +142,7 @@ def test_registered_with_the_official_defaults(toy_config):
     assert plugin.loss_terms == ("halo_hyp", "halo_al")
     assert (plugin.budget, plugin.rounds, plugin.region_radius, plugin.mask_radius) == (0.05, 5, 1, 5)
     assert (plugin.channels, plugin.curvature, plugin.hfr) == (64, 1.0, True)
+    assert plugin.oracle  # active learning as published: the acquired pixels are annotated
 
 
 def test_acquire_pseudo_labels_the_best_region_with_the_model_argmax():
@@ -168,7 +169,8 @@ def test_acquire_pseudo_labels_the_best_region_with_the_model_argmax():
     g = torch.Generator().manual_seed(0)
     images = [torch.rand(1, 8, 8, generator=g).numpy() for _ in range(2)]
     pool = Split(images, [np.zeros((8, 8), dtype=np.int64)] * 2)
-    plugin = HALOPlugin(budget=0.6, rounds=2, region_radius=1, mask_radius=2)  # ceil(64 * 0.3 / 9) = 3 regions
+    # self-training (no oracle); ceil(64 * 0.3 / 9) = 3 regions
+    plugin = HALOPlugin(budget=0.6, rounds=2, region_radius=1, mask_radius=2, oracle=False)
     torch.manual_seed(0)
     plugin.head = HyperbolicHead(3, 3, channels=4)
     plugin.pseudo = torch.full((2, 8, 8), 255, dtype=torch.long)
@@ -193,3 +195,101 @@ def test_acquire_pseudo_labels_the_best_region_with_the_model_argmax():
     first = plugin.pseudo.clone()
     plugin.acquire(state)
     assert torch.equal(plugin.pseudo[first != 255], first[first != 255]) and plugin.rounds_done == 2
+
+
+def test_oracle_rows_map_the_truth_to_rows_and_keep_missing_truth_ignored():
+    import numpy as np
+
+    from jascl.methods.baselines.semi.halo import oracle_rows
+
+    seen = [0, 2, 5, 7]  # classifier rows 0..3
+    lut = {c: r for r, c in enumerate(seen)} | {255: 255}
+
+    def class_index(ids):
+        return torch.tensor([lut[int(i)] for i in ids.flatten()]).view_as(ids)
+
+    truth = np.array([[0, 5, 7], [9, 255, 2]], dtype=np.uint8)  # 9: a class the session does not teach
+    rows = oracle_rows(truth, [5, 7], "background", class_index)
+    assert rows.tolist() == [[0, 2, 3], [0, 255, 0]]  # 2 is not taught either: background, as labelled data
+    rows = oracle_rows(truth, [5, 7], "ignore", class_index)
+    assert rows.tolist() == [[0, 2, 3], [255, 255, 255]]
+
+
+def _acquiring_plugin(oracle, pool, budget=0.6):
+    from types import SimpleNamespace
+
+    from jascl.methods.baselines.semi._hyperbolic import HyperbolicHead
+    from jascl.methods.baselines.semi.halo import HALOPlugin
+
+    plugin = HALOPlugin(budget=budget, rounds=2, region_radius=1, mask_radius=2, oracle=oracle)
+    torch.manual_seed(0)
+    plugin.head = HyperbolicHead(3, 3, channels=4)
+    plugin.pseudo = torch.full((len(pool), 8, 8), 255, dtype=torch.long)
+    plugin.excluded = torch.zeros(len(pool), 8, 8, dtype=torch.bool)
+    plugin._loader = SimpleNamespace(batch_size=2)
+    return plugin
+
+
+def test_oracle_reveals_the_pool_truth_of_the_acquired_pixels_and_skips_pixels_without_truth():
+    """HALO's defining part: acquired pixels take the ground truth (here class 5 = row 1 on a diagonal band), not
+    the model's argmax (row 2 everywhere); pixels the pool has no truth for (255) are never acquired."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from jascl.networks.base import SegmenterOutput
+
+    class Fixed(torch.nn.Module):  # logits: row 2 wins everywhere; features: the image itself
+        def forward_features(self, x):
+            logits = torch.stack([x[:, 0], 0 * x[:, 0], 2 + 0 * x[:, 0]], dim=1)
+            return SegmenterOutput(logits, x.repeat(1, 3, 1, 1))
+
+    class Split:
+        def __init__(self, images, labels):
+            self.images, self.labels = images, labels
+
+        def __len__(self):
+            return len(self.images)
+
+    g = torch.Generator().manual_seed(0)
+    images = [torch.rand(1, 8, 8, generator=g).numpy() for _ in range(2)]
+    truth = np.zeros((8, 8), dtype=np.uint8)
+    truth[np.abs(np.subtract.outer(np.arange(8), np.arange(8))) <= 1] = 5
+    missing = np.full((8, 8), 255, dtype=np.uint8)  # a borrowed pool image: no label file
+    missing[:, :2] = 0
+    pool = Split(images, [truth, missing])
+    seen = [0, 5, 7]
+
+    def class_index(ids):
+        lut = torch.full((256,), -1, dtype=torch.long)
+        lut[255] = 255
+        for r, c in enumerate(seen):
+            lut[c] = r
+        return lut[ids.long()]
+
+    session = SimpleNamespace(classes=(5, 7), other_classes="background")
+    state = SimpleNamespace(
+        model=Fixed(),
+        data=SimpleNamespace(unlabelled=pool),
+        device=torch.device("cpu"),
+        session=session,
+        class_index=class_index,
+    )
+    plugin = _acquiring_plugin(True, pool)
+    added = plugin.acquire(state)
+    plugin.acquire(state)
+    labelled = plugin.pseudo != 255
+    assert added > 0 and plugin.revealed == int(labelled.sum())
+    expected = class_index(torch.from_numpy(truth))
+    assert torch.equal(plugin.pseudo[0][labelled[0]], expected[labelled[0]])  # the truth, rows 0 and 1
+    assert set(plugin.pseudo[0][labelled[0]].tolist()) <= {0, 1} and 2 not in plugin.pseudo[labelled].tolist()
+    assert labelled[1].any() and not labelled[1][:, 2:].any()  # image 1: only its two labelled columns
+    # without the oracle the same acquisition labels with the model's argmax (row 2) and reveals nothing
+    self_training = _acquiring_plugin(False, pool)
+    self_training.acquire(state)
+    assert set(self_training.pseudo[self_training.pseudo != 255].tolist()) == {2} and self_training.revealed == 0
+    # the session's record states what the oracle revealed
+    state.seen, state.report = seen, {}
+    plugin.after_training(state)
+    record = state.report["pseudo_labels"]
+    assert record["filter"] == "oracle" and record["revealed"] == plugin.revealed and record["precision"] == 1.0

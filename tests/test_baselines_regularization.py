@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import toy_protocol_dict
+from jascl.data.sampling import derive_seed
 from jascl.data.synthetic import load_or_generate
 from jascl.engine.config import resolve_config
 from jascl.engine.loop import ContinualTrainer
@@ -35,7 +36,13 @@ from jascl.methods.baselines.regularization.ucl import NodeGaussian, ucl_layer_t
 from jascl.methods.baselines.sharpness._shared import ascent_step, frozen_bn_statistics
 from jascl.methods.baselines.sharpness.c_flat import c_flat_gradient
 from jascl.methods.baselines.sharpness.sam import SAMPlugin, sam_gradient
-from jascl.methods.baselines.sharpness.star import STARPlugin, star_kl, star_layer_step
+from jascl.methods.baselines.sharpness.star import (
+    STARPlugin,
+    perturbed_weights,
+    star_kl,
+    star_layer_step,
+    worst_case_perturbation,
+)
 from jascl.methods.registry import create_method
 from jascl.networks.classifier import PixelClassifier
 from jascl.protocols import parse_protocol
@@ -334,27 +341,118 @@ def test_star_kl_and_layer_step_by_hand():
     assert torch.allclose(star_layer_step([w], [g], 0.1)[0], torch.tensor([[0.0, 0.5]]))  # 0.1 * ||w||=5 * g/||g||
 
 
-def test_star_perturbation_has_the_layer_relative_size_and_increases_the_kl():
+def test_star_kl_is_per_pixel_on_dense_logits():
+    clean = torch.zeros(1, 2, 1, 2)  # p = (1/2, 1/2) at both pixels
+    pert = torch.tensor([math.log(3.0), 0.0]).view(1, 2, 1, 1).expand(1, 2, 1, 2)  # q = (3/4, 1/4)
+    kl = 0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.5 / 0.25)
+    assert star_kl(clean, pert, torch.tensor([[[1.0, 1.0]]])).item() == pytest.approx(kl, rel=1e-5)
+    assert star_kl(clean, pert, torch.tensor([[[0.0, 0.0]]])).item() == 0.0
+
+
+class _Dense(nn.Module):
+    """A two-layer dense "segmenter" (1x1 convolutions with a bias): what STAR perturbs is its two weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(2, 4, 1), nn.Conv2d(4, 3, 1)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_star_perturbs_every_weight_by_its_layer_relative_size_and_beats_random_directions():
     torch.manual_seed(0)
-    clf = PixelClassifier(4, 3, cosine=True)
-    protos = torch.randn(6, 4)
+    net = _Dense()
+    x = torch.randn(3, 2, 4, 4)
     with torch.no_grad():
-        clean = clf(protos)
-    mask = torch.ones(6)
-    plugin = STARPlugin(gamma=0.05, init_scale=1e-3)
-    delta = plugin.perturbation(clf, protos, clean, mask)["weight"]
-    # gamma * ||w|| from the ascent step, plus the 1e-3 * ||w|| random start
-    assert delta.norm().item() == pytest.approx(0.05 * clf.weight.norm().item(), rel=0.03)
-    shifted = torch.func.functional_call(clf, {"weight": clf.weight.detach() + delta}, (protos,))
+        clean = net(x)
+    mask = torch.ones(3, 4, 4)
+    assert set(perturbed_weights(net)) == {"a.weight", "b.weight"}  # biases are left alone
+    delta = worst_case_perturbation(net, x, clean, mask, 0.05, 1, 1e-3, torch.Generator().manual_seed(0))
+    for name, w in perturbed_weights(net).items():  # gamma * ||w_l|| per layer (plus the 1e-3 random start)
+        assert delta[name].norm().item() == pytest.approx(0.05 * w.norm().item(), rel=0.03)
+    params = dict(net.named_parameters())
+    worst = star_kl(clean, torch.func.functional_call(net, {n: params[n] + d for n, d in delta.items()}, (x,)), mask)
     gen = torch.Generator().manual_seed(1)
     random_kls = []
-    for _ in range(8):  # same size, random directions
-        random = torch.randn(delta.shape, generator=gen)
-        random = random * (delta.norm() / random.norm())
-        random_kls.append(
-            star_kl(clean, torch.func.functional_call(clf, {"weight": clf.weight.detach() + random}, (protos,)), mask)
-        )
-    assert star_kl(clean, shifted, mask) > max(random_kls)  # the ascent direction beats random ones
+    for _ in range(8):  # same sizes, random directions
+        shifted = {}
+        for n, d in delta.items():
+            r = torch.randn(d.shape, generator=gen)
+            shifted[n] = params[n] + r * (d.norm() / r.norm())
+        random_kls.append(star_kl(clean, torch.func.functional_call(net, shifted, (x,)), mask))
+    assert worst > max(random_kls)  # the ascent direction beats random ones
+
+
+def test_star_plugin_appends_memory_samples_and_adds_the_kl_at_the_perturbed_point():
+    """STAR's defining parts: a replay buffer of earlier samples (ER: they join the batch) and the KL term on them,
+    whose gradient is the gradient at w + dw."""
+    from jascl.methods.labelled_memory import LabelledMemory
+    from jascl.networks.base import SegmenterOutput
+
+    class Seg(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = _Dense()
+
+        def forward_features(self, x):
+            return SegmenterOutput(self.net(x), x)
+
+    torch.manual_seed(0)
+    memory = LabelledMemory(4)
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(4, 2, 4, 4, generator=g)
+    labels = torch.randint(0, 3, (4, 4, 4), generator=g).to(torch.uint8)
+    memory.add_session(0, images, list(labels), torch.Generator().manual_seed(0))
+    assert len(memory) == 4
+    model = Seg()
+    with torch.no_grad():  # the memory labels become what the model predicts there, so every pixel counts
+        memory.labels = model.forward_features(memory.images).logits.argmax(1).to(torch.uint8)
+    plugin = STARPlugin(memory, weight=0.1, gamma=0.05, replay_batch=2)
+    state = SimpleNamespace(
+        seed=1,
+        session=SimpleNamespace(index=1),
+        epoch=0,
+        iteration=0,
+        config=SimpleNamespace(batch_size=2),
+        device=torch.device("cpu"),
+        model=model,
+        losses={},
+        class_index=lambda ids: ids,
+        batch={"image": torch.zeros(2, 2, 4, 4), "label": torch.zeros(2, 4, 4, dtype=torch.long), "id": ["x", "y"]},
+    )
+    plugin.before_iteration(state)  # ER: two memory samples join the batch
+    assert state.batch["image"].shape == (4, 2, 4, 4) and state.batch["id"][2:] == ["star-memory"] * 2
+    assert any(torch.equal(state.batch["image"][2], m) for m in memory.images)
+    plugin.after_forward(state)
+    loss = state.losses["star"]
+    assert loss.item() > 0
+    loss.backward()
+    assert model.net.a.weight.grad.abs().sum() > 0  # the whole network, not only the classifier
+    # the gradient is the KL's gradient at the perturbed point (recomputed here with the same draw)
+    drawn = plugin._draw(state, "star")
+    x = drawn["image"]
+    with torch.no_grad():
+        clean = model.forward_features(x).logits
+    mask = torch.ones(clean.argmax(1).shape)
+    start = torch.Generator().manual_seed(
+        derive_seed(state.seed, state.session.index, state.epoch, state.iteration, "star-start")
+    )
+    delta = worst_case_perturbation(model.net, x, clean, mask, 0.05, 1, 1e-3, start)
+    weights = dict(model.net.named_parameters())
+    w = weights["b.weight"].detach().clone().requires_grad_(True)
+    shifted = {n: (w if n == "b.weight" else weights[n].detach()) + delta[n] for n in delta}
+    expected = 0.1 * star_kl(clean, torch.func.functional_call(model.net, shifted, (x,)), mask)
+    (grad,) = torch.autograd.grad(expected, [w])
+    assert torch.allclose(model.net.b.weight.grad, grad, atol=1e-6)
+
+
+def test_star_is_registered_with_the_readme_defaults_and_a_memory():
+    method = create_method("star", resolve_config())
+    store, plugin = method.plugins
+    assert store.name == "labelled-memory" and store.memory is plugin.memory and store.memory.size == 20
+    assert (plugin.weight, plugin.gamma, plugin.steps, plugin.er) == (0.1, 0.01, 1, True)
+    assert method.freeze_policy("all_but_classifier") == "none"
 
 
 # ---------------------------------------------------------------------------- end to end on the toy protocol
@@ -405,7 +503,7 @@ def _run_two_sessions(toy, name, tmp_path, overrides=()):
 def test_method_end_to_end_with_freeze_none(toy, name, tmp_path):
     """Term absent in session 0 and non-zero in session 1; freeze=none lets the method train the backbone."""
     method, probe, model, after_base = _run_two_sessions(toy, name, tmp_path, [f"method_args.{name}.freeze=none"])
-    plugin = method.plugins[0]
+    plugin = [p for p in method.plugins if p.name != "labelled-memory"][0]
     assert (tmp_path / "s1" / "metrics.json").exists()
     key = LOSS_KEY.get(name)
     assert set(plugin.loss_terms) == ({key} if key else set())

@@ -173,3 +173,65 @@ def test_toy_run_with_an_embeddings_file(tmp_path):
     model = load_file(str(folder / "model.safetensors"))
     assert torch.equal(model["classifier.weight"][:3], base["classifier.weight"])
     assert torch.equal(model["classifier.weight"][3], torch.zeros(8))
+
+
+# ----------------------------------------------------------------------------- the universal model's released weights
+
+
+def _universal_checkpoint(path, feature_size=12, seed=0):
+    """A file laid out as the authors' released ``clip_driven_universal_swin_unetr.pth``: ``{"net": state}`` with the
+    Swin UNETR body under ``module.backbone.`` (MONAI's SwinUNETR names, its output block included) and the universal
+    head beside it (``controller``, ``organ_embedding``, ``text_to_vision``, ``GAP``, ``precls_conv``), at toy width."""
+    from monai.networks.nets import SwinUNETR
+
+    torch.manual_seed(seed)
+    body = SwinUNETR(in_channels=1, out_channels=32, feature_size=feature_size, spatial_dims=3)
+    state = {f"module.backbone.{k}": v for k, v in body.state_dict().items()}
+    state.update(
+        {
+            "module.precls_conv.0.weight": torch.ones(feature_size),
+            "module.precls_conv.2.weight": torch.randn(8, feature_size, 1, 1, 1),
+            "module.GAP.3.weight": torch.randn(256, 16 * feature_size, 1, 1, 1),
+            "module.controller.weight": torch.randn(153, 512, 1, 1, 1),
+            "module.controller.bias": torch.randn(153),
+            "module.organ_embedding": torch.randn(32, 512),
+            "module.text_to_vision.weight": torch.randn(256, 512),
+        }
+    )
+    torch.save({"net": state, "epoch": 0}, path)
+    return state
+
+
+def test_the_universal_models_released_weights_load_through_weights_into_swinunetr(tmp_path):
+    """What ``--weights clip_driven_universal_swin_unetr.pth --backbone swinunetr`` does (``RunConfig.weights``,
+    loaded into the session-0 model): the body's every tensor is loaded; the universal head and the body's output
+    block, which jascl's backbone replaces, are skipped; a body of another width is refused in one line."""
+    from jascl.engine.loop import ContinualTrainer
+    from jascl.engine.plugin import Method
+    from jascl.errors import CheckpointError
+
+    path = tmp_path / "clip_driven_universal_swin_unetr.pth"
+    state = _universal_checkpoint(path)
+    protocol = parse_protocol(toy_protocol_dict(3), source="toy-3d.yaml")
+
+    def trainer(feature_size):
+        config = resolve_config(
+            protocol.training,
+            "toy-3d.yaml",
+            overrides=[
+                "backbone=swinunetr",
+                f"backbone_args={{feature_size: {feature_size}}}",
+                f"weights={path}",
+                "patch_size=[64, 64, 64]",
+            ],
+        )
+        return ContinualTrainer(protocol, config, Method("vanilla"), {}, progress=False)
+
+    model = trainer(12).initial_model(3)
+    loaded = model.backbone.state_dict()
+    body = {k[len("module.backbone.") :]: v for k, v in state.items() if k.startswith("module.backbone.")}
+    assert all(torch.equal(loaded[f"net.{k}"], v) for k, v in body.items() if not k.startswith("out."))
+    assert not any(k.startswith("net.out.") for k in loaded)  # the output block is the Identity jascl puts there
+    with pytest.raises(CheckpointError, match=r"clip_driven_universal_swin_unetr.pth: weights do not fit") as err:
+        trainer(24).initial_model(3)
+    assert "\n" not in str(err.value)

@@ -61,7 +61,7 @@ def test_aggregate_and_table_by_hand():
     assert m["total_drop"][0] == pytest.approx(58.35)
     header, rows = compare_table(summary)
     assert header == ["Method", "S0 (s0)", "S1 (s1)", "Total Drop (%)"]
-    assert rows == [["m", "0.700 ± 0.141", "0.300 ± 0.141", "58.4 ± 11.8"]]
+    assert rows == [["m [?]", "0.700 ± 0.141", "0.300 ± 0.141", "58.4 ± 11.8"]]  # "m": no registered method
 
 
 def test_run_compare_two_seeds_shares_base_and_writes_tables(toy_protocol, toy_config, tmp_path):
@@ -90,7 +90,7 @@ def test_run_compare_two_seeds_shares_base_and_writes_tables(toy_protocol, toy_c
     assert v["sessions"][1]["all"][0] == pytest.approx(sum(per_seed) / 2)
     assert per_seed[0] != per_seed[1]  # the seeds really differ
     md = (tmp_path / "cmp" / "compare.md").read_text()
-    assert "mean ± std over 2 seeds (3, 4)" in md and "| lwf |" in md
+    assert "mean ± std over 2 seeds (3, 4)" in md and "| lwf [F] |" in md and "- [F] lwf: faithful" in md
     csv_lines = (tmp_path / "cmp" / "compare.csv").read_text().splitlines()
     assert csv_lines[0].startswith("method,session,name,all_mean")
     assert len(csv_lines) == 1 + 2 * (2 + 1)

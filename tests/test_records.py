@@ -74,7 +74,8 @@ def test_tables_read_records_and_dicts_alike():
     header, rows = comparison_table(typed)
     assert header == ["Method", "S0 (base)", "S1 (mri)", "Base@last", "Total Drop (%)"]
     # IoU is shown x100 with one decimal; a missing value is a dash
-    assert rows == [["vanilla", "80.0", "50.0", "40.0", "37.5"], ["short", "70.0", "—", "—", "—"]]
+    # each method with its fidelity mark ("short" is no registered method)
+    assert rows == [["vanilla [F]", "80.0", "50.0", "40.0", "37.5"], ["short [?]", "70.0", "—", "—", "—"]]
     assert comparison_table(RESULTS) == (header, rows)
     assert session_detail_table(typed, "vanilla")[1][0] == ["0", "base", "80.0", "—", "80.0", "—", "80.0", "99.0"]
     _, per_class = per_class_table(typed)

@@ -58,6 +58,8 @@ def test_a_registration_and_its_entry_by_hand():
         "options_key": "ewc",
         "paper": "Kirkpatrick et al., PNAS 2017",
         "parts": [],
+        "fidelity": "faithful",
+        "flags": [],
     }
     assert STORED["methods.detection"]["ewc"]["module"] == "jascl.methods.detection.baselines"
     composed = STORED["methods"]["jascl+gaps"]  # registered where register_composition is called

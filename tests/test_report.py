@@ -80,14 +80,14 @@ def test_comparison_table_dice() -> None:
     header, rows = comparison_table(_results())
     assert header == ["Method", "S0 (base)", "S1 (step1)", "S2 (step2)", "Base@last", "Total Drop (%)"]
     assert rows == [
-        ["ucl", "0.700", "0.430", "0.325", "0.350", "53.6"],
-        ["jascl", "0.736", "0.460", "0.398", "0.350", "45.9"],
+        ["ucl [F]", "0.700", "0.430", "0.325", "0.350", "53.6"],  # each name with its fidelity mark
+        ["jascl [F]", "0.736", "0.460", "0.398", "0.350", "45.9"],
     ]
 
 
 def test_comparison_table_iou_is_percent() -> None:
     _, rows = comparison_table(_results("iou"))
-    assert rows[1][:4] == ["jascl", "73.6", "46.0", "39.8"]
+    assert rows[1][:4] == ["jascl [F]", "73.6", "46.0", "39.8"]
 
 
 def test_session_detail_table_marks_missing() -> None:
@@ -104,8 +104,9 @@ def test_markdown_contents() -> None:
     first = md.splitlines()[0]
     assert "Dice (mean over foreground classes; background excluded)" in first
     assert "eval: sliding-window" in first and "seed 1024" in first
-    assert "| jascl | 0.736 | 0.460 | 0.398 | 0.350 | 45.9 |" in md
-    assert "| ucl | 0.700 | 0.430 | 0.325 | 0.350 | 53.6 |" in md
+    assert "| jascl [F] | 0.736 | 0.460 | 0.398 | 0.350 | 45.9 |" in md
+    assert "| ucl [F] | 0.700 | 0.430 | 0.325 | 0.350 | 53.6 |" in md
+    assert "- [F] ucl: faithful" in md and "- Fidelity marks: F faithful" in md  # the footnotes under the table
     assert "### jascl: per-session detail" in md
 
 
@@ -148,7 +149,7 @@ def test_missing_session_cells() -> None:
     res = copy.deepcopy(_results())
     res["methods"]["ucl"]["sessions"] = res["methods"]["ucl"]["sessions"][:2]
     _, rows = comparison_table(res)
-    assert rows[0] == ["ucl", "0.700", "0.430", "—", "0.450", "53.6"]
+    assert rows[0] == ["ucl [F]", "0.700", "0.430", "—", "0.450", "53.6"]
 
 
 def test_unknown_method_detail_raises() -> None:

@@ -18,6 +18,7 @@ from jascl.experiments.runner import run_benchmark
 from jascl.methods.gas import GASNoise
 from jascl.protocols import parse_protocol
 from jascl.results import plots
+from jascl.results.fidelity import mark
 from jascl.results.html import SECTIONS, SectionError, write_report
 from jascl.results.report import MISSING
 from jascl.results.runs import TOTAL_DROP_ROW, fmt_values, open_run, protocol_from_resolved
@@ -125,9 +126,12 @@ def _check_cell(cell: str, value, tolerance: float) -> None:
 
 def _check_summary(rows: list[list[str]], results: dict) -> None:
     header, body = rows[0], rows[1:]
-    assert header[-3:] == ["Base@last", "HM@last", TOTAL_DROP_ROW] and [r[0] for r in body] == METHODS
+    # each method with its fidelity mark
+    assert header[-3:] == ["Base@last", "HM@last", TOTAL_DROP_ROW] and [r[0] for r in body] == [
+        mark(m) for m in METHODS
+    ]
     for row in body:
-        m = results["methods"][row[0]]
+        m = results["methods"][row[0].rsplit(" [", 1)[0]]
         assert len(row) == 4 + len(m["sessions"])
         for cell, record in zip(row[1:-3], m["sessions"]):
             _check_cell(cell, record["all"], 0.0005)
@@ -226,9 +230,9 @@ def test_html_tables_equal_results_json(toy_run):
         seconds = json.loads((run / base / "metrics.json").read_text())["seconds"]
         assert rows[1][rows[0].index("Train time (s)")] == f"{seconds:.0f} (shared base)"
     # the methods as run, from the registry and config.yaml
-    methods = {r[0]: r for r in tables["methods"][1:]}
-    assert set(methods) == set(METHODS) and "gas.eps=1e-08" in methods["jascl"][3]
-    assert methods["vanilla"][3] == "none"
+    methods = {r[0]: r for r in tables["methods"][1:]}  # each with its fidelity mark, and its label
+    assert set(methods) == {mark(m) for m in METHODS} and "gas.eps=1e-08" in methods["jascl [F]"][4]
+    assert methods["vanilla [F]"][3] == "faithful" and methods["vanilla [F]"][4] == "none"
 
 
 def test_markdown_tables_equal_results_json(toy_run):
@@ -313,7 +317,7 @@ def test_multi_seed_folder_reports_mean_and_std(toy_run, tmp_path):
     paths = write_report([multi], tmp_path / "out", samples=0, echo=lambda *a: None)
     tables = _html_tables(paths["html"].read_text()).tables
     base = toy_run["results"]["methods"]["jascl"]
-    row = {r[0]: r for r in tables["summary"][1:]}["jascl"]
+    row = {r[0]: r for r in tables["summary"][1:]}["jascl [F]"]
     mean, std = row[2].split(" ± ")
     assert float(mean) == pytest.approx(base["sessions"][1]["all"] + 0.05, abs=5e-4)
     assert float(std) == pytest.approx(0.1 / math.sqrt(2), abs=5e-4)
@@ -430,3 +434,24 @@ def test_tensorboard_toggle_does_not_block_resuming(toy_run, tmp_path):
         again["methods"]["jascl"]["sessions"][1]["all"] == toy_run["results"]["methods"]["jascl"]["sessions"][1]["all"]
     )
     assert not (folder / "tensorboard").exists()
+
+
+def test_an_oracle_record_gets_a_table_of_the_pixels_it_revealed(toy_run, tmp_path):
+    """HALO's oracle: the report states how many pool pixels it revealed, against its budget."""
+    folder = tmp_path / "oracle"
+    shutil.copytree(toy_run["run"], folder, ignore=shutil.ignore_patterns("*.safetensors", "tensorboard"))
+    results = json.loads((folder / "results.json").read_text())
+    results["methods"]["jascl"]["sessions"][1]["pseudo_labels"] = {
+        "method": "halo",
+        "filter": "oracle",
+        "rounds": 5,
+        "coverage": 0.05,
+        "precision": 1.0,
+        "revealed": 205,
+        "budget_pixels": 225,
+        "without_truth": 0,
+    }
+    (folder / "results.json").write_text(json.dumps(results))
+    blocks = pseudo_label_section(open_run(folder), "p0")
+    oracle = next(b for b in blocks if b.kind == "table" and b.name == "oracle:jascl")
+    assert oracle.rows == [["1", "inc", "205", "225", "0"]]

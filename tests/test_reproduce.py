@@ -165,7 +165,7 @@ def test_reproduce_on_a_stand_in_measures_every_cell_from_the_runs(tmp_path):
     assert "epochs_base: 1" in (job / "seed-3" / "config.yaml").read_text()
     assert cells[("Future", "Session 0")]["status"] == "not registered"
     md = (out / "reproduce.md").read_text()
-    assert "| Future | 0.500 | not registered |" in md
+    assert "| Future [?] | 0.500 | not registered |" in md
     assert "not registered: not-yet is not a registered method (Future)" in md
     csv = (out / "reproduce.csv").read_text().splitlines()
     assert csv[0].startswith("table,row,column,method,published,measured_mean")
@@ -176,7 +176,7 @@ def test_reproduce_on_a_stand_in_measures_every_cell_from_the_runs(tmp_path):
     paths = write_report([out], tmp_path / "report", samples=0, echo=lambda *a: None)
     md = paths["markdown"].read_text()
     assert md.index("## Published beside measured (jascl reproduce)") < md.index("## Summary")
-    assert "| Future | 0.500 | not registered |" in md and "Not measured: not registered: not-yet" in md
+    assert "| Future [?] | 0.500 | not registered |" in md and "Not measured: not registered: not-yet" in md
     # a rerun reuses every finished session: the same numbers
     again = run_reproduce(
         table, [3], out, stand_in=True, protocols=[proto], echo=lambda *a: None, progress=False,

@@ -84,7 +84,7 @@ def test_a_killed_reproduction_shows_its_finished_cells(tmp_path, how):
     )
     assert cells[("Vanilla lr", "Session 1")]["status"] == "pending"
     assert cells[("Vanilla lr", "Session 0")]["status"] == ("pending" if how == "SIGKILL" else "measured")
-    assert "| 0.200 | — |  |" in md.split("| Vanilla lr |")[1].splitlines()[0] + "|"
+    assert "| 0.200 | — |  |" in md.split("| Vanilla lr [")[1].splitlines()[0] + "|"
     # --report re-renders from the folders: the same cells
     again = report_reproduce(parse_table(data, "toy.yaml"), out, protocols=[proto])
     assert [c["measured"] for c in again["cells"]] == [c["measured"] for c in summary["cells"]]
@@ -113,7 +113,7 @@ def test_a_failed_job_keeps_the_others_and_says_why(tmp_path, monkeypatch):
     assert status[("Vanilla lr", "Session 0")][0] == "measured"  # the shared base model, linked before the job ran
     assert status[("Vanilla", "Session 1")][0] == "measured"
     md = (out / "reproduce.md").read_text()
-    assert "5 of 6 cells" in md and md.split("| Vanilla lr |")[1].splitlines()[0].endswith("| 0.200 | failed |  |")
+    assert "5 of 6 cells" in md and md.split("| Vanilla lr [")[1].splitlines()[0].endswith("| 0.200 | failed |  |")
     assert "failed: TrainingError: loss is NaN in session 1 (Vanilla lr)" in md
 
 

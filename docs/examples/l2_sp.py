@@ -76,12 +76,13 @@ class L2SPPlugin(Plugin):
         state.losses["l2sp"] = l2_sp_penalty(params, self.anchors, self.options.alpha)
 
 
-# 4. registration: the name, the options class, the paper
+# 4. registration: the name, the options class, the paper, how close it is to that paper
 @METHODS.register(
     "l2-sp",
     options=L2SPOptions,
     doc="example: L2-SP, a pull towards the previous session's weights",
     paper="Li, Grandvalet & Davoine, ICML 2018",
+    fidelity="faithful",
 )
 def l2_sp(options: L2SPOptions, config: RunConfig) -> Method:
     """L2-SP with the previous session's weights as the starting point; every other policy is the loop's."""

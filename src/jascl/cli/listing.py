@@ -85,27 +85,33 @@ def cmd_methods(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from jascl.methods import METHODS
+    from jascl.methods.fidelity import Fidelity
     from jascl.methods.registry import describe_method
 
     if getattr(args, "paper", False):
         return _paper_methods()
     task = getattr(args, "task", None) or "segmentation"
-    if task != "segmentation" and not args.name:
-        table = Table(title=f"methods on the {task} task (same names and --set method_args.<key> as segmentation)")
-        table.add_column("name")
-        table.add_column("description")
+    if not args.name:
         registry = METHODS.for_task(task)
+        title = (
+            "methods"
+            if task == "segmentation"
+            else f"methods on the {task} task (same names and --set method_args.<key> as segmentation)"
+        )
+        table = Table(title=title)
+        for col in ("name", "description", "fidelity"):
+            table.add_column(col)
         for name in registry.list():
-            table.add_row(name, registry.describe(name))
+            summary = registry.summary(name)
+            table.add_row(name, summary.doc, Fidelity(summary.fidelity, summary.flags).text())
         _console().print(table)
         return 0
-    if not args.name:
-        return _list_registry(METHODS, "methods")
     info = describe_method(args.name)
     console = _console()
     console.print(f"[bold]{info['name']}[/bold]: {info['doc']}", highlight=False)
     if info["paper"]:
         console.print(f"paper: {info['paper']}", highlight=False)
+    console.print(f"fidelity: {Fidelity(info['fidelity'], tuple(info['flags'])).text()}", highlight=False)
     if info["notes"]:
         console.print(f"\n{info['notes']}\n", highlight=False)
     if not info["options"]:
@@ -162,6 +168,7 @@ def paper_methods() -> list[dict[str, str]]:
     family, the source paper and whether it is registered, registered ones first."""
     from jascl.methods import METHODS
     from jascl.paper.tables import paper_tables
+    from jascl.results.fidelity import method_fidelity
 
     rows: dict[str, set[str]] = {}
     for table in paper_tables().values():
@@ -171,6 +178,7 @@ def paper_methods() -> list[dict[str, str]]:
     out = []
     for name, paper_rows in rows.items():
         known = name in METHODS
+        fid = method_fidelity(name)
         out.append(
             {
                 "name": name,
@@ -178,6 +186,7 @@ def paper_methods() -> list[dict[str, str]]:
                 "family": method_family(name) if known else "—",
                 "paper": (METHODS.summary(name).paper or "—") if known else "—",
                 "status": "registered" if known else "not registered",
+                "fidelity": fid.text() if fid is not None else "—",
             }
         )
     return sorted(out, key=lambda r: (r["status"] != "registered", r["name"]))
@@ -189,10 +198,10 @@ def _paper_methods() -> int:
     rows = paper_methods()
     done = sum(r["status"] == "registered" for r in rows)
     table = Table(title=f"methods of the paper's tables: {done} of {len(rows)} registered")
-    for col in ("jascl name", "rows in the paper's tables", "family", "source paper", "status"):
+    for col in ("jascl name", "rows in the paper's tables", "family", "source paper", "status", "fidelity"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["name"], r["paper_rows"], r["family"], r["paper"], r["status"])
+        table.add_row(r["name"], r["paper_rows"], r["family"], r["paper"], r["status"], r["fidelity"])
     _console().print(table)
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 from jascl.cli.common import _console, _echo
@@ -32,7 +33,7 @@ def _listing(console) -> None:
     console.print(listing)
 
 
-def _print_table(console, header: list[str], rows: list[list[str]], title: str) -> None:
+def _print_table(console, header: list[str], rows: list[list[str]], title: str, notes: Sequence[str] = ()) -> None:
     from rich.table import Table
 
     shown = Table(title=title)
@@ -41,6 +42,8 @@ def _print_table(console, header: list[str], rows: list[list[str]], title: str) 
     for r in rows:
         shown.add_row(*r)
     console.print(shown)
+    for line in notes:  # the fidelity footnotes of the rows' marks
+        console.print(line, markup=False, highlight=False)
 
 
 def _default_out(label: str, args: argparse.Namespace) -> Path:
@@ -72,12 +75,12 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from jascl.experiments.reproduce import report_reproduce, run_reproduce
     from jascl.experiments.reproduce_cost import describe_estimate
     from jascl.experiments.reproduce_plan import check_roots, describe_plan, plan_table
-    from jascl.results.reproduce_table import reproduce_table, reproduce_title
+    from jascl.results.reproduce_table import reproduce_footnotes, reproduce_table, reproduce_title
 
     out = _default_out(table.label, args)
     if args.report:
         summary = report_reproduce(table, out, stand_in=args.stand_in, quick=args.quick)
-        _print_table(console, *reproduce_table(summary), reproduce_title(summary))
+        _print_table(console, *reproduce_table(summary), reproduce_title(summary), reproduce_footnotes(summary))
         console.print(f"re-rendered {out}/reproduce.{{md,csv,json}} from the run folders there")
         return 0
     data = _data_args(args)
@@ -113,7 +116,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         console.print(f"aborted; the finished cells are in {out}/reproduce.md; rerun the same command to continue")
         return 130
-    _print_table(console, *reproduce_table(summary), reproduce_title(summary))
+    _print_table(console, *reproduce_table(summary), reproduce_title(summary), reproduce_footnotes(summary))
     console.print(f"written to {out}/reproduce.{{md,csv,json}}; the runs are in {out}/<job>/seed-*/")
     return 1 if any(c["status"] == "failed" for c in summary["cells"]) else 0
 
@@ -171,7 +174,7 @@ def _compute(args: argparse.Namespace, console, table) -> int:
     from jascl.cli.common import _data_args
     from jascl.engine.stop import REQUEST, Stopped
     from jascl.experiments.reproduce_compute import describe_compute, run_compute
-    from jascl.results.reproduce_table import reproduce_table, reproduce_title
+    from jascl.results.reproduce_table import reproduce_footnotes, reproduce_table, reproduce_title
 
     out = _default_out(table.label, args)
     if args.dry_run:
@@ -196,6 +199,6 @@ def _compute(args: argparse.Namespace, console, table) -> int:
     except Stopped as exc:
         console.print(f"{exc}; the finished cells are in {out}/reproduce.md; rerun the same command to continue")
         return exc.exit_code
-    _print_table(console, *reproduce_table(summary), reproduce_title(summary))
+    _print_table(console, *reproduce_table(summary), reproduce_title(summary), reproduce_footnotes(summary))
     console.print(f"written to {out}/reproduce.{{md,csv,json}}")
     return 0

@@ -275,6 +275,10 @@ def _run_seeds(args: argparse.Namespace, protocol, config, methods: list[str]) -
     for r in rows:
         table.add_row(*r)
     console.print(table)
+    from jascl.results.fidelity import footnotes
+
+    for line in footnotes(summary["methods"]):
+        console.print(line, highlight=False, markup=False)
     console.print(
         f"per-seed runs in {out}/seed-*/; mean ± std written to {out}/compare.{{md,csv,json}} "
         f"in {time.time() - started:.0f} s"

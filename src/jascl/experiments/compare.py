@@ -29,6 +29,7 @@ from jascl.errors import ConfigError
 from jascl.experiments.launcher import Launcher
 from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import Protocol
+from jascl.results.fidelity import footnotes, mark
 from jascl.results.records import RunResults
 from jascl.results.report import MISSING, format_score, md_table, table_title
 
@@ -132,7 +133,8 @@ def _pm(pair: Sequence[float], metric: str, pct: bool = False, n: int = 1) -> st
 
 
 def compare_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """One row per method, one column per session (all-class mean ± std over seeds), then Total Drop (%)."""
+    """One row per method (its name with its fidelity mark), one column per session (all-class mean ± std over
+    seeds), then Total Drop (%)."""
     metric = str(summary.get("metric", "dice"))
     n = len(summary.get("seeds", []))
     methods = summary["methods"]
@@ -140,7 +142,7 @@ def compare_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]
     header = ["Method", *[f"S{s['session']} ({s['name']})" for s in longest], "Total Drop (%)"]
     rows = []
     for name, m in methods.items():
-        row = [name]
+        row = [mark(name)]  # the method's fidelity mark (footnotes under the table)
         for t in range(len(longest)):
             row.append(_pm(m["sessions"][t]["all"], metric, n=n) if t < len(m["sessions"]) else MISSING)
         row.append(_pm(m["total_drop"], metric, pct=True, n=n))
@@ -164,7 +166,8 @@ def write_compare(summary: Mapping[str, Any], out: Path) -> dict[str, Path]:
     """Write ``compare.md``, ``compare.csv`` (one row per method, session and seed-aggregate) and ``compare.json``."""
     out.mkdir(parents=True, exist_ok=True)
     header, rows = compare_table(summary)
-    md = f"**{compare_title(summary)}**\n\n{md_table(header, rows)}\n"
+    notes = "".join(f"\n- {line}" for line in footnotes(summary["methods"]))
+    md = f"**{compare_title(summary)}**\n\n{md_table(header, rows)}\n{notes}\n"
     paths = {"md": out / "compare.md", "csv": out / "compare.csv", "json": out / "compare.json"}
     atomic_write_text(paths["md"], md)
     lines = ["method,session,name,all_mean,all_std,old_mean,old_std,new_mean,new_std,per_seed_all"]

@@ -43,7 +43,17 @@ from typing import Any
 
 from jascl.errors import ConfigError, JasclError
 from jascl.paper.tables import Cell, PaperTable
+from jascl.results.fidelity import footnotes
 from jascl.results.reproduce_table import PERCENT_METRICS
+
+#: what a method's paper row needs beyond the run configuration (printed with the plan)
+METHOD_NEEDS = {
+    "clip-driven": "the paper's row is the universal model pre-trained on 14 datasets: give its released weights with "
+    "--weights (jascl weights fetch clip-driven-swin-unetr, with --backbone swinunetr; the paper's U-Net release fits "
+    "no jascl backbone); without them the row is the model trained from scratch",
+    "halo": "active learning: its oracle reveals the pool's ground truth of the acquired pixels (budget "
+    "method_args.halo.budget of the pool's pixels per session; oracle=false: self-training)",
+}
 
 #: override prefixes that only concern a method's incremental sessions (JASCL's settings, a baseline's options,
 #: the incremental sessions' freezing, epochs and rate): jobs that differ only in these share one session-0 base
@@ -406,7 +416,7 @@ def roots_for(job: Job, roots: Mapping[str, Any] | None) -> dict[str, Any] | Non
 
 
 def describe_plan(plan: Plan, seeds: Sequence[int]) -> list[str]:
-    """The ``--dry-run`` text: jobs, which methods share a base and the skipped cells (the GPU-hour estimate
+    """The ``--dry-run`` text: jobs, which methods share a base, their fidelity labels and the skipped cells (the GPU-hour estimate
     follows: :func:`jascl.experiments.reproduce_cost.describe_estimate`)."""
     t = plan.table
     lines = [
@@ -424,6 +434,10 @@ def describe_plan(plan: Plan, seeds: Sequence[int]) -> list[str]:
                 lines.append(f"    share the {key} session-0 base: {', '.join(members)}")
             else:
                 lines.append(f"    train their own session 0: {', '.join(members)}")
+    planned = list(dict.fromkeys(m for job in plan.jobs.values() for m in job.methods))
+    if planned:  # each method's fidelity label, and what its paper row needs beyond the configuration
+        lines += [f"  {line}" for line in footnotes(planned)]
+        lines += [f"  {m}: {METHOD_NEEDS[m]}" for m in planned if m in METHOD_NEEDS]
     skipped: dict[str, list[str]] = {}
     for p in plan.cells:
         if p.status != STATUS_PLANNED:

@@ -194,10 +194,15 @@ def _mean_teacher(o: JasclOptions, filter: str) -> MeanTeacherPlugin:
 
 
 def _family(name: str, doc: str):
-    return METHODS.register(name, doc=doc, options=JasclOptions, options_key="jascl", paper=PAPER)
+    return METHODS.register(name, doc=doc, options=JasclOptions, options_key="jascl", paper=PAPER, fidelity="faithful")
 
 
-@METHODS.register("vanilla", doc="plain fine-tuning of the same backbone (the paper's 'Vanilla' row)", paper=PAPER)
+@METHODS.register(
+    "vanilla",
+    doc="plain fine-tuning of the same backbone (the paper's 'Vanilla' row)",
+    paper=PAPER,
+    fidelity="faithful",
+)
 def vanilla(config: RunConfig) -> Method:
     """Fine-tuning with the loop's defaults only: DiceCE, prototype-imprinted new rows, no protection of old classes."""
     return Method("vanilla", [], "plain fine-tuning")

@@ -5,7 +5,7 @@ registry reads and checks them from ``method_args.<key>`` and hands them to the
 factory::
 
     @METHODS.register("ewc", options=EWCOptions, paper="Kirkpatrick et al., PNAS 2017",
-                      doc="baseline: elastic weight consolidation")
+                      doc="baseline: elastic weight consolidation", fidelity='faithful')
     def ewc(options: EWCOptions, config: RunConfig) -> Method:
         return Method("ewc", [EWCPlugin(options)])
 
@@ -43,13 +43,14 @@ import dataclasses
 import inspect
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jascl.engine.config import RunConfig
 from jascl.engine.plugin import Method, Plugin
 from jascl.errors import ConfigError
+from jascl.methods.fidelity import Fidelity, check_fidelity, combine
 from jascl.methods.options import describe_options, read_options
 from jascl.registry import Registry, did_you_mean, read_index
 
@@ -69,6 +70,8 @@ class MethodInfo:
         paper: the original paper (authors, venue, year).
         notes: the factory's docstring: what the method does here and how it deviates from the paper.
         parts: for a composed method (``a+b``), the registered names it is made of; () otherwise.
+        fidelity: ``faithful``, ``simplified: <what>`` or ``reconstructed: <from what>`` (:mod:`jascl.methods.fidelity`).
+        flags: setting flags (``uses exemplars``, ``test-time domain oracle``, ...).
     """
 
     name: str
@@ -78,6 +81,8 @@ class MethodInfo:
     paper: str
     notes: str
     parts: tuple[str, ...] = ()
+    fidelity: str = ""
+    flags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,8 @@ class MethodSummary:
         options: the qualified name of its options dataclass ("" without one).
         module: the module that registers it (imported when the method is first used).
         parts: for a composed method (``a+b``), the registered names it is made of; () otherwise.
+        fidelity: the fidelity label (:mod:`jascl.methods.fidelity`); "" when not stated.
+        flags: setting flags.
     """
 
     name: str
@@ -101,6 +108,8 @@ class MethodSummary:
     options: str
     module: str
     parts: tuple[str, ...] = ()
+    fidelity: str = ""
+    flags: tuple[str, ...] = ()
 
 
 #: separates the parts of a composed method's name
@@ -198,15 +207,26 @@ class MethodRegistry(Registry[Method]):
         options_key: str | None = None,
         paper: str = "",
         task: str = "segmentation",
+        fidelity: str = "",
+        flags: Sequence[str] = (),
     ) -> Callable[[Callable[..., Method]], Callable[..., Method]]:
         """Decorator registering ``fn``: ``fn(options, config)`` with ``options``, else ``fn(config)``.
 
         ``task``: the task this implementation serves; one other than "segmentation" registers beside the
-        segmentation method of the same name (whose options block, paper and notes ``jascl methods`` shows)."""
+        segmentation method of the same name (whose options block, paper and notes ``jascl methods`` shows).
+        ``fidelity`` and ``flags``: how close it is to its source (:mod:`jascl.methods.fidelity`)."""
         if task != self.task:
             return self.for_task(task).register(
-                name, doc, options=options, options_key=options_key, paper=paper, task=task
+                name,
+                doc,
+                options=options,
+                options_key=options_key,
+                paper=paper,
+                task=task,
+                fidelity=fidelity,
+                flags=flags,
             )
+        check_fidelity(name, fidelity, flags)
         key = options_key or name
 
         def decorator(fn: Callable[..., Method]) -> Callable[..., Method]:
@@ -222,9 +242,18 @@ class MethodRegistry(Registry[Method]):
                 factory.__module__ = fn.__module__  # where the method lives (its family, for jascl methods --paper)
             Registry.register(self, name, doc, module=fn.__module__)(factory)
             qualified = f"{options.__module__}.{options.__qualname__}" if options is not None else ""
-            self._records[name].update(paper=paper, options_key=key, options=qualified, parts=[])
+            self._records[name].update(
+                paper=paper, options_key=key, options=qualified, parts=[], fidelity=fidelity, flags=list(flags)
+            )
             self._info[name] = MethodInfo(
-                name, self.describe(name), options, key, paper, inspect.cleandoc(fn.__doc__ or "")
+                name,
+                self.describe(name),
+                options,
+                key,
+                paper,
+                inspect.cleandoc(fn.__doc__ or ""),
+                fidelity=fidelity,
+                flags=tuple(flags),
             )
             return fn
 
@@ -240,7 +269,14 @@ class MethodRegistry(Registry[Method]):
         module = sys._getframe(1).f_globals.get("__name__", "")  # the registering module: what get() imports
         summary = self._composed_summary(name, parts, doc, paper, module)
         Registry.register(self, name, summary.doc, module=module)(factory)
-        self._records[name].update(paper=summary.paper, options_key="", options="", parts=list(parts))
+        self._records[name].update(
+            paper=summary.paper,
+            options_key="",
+            options="",
+            parts=list(parts),
+            fidelity=summary.fidelity,
+            flags=list(summary.flags),
+        )
 
     def _registered(self, name: str) -> bool:
         """``name`` is registered (indexed or imported) under its own name, composition or not."""
@@ -268,6 +304,7 @@ class MethodRegistry(Registry[Method]):
         self, name: str, parts: list[str], doc: str | None = None, paper: str = "", module: str = ""
     ) -> MethodSummary:
         summaries = [self.summary(p) for p in parts]
+        fid = combine([(s.name, Fidelity(s.fidelity, s.flags)) for s in summaries])
         return MethodSummary(
             name,
             doc or f"composition: {' + '.join(parts)} (the plugins of each, each part with its own options)",
@@ -276,6 +313,8 @@ class MethodRegistry(Registry[Method]):
             "",
             module or summaries[0].module,
             tuple(parts),
+            fid.label,
+            fid.flags,
         )
 
     def get(self, name: str) -> MethodFactory:
@@ -339,6 +378,8 @@ class MethodRegistry(Registry[Method]):
             record["options"],
             record["module"],
             tuple(record["parts"]),
+            record.get("fidelity", ""),
+            tuple(record.get("flags", ())),
         )
 
     def info(self, name: str) -> MethodInfo:
@@ -350,7 +391,9 @@ class MethodRegistry(Registry[Method]):
             return self._info[name]
         summary = self.summary(name)
         notes = "\n\n".join(f"{p}: {i.notes}" for p in summary.parts if (i := self.info(p)).notes)
-        return MethodInfo(name, summary.doc, None, "", summary.paper, notes, summary.parts)
+        return MethodInfo(
+            name, summary.doc, None, "", summary.paper, notes, summary.parts, summary.fidelity, summary.flags
+        )
 
 
 #: every registered method (listed from the registry index; each module of :mod:`jascl.methods` registers its
@@ -432,6 +475,8 @@ def describe_method(name: str) -> dict[str, Any]:
         "name": name,
         "doc": info.doc,
         "paper": info.paper,
+        "fidelity": info.fidelity,
+        "flags": list(info.flags),
         "notes": info.notes,
         "options_key": info.options_key,
         "options": options,

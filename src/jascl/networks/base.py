@@ -34,6 +34,9 @@ class Backbone(nn.Module):
     #: module-path prefixes (below the backbone) of its decoder: what methods with per-domain decoders
     #: (MDIL) duplicate; empty = the backbone does not say
     decoder_prefix: tuple[str, ...] = ()
+    #: key prefixes (below the backbone) of a weights file's parts the backbone replaced, which ``--weights`` skips
+    #: instead of refusing (e.g. MONAI SwinUNETR's output block)
+    ignored_weight_prefixes: tuple[str, ...] = ()
 
     def decoder_prefixes(self) -> tuple[str, ...] | None:
         """The decoder's module-path prefixes below the backbone (None: unknown for this backbone)."""

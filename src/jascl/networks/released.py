@@ -125,8 +125,9 @@ WEIGHTS: dict[str, WeightsEntry] = {
             ),
             licence="CC BY-NC-ND 4.0 (the repository's LICENSE)",
             source="github.com/ljwztc/CLIP-Driven-Universal-Model",
-            use="try jascl run --backbone swinunetr --weights {path} (not checked against the file here: a key that "
-            "does not fit is named in one line)",
+            use="jascl run --methods clip-driven --backbone swinunetr --weights {path}: loads the Swin UNETR body (the "
+            "universal head and the body's output block are skipped; the layout is tested on a file built like this one, "
+            "the file itself was not checked here: a key that does not fit is named in one line)",
         ),
         WeightsEntry(
             name="clip-driven-unet",

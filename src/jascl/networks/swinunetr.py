@@ -74,6 +74,8 @@ class SwinUNETRBackbone(Backbone):
             use_v2=use_v2,
         )
         self.net.out = nn.Identity()  # type: ignore[assignment]  # MONAI declares it a UnetOutBlock
+        # a full SwinUNETR checkpoint's output block (e.g. the CLIP-driven universal model's body) is not loaded
+        self.ignored_weight_prefixes = ("net.out.",)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

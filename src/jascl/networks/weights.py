@@ -78,7 +78,8 @@ def load_backbone_weights(backbone: nn.Module, path: str | Path, strict: bool = 
         path: ``.safetensors``, ``.pth``, ``.pt`` or ``.bin`` file.
         strict: every backbone key must be in the file and vice versa; when
             False, keys missing on either side are allowed (returned), but a
-            shape mismatch on a shared key is still an error.
+            shape mismatch on a shared key is still an error. Keys under the backbone's
+            ``ignored_weight_prefixes`` (parts it replaced) are skipped either way.
 
     Returns:
         Backbone keys left at their current values (empty when strict).
@@ -90,6 +91,8 @@ def load_backbone_weights(backbone: nn.Module, path: str | Path, strict: bool = 
     state = read_state_dict(path)
     expected = {k: v.shape for k, v in backbone.state_dict().items()}
     state = _strip_prefixes(state, expected)
+    ignored = tuple(getattr(backbone, "ignored_weight_prefixes", ()))
+    state = {k: v for k, v in state.items() if not k.startswith(ignored)} if ignored else state
     shape_errors = [k for k in state if k in expected and tuple(state[k].shape) != tuple(expected[k])]
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from jascl.fileio import atomic_write_text
+from jascl.results.fidelity import footnotes, mark
 from jascl.results.records import SPLITS, RunResults
 
 #: what the table functions take: the typed results, or the dict a run is about to write
@@ -123,7 +124,8 @@ def comparison_table(results: ResultsLike) -> tuple[list[str], list[list[str]]]:
 
     Returns:
         ``(header, rows)``: header is ``["Method", "S0 (<name>)", ...,
-        "Base@last", "Total Drop (%)"]``; one row per method with the
+        "Base@last", "Total Drop (%)"]``; one row per method (its name with its fidelity mark,
+        :func:`jascl.methods.fidelity.mark`) with the
         ``"all"`` score per session, the ``"base"`` score at the method's last
         session and the total drop with one decimal. Sessions a method lacks
         are ``—``.
@@ -137,7 +139,7 @@ def comparison_table(results: ResultsLike) -> tuple[list[str], list[list[str]]]:
     header += ["Base@last", "Total Drop (%)"]
     rows: list[list[str]] = []
     for name, m in results.methods.items():
-        row = [name]
+        row = [mark(name)]  # the method's fidelity mark: footnotes(results.methods) says what it means
         for i in range(n_sessions):
             row.append(format_score(m.sessions[i].all, metric) if i < len(m.sessions) else MISSING)
         row.append(format_score(m.last.base, metric) if m.last else MISSING)
@@ -205,7 +207,8 @@ def per_class_table(results: ResultsLike) -> tuple[list[str], list[list[str]]]:
 def to_markdown(results: ResultsLike) -> str:
     """Renders the title, the comparison table, one detail table per method and the per-class table."""
     results = RunResults.from_json(results)
-    parts = [f"## {table_title(results)}", "", md_table(*comparison_table(results))]
+    parts = [f"## {table_title(results)}", "", md_table(*comparison_table(results)), ""]
+    parts += [f"- {line}" for line in footnotes(results.methods)]
     for name in results.methods:
         parts += ["", f"### {name}: per-session detail", ""]
         parts.append(md_table(*session_detail_table(results, name)))
@@ -306,6 +309,8 @@ def print_tables(results: ResultsLike, console: Any = None) -> None:
         return table
 
     console.print(render(table_title(results), *comparison_table(results)))
+    for line in footnotes(results.methods):
+        console.print(line, highlight=False, markup=False)
     for name in results.methods:
         console.print(render(f"{name}: per-session detail", *session_detail_table(results, name)))
     console.print(render("per class: score at the last session and forgetting", *per_class_table(results)))

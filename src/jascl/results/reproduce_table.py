@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from jascl.fileio import atomic_write_text
+from jascl.results.fidelity import footnotes, mark
 from jascl.results.report import md_table
 
 #: metrics published in percent whatever the table's scale: Total Drop, and the PAS retention (the share of
@@ -44,8 +45,16 @@ _UNFINISHED = {"pending": "—", "failed": "failed"}
 
 
 def row_label(row: str, cells: list[Mapping[str, Any]]) -> str:
-    """The row's first column: its printed name (a per-row mark, e.g. a footnote, is added here)."""
-    return row
+    """The row's first column: its printed name with its method's fidelity mark (``Gen-Replay [S]``; the footnotes
+    under the table, :func:`reproduce_footnotes`, say what the marks mean); a row with no method as it is."""
+    method = next((c["method"] for c in cells if c.get("method")), None)
+    return f"{row} [{mark(method).rsplit('[', 1)[1]}" if method else row
+
+
+def reproduce_footnotes(summary: Mapping[str, Any]) -> list[str]:
+    """The fidelity footnotes of the table's methods (none for a table without methods)."""
+    methods = [c["method"] for c in summary["cells"] if c.get("method")]
+    return footnotes(methods) if methods else []
 
 
 def reproduce_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -124,6 +133,9 @@ def write_reproduce(summary: Mapping[str, Any], out: str | Path) -> dict[str, Pa
     out.mkdir(parents=True, exist_ok=True)
     header, rows = reproduce_table(summary)
     lines = [f"**{reproduce_title(summary)}**", "", md_table(header, rows)]
+    notes = reproduce_footnotes(summary)
+    if notes:
+        lines += [""] + [f"- {line}" for line in notes]
     reasons = not_measured(summary)
     if reasons:
         lines += ["", "Not measured:", ""] + [f"- {r}" for r in reasons]

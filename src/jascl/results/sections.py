@@ -236,6 +236,12 @@ def pseudo_label_section(run: RunInput, prefix: str) -> list[ReportBlock]:
                 ]
             )
         blocks.append(_table(f"pseudo-labels:{m}", header, rows, heading=m))
+        revealed = [t for t in ts if any(t < len(p) and "revealed" in (p[t].pseudo_labels or {}) for p in recs)]
+        if revealed:  # an active-learning oracle (HALO): what it revealed of the pool's ground truth
+            keys = ("revealed", "budget_pixels", "without_truth")
+            oracle_rows = [[str(t), sessions[t][1], *(fmt_values(stat(t, k), "count") for k in keys)] for t in revealed]
+            header_o = ["Session", "Name", "Pixels revealed", "Budget (pixels)", "Pool pixels without truth"]
+            blocks.append(_table(f"oracle:{m}", header_o, oracle_rows, heading=f"{m}: oracle"))
     shown = sorted({t for ts in with_stats.values() for t in ts})
     series: dict[str, dict[str, list[list[float]]]] = {"coverage": {}, "precision": {}}
     for m in with_stats:

@@ -22,7 +22,9 @@ import math
 from collections.abc import Sequence
 
 from jascl.evaluation.metrics import summarise
+from jascl.methods.fidelity import Fidelity
 from jascl.results.blocks import ReportBlock, _table, _text
+from jascl.results.fidelity import footnotes, mark
 from jascl.results.records import SPLITS, SessionRecord
 from jascl.results.report import MISSING, is_detection_metric, metric_name
 from jascl.results.runs import TOTAL_DROP_ROW, RunInput, _config_of, _mean_std, _read_json, _session_folder, fmt_values
@@ -104,7 +106,7 @@ def summary_table(run: RunInput) -> ReportBlock:
         cells = [[r[t].all if t < len(r) else math.nan for r in recs] for t in range(len(sessions))]
         cells.append([r[-1].base if r else math.nan for r in recs])
         cells.append([r[-1].hm if r else math.nan for r in recs])
-        rows.append([m, *(fmt_values(v, run.metric) for v in cells), fmt_values(run.total_drops(m), "pct")])
+        rows.append([mark(m), *(fmt_values(v, run.metric) for v in cells), fmt_values(run.total_drops(m), "pct")])
         for c, values in enumerate([*cells, run.total_drops(m)], start=1):
             numbers[c][0].append(_mean(values))
     block = _table("summary", header, rows)
@@ -114,6 +116,7 @@ def summary_table(run: RunInput) -> ReportBlock:
 
 def summary_notes(run: RunInput) -> list[ReportBlock]:
     return [
+        *(_text(line) for line in footnotes(run.methods())),
         _text(
             f"All-class mean ({_metric_label(run.metric)}) after each session; {seeds_note(run)}. "
             "Best per column in bold. Base@last: the mean over the session-0 classes after the last session; "
@@ -231,7 +234,7 @@ def methods_table(run: RunInput) -> list[ReportBlock]:
     rows = []
     for m in run.methods():
         if m not in METHODS:
-            rows.append([m, "not registered in this jascl (a user module?)", "", ""])
+            rows.append([m, "not registered in this jascl (a user module?)", "", "", ""])
             continue
         info = describe_method(m)
         given = (method_args.get(info["options_key"]) or {}) if info["options_key"] else method_args
@@ -239,11 +242,12 @@ def methods_table(run: RunInput) -> list[ReportBlock]:
         for o in info["options"]:
             value = _lookup(given, o["name"])
             options.append(f"{o['name']}={o['default'] if value is None else _flat(value)}")
-        rows.append([m, info["doc"], info["paper"] or "—", ", ".join(options) or "none"])
+        fidelity = Fidelity(info["fidelity"], tuple(info["flags"]))
+        rows.append([mark(m), info["doc"], info["paper"] or "—", fidelity.text(), ", ".join(options) or "none"])
     path = run.runs[0] / "config.yaml"
     return [
         _text(f"Options as run: the run's {path} (method_args), with each method's defaults where it sets none."),
-        _table("methods", ["Method", "What it is", "Paper", "Options as run"], rows),
+        _table("methods", ["Method", "What it is", "Paper", "Fidelity", "Options as run"], rows),
     ]
 
 

@@ -276,7 +276,7 @@ def _ewc_checked(o: EWCOptions, key: str) -> None:
         )
 
 
-@METHODS.register("ewc", options=EWCOptions, paper="Kirkpatrick et al., PNAS 2017", task=TASK)
+@METHODS.register("ewc", options=EWCOptions, paper="Kirkpatrick et al., PNAS 2017", task=TASK, fidelity="faithful")
 def ewc(o: EWCOptions, config: RunConfig) -> Method:
     """EWC on the detector (Kirkpatrick et al., PNAS 2017): one quadratic penalty per earlier session,
     ``(lambda / 2) sum_i F_i (theta_i - theta*_i)^2`` over the parameters trained in incremental sessions, with F
@@ -290,7 +290,7 @@ def ewc(o: EWCOptions, config: RunConfig) -> Method:
     return Method("ewc", [plugin], "EWC: Fisher penalty of every earlier session, Fisher of the detector's loss")
 
 
-@METHODS.register("online-ewc", options=EWCOptions, paper="Schwarz et al., ICML 2018", task=TASK)
+@METHODS.register("online-ewc", options=EWCOptions, paper="Schwarz et al., ICML 2018", task=TASK, fidelity="faithful")
 def online_ewc(o: EWCOptions, config: RunConfig) -> Method:
     """Online EWC on the detector (Schwarz et al., ICML 2018): one running Fisher ``F~ <- gamma F~ + F_t``
     anchored at the previous session, F_t the detector's Fisher as for ``ewc``."""
@@ -299,7 +299,16 @@ def online_ewc(o: EWCOptions, config: RunConfig) -> Method:
     return Method("online-ewc", [plugin], "online EWC: decayed running Fisher of the detector's loss")
 
 
-@METHODS.register("lwf", options=LwFOptions, paper="Li & Hoiem, TPAMI 2017", task=TASK)
+@METHODS.register(
+    "lwf",
+    options=LwFOptions,
+    paper="Li & Hoiem, TPAMI 2017",
+    task=TASK,
+    fidelity=(
+        "simplified: distillation of the RoI classifier's old rows on the student's RoIs (Shmelkov et al.'s Fast R-CNN"
+        " form)"
+    ),
+)
 def lwf(o: LwFOptions, config: RunConfig) -> Method:
     """LwF on the detector (Li & Hoiem, TPAMI 2017): the previous session's detector scores the RoIs the student's
     loss sampled (its box features of the same boxes, its classifier); the student's logits of those RoIs over the
@@ -314,7 +323,16 @@ def lwf(o: LwFOptions, config: RunConfig) -> Method:
     return Method("lwf", [plugin], "LwF: the old detector's class scores on the same RoIs distilled")
 
 
-@METHODS.register("mib", options=MiBOptions, paper="Cermelli et al., CVPR 2020", task=TASK)
+@METHODS.register(
+    "mib",
+    options=MiBOptions,
+    paper="Cermelli et al., CVPR 2020",
+    task=TASK,
+    fidelity=(
+        "simplified: MiB's unbiased CE and distillation on the RoI classifier only (as MMA, without RPN and box "
+        "distillation)"
+    ),
+)
 def mib(o: MiBOptions, config: RunConfig) -> Method:
     """MiB on the detector (Cermelli et al., CVPR 2020), on the RoIs of the box head, as Cermelli et al. themselves
     carried it to Faster R-CNN (MMA, CVPR-W 2022, "Modeling missing annotations for incremental learning in object

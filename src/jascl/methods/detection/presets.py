@@ -37,10 +37,12 @@ def _teacher(o: JasclOptions, filter: str) -> DetectionMeanTeacherPlugin:
 
 
 def _family(name: str):
-    return METHODS.register(name, options=JasclOptions, options_key="jascl", paper=PAPER, task=TASK)
+    return METHODS.register(
+        name, options=JasclOptions, options_key="jascl", paper=PAPER, task=TASK, fidelity="faithful"
+    )
 
 
-@METHODS.register("vanilla", paper=PAPER, task=TASK)
+@METHODS.register("vanilla", paper=PAPER, task=TASK, fidelity="faithful")
 def vanilla(config: RunConfig) -> Method:
     """Fine-tuning of the detector with the task's defaults (the paper's "RCNN" row)."""
     return Method("vanilla", [], "plain fine-tuning of the detector")

@@ -122,6 +122,10 @@ class SupCLPlugin(ContrastivePlugin):
     options=SupCLOptions,
     paper="Khosla et al., NeurIPS 2020",
     doc="baseline: supervised contrastive loss on sampled pixel embeddings + segmentation loss",
+    fidelity=(
+        "simplified: the supervised contrastive term added to the segmentation loss instead of contrastive pre-"
+        "training + a linear classifier"
+    ),
 )
 def supcl(options: SupCLOptions, config: RunConfig) -> Method:
     return Method("supcl", [SupCLPlugin(options)], "SupCL: supervised pixel contrastive loss beside Dice + CE")

@@ -206,6 +206,7 @@ class UnSupCLPlugin(ContrastivePlugin):
     options=UnSupCLOptions,
     paper="Chen et al. (SimCLR), ICML 2020",
     doc="baseline: NT-Xent between two photometric views' pixel embeddings + segmentation loss",
+    fidelity="simplified: NT-Xent added to the segmentation loss; photometric-only second view",
 )
 def unsupcl(options: UnSupCLOptions, config: RunConfig) -> Method:
     return Method("unsupcl", [UnSupCLPlugin(options)], "UnSupCL: SimCLR pixel contrast beside Dice + CE")
@@ -216,6 +217,7 @@ def unsupcl(options: UnSupCLOptions, config: RunConfig) -> Method:
     options=UnSupCLOptions,
     paper="Robinson et al., ICLR 2021",
     doc="baseline: hard-negative (debiased, beta-weighted) pixel contrast between two views + segmentation loss",
+    fidelity="simplified: as unsupcl, with the hard-negative objective",
 )
 def unsupcl_hnm(options: UnSupCLOptions, config: RunConfig) -> Method:
     return Method(

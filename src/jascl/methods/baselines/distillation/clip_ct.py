@@ -355,6 +355,10 @@ class CLIPCTPlugin(Plugin):
     options=CLIPCTOptions,
     paper="Zhang et al., MICCAI 2023",
     doc="baseline: class-specific CLIP-conditioned heads (sigmoid) + old-model pseudo-labels",
+    fidelity=(
+        "simplified: abstract and official code only; embeddings from a file (one-hot codes without one); no "
+        "connected-component post-processing"
+    ),
 )
 def clip_ct(options: CLIPCTOptions, config: RunConfig) -> Method:
     """CLIP-CT: per-class dynamic heads generated from CLIP text embeddings, old classes kept by pseudo-labels."""

@@ -108,6 +108,7 @@ class ILTPlugin(TeacherPlugin):
     options=ILTOptions,
     paper="Michieli & Zanuttigh, ICCV Workshops 2019",
     doc="baseline: output + feature distillation",
+    fidelity="faithful",
 )
 def ilt(o: ILTOptions, config: RunConfig) -> Method:
     """ILT: output distillation on the old rows and feature distillation on ``feature_layer``."""

@@ -92,7 +92,11 @@ class LwFPlugin(TeacherPlugin):
 
 
 @METHODS.register(
-    "lwf", options=LwFOptions, paper="Li & Hoiem, TPAMI 2017", doc="baseline: output distillation on old classes"
+    "lwf",
+    options=LwFOptions,
+    paper="Li & Hoiem, TPAMI 2017",
+    doc="baseline: output distillation on old classes",
+    fidelity="faithful",
 )
 def lwf(o: LwFOptions, config: RunConfig) -> Method:
     """LwF: the old rows distilled from the previous session's model; the segmentation loss is the loop's."""

@@ -101,6 +101,7 @@ class MiBPlugin(TeacherPlugin):
     options=MiBOptions,
     paper="Cermelli et al., CVPR 2020",
     doc="baseline: unbiased CE + unbiased distillation + balanced init",
+    fidelity="faithful",
 )
 def mib(o: MiBOptions, config: RunConfig) -> Method:
     """MiB: background-aware cross-entropy and distillation, new rows initialised from the background's."""

@@ -321,6 +321,7 @@ class PLOPPlugin(TeacherPlugin):
     options=PLOPOptions,
     paper="Douillard et al., CVPR 2021",
     doc="baseline: entropy pseudo-labels of the background + Local POD",
+    fidelity="simplified: Local POD on two hooked layers and the logits instead of PLOP's four ResNet stages",
 )
 def plop(o: PLOPOptions, config: RunConfig) -> Method:
     """PLOP: the old model's confident background pixels as pseudo-labels, and Local POD distillation."""

@@ -248,6 +248,7 @@ class UCBPlugin(PLOPPlugin):
     options=UCBOptions,
     paper="Liang et al., IEEE TIP 2025",
     doc="baseline: PLOP with uncertainty- and class-balance re-weighted pseudo-labels",
+    fidelity="faithful",
 )
 def ucb(o: UCBOptions, config: RunConfig) -> Method:
     """UCB on PLOP: the old model's pseudo-labels weighted by their certainty and their class's rarity."""

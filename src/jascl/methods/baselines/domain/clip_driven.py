@@ -254,6 +254,11 @@ class ClipDrivenPlugin(Plugin):
     options=ClipDrivenOptions,
     paper="Liu et al., ICCV 2023",
     doc="baseline: CLIP-driven universal model (text-conditioned per-class heads, partial-label BCE+Dice), fine-tuned",
+    fidelity=(
+        "simplified: head on the decoder features, text rows trained; the universal model's pre-training only through "
+        "--weights (its Swin UNETR body; the paper's U-Net release fits no jascl backbone)"
+    ),
+    flags=("pre-trained weights needed",),
 )
 def clip_driven(o: ClipDrivenOptions, config: RunConfig) -> Method:
     """CLIP-driven universal model fine-tuned over the sessions (see the module docstring)."""

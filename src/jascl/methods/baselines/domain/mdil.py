@@ -443,6 +443,8 @@ class MDILPlugin(Plugin):
     options=MDILOptions,
     paper="Garg et al., WACV 2022",
     doc="baseline: shared encoder + per-domain adapters, norms, decoder and head; old-branch distillation",
+    fidelity="faithful",
+    flags=("test-time domain oracle",),
 )
 def mdil(o: MDILOptions, config: RunConfig) -> Method:
     """MDIL: domain-specific parameters per domain on a shared encoder (see the module docstring)."""

@@ -468,6 +468,7 @@ class CFSCILPlugin(Plugin):
     options=CFSCILOptions,
     paper="Hersche et al., CVPR 2022",
     doc="baseline: hyperdimensional FCL + explicit memory of bundled, quasi-orthogonal prototypes",
+    fidelity="faithful",
 )
 def c_fscil(options: CFSCILOptions, config: RunConfig) -> Method:
     return Method("c-fscil", [CFSCILPlugin(options)], "C-FSCIL: meta-learned FE + FCL, explicit prototype memory")

@@ -453,6 +453,7 @@ class FACTPlugin(Plugin):
     options=FACTOptions,
     paper="Zhou et al., CVPR 2022",
     doc="baseline: virtual prototypes reserve space in the base session; prototype + virtual-prototype prediction",
+    fidelity="faithful",
 )
 def fact(options: FACTOptions, config: RunConfig) -> Method:
     """FACT: virtual prototypes and pixel-feature mixup in the base session; training-free bimodal prediction after it."""

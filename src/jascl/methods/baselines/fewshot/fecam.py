@@ -328,6 +328,7 @@ class FeCAMPlugin(Plugin):
     options=FeCAMOptions,
     paper="Goswami et al., NeurIPS 2023",
     doc="baseline: frozen backbone, per-class Mahalanobis classifier",
+    fidelity="faithful",
 )
 def fecam(options: FeCAMOptions, config: RunConfig) -> Method:
     return Method("fecam", [FeCAMPlugin(options)], "FeCAM: training-free incremental sessions, Mahalanobis prediction")

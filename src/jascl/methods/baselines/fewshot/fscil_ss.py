@@ -17,6 +17,11 @@ selected into each incremental session by the model's uncertainty, pseudo-labell
 extra supervision and as extra inputs of the distillation. Every detail not in the abstract is
 ours and listed under deviations.
 
+**Second look (issue 36).** A new search (pages, code, issues; the authors' names, the title, the document number)
+found the TMM paper's abstract again (publisher pages), no full text and no code for it; the only official code of
+the group in this line is ``yawencui/UaD-ClE`` (the TNNLS successor, UaD-CE, which jascl runs as ``uad-ce``). So
+FSCIL-SS stays a reconstruction from the TMM abstract and JASCL's one-line description; nothing above changed.
+
 **What it does here** (incremental sessions only; session 0 is vanilla's, so the base is shared):
 
 * ``fscilss_kd`` (every step): ``weight_kd * kd_loss(student old rows, teacher, T)``
@@ -273,6 +278,10 @@ class FSCILSSPlugin(PoolPhasesPlugin):
     options=FSCILSSOptions,
     paper="Cui et al., IEEE TMM 2023 (identification of IEEE 10235731 unconfirmed)",
     doc="baseline: uncertainty-guided pool pseudo-labels + distillation from the previous model",
+    fidelity=(
+        "reconstructed: from the abstract of Cui et al., IEEE TMM 2023 (identification of IEEE doc. 10235731 "
+        "unconfirmed) and the JASCL paper's one-line description"
+    ),
 )
 def fscil_ss(options: FSCILSSOptions, config: RunConfig) -> Method:
     """FSCIL-SS on the unlabelled pool (schedule of ``method_args.jascl.pas``); distillation only without a pool."""

@@ -478,6 +478,8 @@ class GAPSPlugin(Plugin):
     options=GAPSOptions,
     paper="Qiu et al., CVPR Workshops 2023",
     doc="baseline: guided copy-paste synthesis with a base-image memory",
+    fidelity="faithful",
+    flags=("uses exemplars",),
 )
 def gaps(options: GAPSOptions, config: RunConfig) -> Method:
     return Method("gaps", [GAPSPlugin(options)], "GAPS: guided copy-paste synthesis from a diverse base-image memory")

@@ -351,6 +351,7 @@ class NCFSCILPlugin(Plugin):
     options=NCFSCILOptions,
     paper="Yang et al., ICLR 2023",
     doc="baseline: fixed simplex-ETF classifier + projection head, DR loss",
+    fidelity="faithful",
 )
 def nc_fscil(options: NCFSCILOptions, config: RunConfig) -> Method:
     return Method("nc-fscil", [NCFSCILPlugin(options)], "NC-FSCIL: neural-collapse-inspired fixed ETF classifier")

@@ -178,6 +178,7 @@ class PIFSPlugin(Plugin):
     options=PIFSOptions,
     paper="Cermelli et al., BMVC 2021",
     doc="baseline: prototype init + warm-started distillation",
+    fidelity="simplified: the loop's Dice + CE instead of plain CE; no batch renormalisation",
 )
 def pifs(options: PIFSOptions, config: RunConfig) -> Method:
     return Method(

@@ -270,6 +270,7 @@ class SoftNetPlugin(Plugin):
     paper="Kang et al., ICLR 2023",
     doc="baseline: soft-subnetwork (top-c% binary + U[0,1) soft mask) learned in session 0, only minor weights "
     "train afterwards; trains its own base session",
+    fidelity="faithful",
 )
 def softnet(options: SoftNetOptions, config: RunConfig) -> Method:
     """SoftNet: learned soft-subnetwork masks; incremental sessions fine-tune only the minor weights with a

@@ -220,6 +220,8 @@ class SubspacePlugin(Plugin):
     options=SubspaceOptions,
     paper="Akyurek et al., ICLR 2022",
     doc="baseline: subspace regulariser on new classifier rows + anchors",
+    fidelity="faithful",
+    flags=("uses exemplars",),
 )
 def subspace(options: SubspaceOptions, config: RunConfig) -> Method:
     return Method("subspace", [SubspacePlugin(options)], "Subspace regularisers: new rows pulled to the base-row span")

@@ -225,6 +225,7 @@ class MTLPlugin(Plugin):
     options=MTLOptions,
     paper="Wang et al., ICML 2021",
     doc="baseline: multi-task objective over sessions (heads = classifier rows; earlier tasks via prototypes)",
+    fidelity="simplified: earlier tasks enter as stored prototypes through their heads, not images",
 )
 def mtl(options: MTLOptions, config: RunConfig) -> Method:
     return Method("mtl", [MTLPlugin(options)], "MTL: task-average loss over the sessions seen so far")

@@ -114,6 +114,7 @@ class AdagradOptions:
     options=AdagradOptions,
     paper="Duchi et al., JMLR 2011",
     doc="baseline: Adagrad optimiser with squared-gradient sums kept across sessions",
+    fidelity="faithful",
 )
 def adagrad(o: AdagradOptions, config: RunConfig) -> Method:
     """Adagrad as the optimiser of the incremental sessions, its sums carried over (``keep_state``)."""

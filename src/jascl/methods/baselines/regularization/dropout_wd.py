@@ -105,6 +105,7 @@ class DropoutWDOptions:
     options=DropoutWDOptions,
     paper="Srivastava et al., JMLR 2014; Goodfellow et al. 2013; Mirzadeh et al., NeurIPS 2020",
     doc="baseline: dropout before the classifier + stronger weight decay",
+    fidelity="faithful",
 )
 def dropout_wd(o: DropoutWDOptions, config: RunConfig) -> Method:
     """Dropout on the classifier's input features and an L2 penalty on the trainable parameters."""

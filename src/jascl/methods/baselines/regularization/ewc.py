@@ -318,6 +318,7 @@ class EWCOptions:
     options=EWCOptions,
     paper="Kirkpatrick et al., PNAS 2017",
     doc="baseline: elastic weight consolidation, one Fisher penalty per earlier session",
+    fidelity="faithful",
 )
 def ewc(o: EWCOptions, config: RunConfig) -> Method:
     """EWC: a quadratic penalty per earlier session, weighted by that session's diagonal Fisher information."""
@@ -330,6 +331,7 @@ def ewc(o: EWCOptions, config: RunConfig) -> Method:
     options=EWCOptions,
     paper="Schwarz et al., ICML 2018",
     doc="baseline: online EWC, one running Fisher and the latest anchor",
+    fidelity="faithful",
 )
 def online_ewc(o: EWCOptions, config: RunConfig) -> Method:
     """Online EWC: one running Fisher decayed by ``gamma``, anchored at the previous session."""

@@ -316,6 +316,7 @@ class UCLOptions:
     options=UCLOptions,
     paper="Ahn et al., NeurIPS 2019",
     doc="baseline: uncertainty-regularised CL with node-wise Bayesian weights, trains its own base session",
+    fidelity="faithful",
 )
 def ucl(o: UCLOptions, config: RunConfig) -> Method:
     """UCL: node-wise uncertainty-weighted penalties on Bayesian layers (see the plugin for the deviations)."""

@@ -257,6 +257,7 @@ class VariationalDropoutOptions:
     options=VariationalDropoutOptions,
     paper="Kingma et al., NeurIPS 2015; Molchanov et al., ICML 2017",
     doc="baseline: per-weight learned Gaussian dropout (variational dropout) on the GAS layer",
+    fidelity="faithful",
 )
 def variational_dropout(o: VariationalDropoutOptions, config: RunConfig) -> Method:
     """Variational dropout with per-weight learned alpha on one layer (see the module docstring)."""

@@ -1,6 +1,7 @@
-"""Gen-Replay's pieces as pure functions and small modules: the tiny image generator, the statistics it is trained
-to reproduce (inputs of the model's normalisation layers, DeepInversion's "BN statistics"), the entropy regulariser,
-the one-hot-like relabelling and the replay cross-entropy (Liu et al., ECCV 2022; see :mod:`.gen_replay`).
+"""Gen-Replay's pieces as pure functions and small modules: the tiny image generator (``generator=conv``), the
+statistics it is trained to reproduce (inputs of the model's normalisation layers, DeepInversion's "BN statistics")
+and its fitting, the entropy regulariser, the one-hot-like relabelling and the replay cross-entropy (Liu et al.,
+ECCV 2022; see :mod:`.gen_replay`).
 
 Conventions: images ``(B, C_in, *spatial)``, logits ``(B, K, *spatial)``; ``spatial`` is 2D or 3D everywhere.
 """
@@ -173,3 +174,95 @@ class NormInputTaps:
 
     def clear(self) -> None:
         self.inputs = []
+
+
+# ------------------------------------------------------------------------------------------------ fitting the conv generator
+
+
+class Moments:
+    """Streaming per-channel moments of the image and of every tapped layer input, and the predicted class
+    frequencies, over a set of images (each image weighs its pixel count within a layer)."""
+
+    def __init__(self) -> None:
+        self.sums: list[list] = []  # per layer: [sum x, sum x^2, count]
+        self.freq: torch.Tensor | None = None
+        self.freq_count = 0.0
+
+    def update(self, layers: list[torch.Tensor], logits: torch.Tensor) -> None:
+        if not self.sums:
+            self.sums = [[torch.zeros(t.shape[1], dtype=torch.float64) for _ in range(2)] + [0.0] for t in layers]
+        for acc, t in zip(self.sums, layers, strict=True):
+            n = t.numel() / t.shape[1]
+            mean, square = channel_moments(t.detach().double())
+            acc[0] += (mean * n).cpu()
+            acc[1] += (square * n).cpu()
+            acc[2] += n
+        pixels = logits.numel() / logits.shape[1]
+        freq = F.softmax(logits.detach().double(), dim=1).mean(dim=[0, *range(2, logits.dim())]).cpu() * pixels
+        self.freq = freq if self.freq is None else self.freq + freq
+        self.freq_count += pixels
+
+    def components(self, weight: float) -> tuple[list[tuple[torch.Tensor, torch.Tensor, float]], tuple]:
+        """Per layer ``(mean, mean of squares, weight)``, and ``(class frequency, weight)``."""
+        layers = [(s1 / n, s2 / n, weight) for s1, s2, n in self.sums]
+        assert self.freq is not None
+        return layers, (self.freq / self.freq_count, weight)
+
+
+def observe(model: nn.Module, taps: NormInputTaps, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The image and the tapped layer inputs for ``x``, and the logits (``model.forward_features(x).logits``)."""
+    taps.clear()
+    logits = model.forward_features(x).logits  # type: ignore[operator]
+    return [x, *taps.inputs], logits
+
+
+def _mean_var(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mean, square = channel_moments(x)
+    return mean, (square - mean * mean).clamp_min(0)
+
+
+def fit_to_statistics(
+    model: nn.Module,
+    generator: TinyGenerator,
+    reference: list[tuple[torch.Tensor, torch.Tensor]],
+    prior: torch.Tensor,
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    entropy_weight: float,
+    prior_weight: float,
+    rng: torch.Generator | None = None,
+) -> tuple[float | None, float | None]:
+    """Train ``generator`` in place: ``steps`` Adam steps on
+    ``moment_matching_loss + prior_weight * class_prior_loss - entropy_weight * pixel_entropy`` of ``batch`` images.
+
+    The model (in the mode the caller set) gets no gradient; ``reference`` holds (mean, variance) of the image and
+    of every normalisation layer's input (:class:`NormInputTaps` order); ``prior`` (K,) the class
+    frequencies. Leaves the generator in eval mode without gradients.
+
+    Returns:
+        the loss of the first and of the last step (None without steps).
+    """
+    generator.train().requires_grad_(True)
+    params = list(generator.parameters())
+    opt = torch.optim.Adam(params, lr=lr)
+    first = last = None
+    with NormInputTaps(model) as taps:
+        for _ in range(steps):
+            layers, logits = observe(model, taps, generator.sample(batch, rng))
+            loss = moment_matching_loss([_mean_var(t) for t in layers], reference)
+            if prior_weight:
+                loss = loss + prior_weight * class_prior_loss(logits, prior)
+            if entropy_weight:
+                loss = loss - entropy_weight * pixel_entropy(logits)
+            grads = torch.autograd.grad(loss, params)
+            for p, grad in zip(params, grads, strict=True):
+                p.grad = grad
+            opt.step()
+            value = float(loss.detach())
+            first = value if first is None else first
+            last = value
+        taps.clear()
+    generator.eval().requires_grad_(False)
+    return first, last

@@ -143,6 +143,7 @@ class AdaptReplayPlugin(Saving100xPlugin):
     options=AdaptReplayOptions,
     paper="Zhu et al., AAAI 2025 (Adapter)",
     doc="baseline: adaptive prototype replay, ADC + UAC + CPD",
+    fidelity="simplified: as saving100x; prototype compensation on although the official release comments it out",
 )
 def adapt_replay(o: AdaptReplayOptions, config: RunConfig) -> Method:
     """Adapter: STAR with compensated prototypes and an uncertainty-aware constraint."""

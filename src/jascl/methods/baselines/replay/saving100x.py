@@ -277,6 +277,7 @@ class Saving100xPlugin(TeacherPlugin):
     options=Saving100xOptions,
     paper="Chen et al., NeurIPS 2023 (STAR)",
     doc="baseline: prototype + statistics replay, OCFM, SAD",
+    fidelity="simplified: softmax classifier instead of new-only sigmoid heads; replay capped per class",
 )
 def saving100x(o: Saving100xOptions, config: RunConfig) -> Method:
     """STAR: prototype replay that reconstructs the training distribution, with OCFM and SAD."""

@@ -2,6 +2,13 @@
 Non-Exemplar Incremental Learning", arXiv:2308.13207, 2023; submitted to ICLR 2024 and, revised, to TMLR in 2025; JASCL
 cite key ``kong2025yooop``).
 
+Second look (issue 36): a new search found the TMLR submission page (OpenReview ``FYe66NLDkO``, abstract), the ICLR
+2024 submission (``H6pf70GZVU``, abstract) and an earlier version of the same method under another name, "YONO:
+Condensed Prototype Replay for Class Incremental Learning" (arXiv 2305.16143, abstract read); no full text was
+readable and no official code was found. The method below therefore stays a reconstruction from these abstracts:
+the attentional mean-shift and the cosine-similarity objective are named there, their equations and every default
+here are ours.
+
 What the paper does (image classification, no stored exemplars): every class keeps *one* prototype in the
 embedding space, and the prototype is *optimised* rather than taken as the class centroid: (1) an attentional
 mean-shift moves it to the high-density region of its class (attention = softmax of the cosine similarities
@@ -276,6 +283,10 @@ class YoooPPlugin(TeacherPlugin):
     options=YoooPOptions,
     paper="Kong et al., arXiv 2023 (TMLR submission 2025)",
     doc="baseline: one optimised prototype per class (attentional mean-shift + prototype loss), replayed",
+    fidelity=(
+        "reconstructed: from the abstracts of arXiv 2308.13207, its ICLR 2024 and TMLR submissions and the earlier "
+        "YONO (arXiv 2305.16143); loss forms and every default ours"
+    ),
 )
 def yooop(o: YoooPOptions, config: RunConfig) -> Method:
     """YoooP: optimised prototypes replayed through the classifier, prototype loss, feature distillation."""
@@ -291,6 +302,7 @@ def yooop(o: YoooPOptions, config: RunConfig) -> Method:
     options=YoooPPlusOptions,
     paper="Kong et al., arXiv 2023 (TMLR submission 2025)",
     doc="baseline: YoooP + synthetic replay preserving the prototype-to-pixel angle distribution",
+    fidelity="reconstructed: as yooop, plus the abstract's angular-distribution replay",
 )
 def yooop_plus(o: YoooPPlusOptions, config: RunConfig) -> Method:
     """YoooP+: YoooP plus synthetic features with the stored angular distribution around each prototype."""

@@ -313,6 +313,7 @@ class CSLPlugin(PoolPhasesPlugin):
     options=CSLOptions,
     paper="Liu & Liu, arXiv 2509.16704, 2025",
     doc="baseline: confidence-separable pseudo-label weighting on a UniMatch-style student",
+    fidelity="faithful",
 )
 def csl(o: CSLOptions, config: RunConfig) -> Method:
     """CSL on the unlabelled pool, on the unlabelled-phase schedule of ``method_args.jascl.pas``."""

@@ -16,15 +16,26 @@ regions are picked greedily: the best pixel's (2r+1)^d region is labelled, the (
 (m = 5) is excluded from later picks of this and later rounds, until ``budget / rounds`` of the image's
 pixels are labelled. The labelled pixels join the training set.
 
-In jascl the pool (``state.data.unlabelled``) has no oracle: its labels are hidden ground truth for
-measurement only. So the acquired pixels are *pseudo-labelled by the model* (its argmax at selection time)
-and, from then on, trained with cross-entropy like labelled pixels: HALO's score chooses which pool pixels
-the model learns from (the JASCL paper: active learning "selects the most informative data").
+HALO is active learning: the acquired regions are *annotated*. jascl plays the annotator with an **oracle**
+(``oracle: true``, the default, and so in the paper's plans): the acquired pixels take the pool's ground truth,
+read from the pool's label files (global ids mapped to the session's classifier rows the way labelled data is:
+classes the session does not teach become what ``other_classes`` says). Only pixels whose ground truth the pool
+holds are offered for acquisition (borrowed pool images, ``unlabelled_sources``, have none: every label pixel is
+255), so the budget is spent where the oracle can answer. The per-session budget is ``budget`` of the pool's
+pixels, spent over ``rounds`` rounds: at most ``rounds * regions_per_round(...) * (2r+1)^d`` pixels per pool
+image, ``budget`` x pool pixels in all (a last region that crosses the image border is smaller). The session's
+record (``metrics.json``, ``pseudo_labels``; the report's pseudo-label table) states the pixels revealed, the
+budget in pixels and the pool pixels without ground truth.
+
+Without an oracle (``oracle: false``), the acquired pixels are *pseudo-labelled by the model* (its argmax at
+selection time): self-training where HALO's score chooses which pool pixels the model learns from (the JASCL
+paper: active learning "selects the most informative data"). This is the only option when the pool has no labels.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +45,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from jascl import distributed
+from jascl.data.datasets import training_labels
 from jascl.data.sampling import derive_seed
 from jascl.engine.optim import make_optimizer
 from jascl.engine.plugin import Method
@@ -121,6 +133,27 @@ def select_regions(
     return selected, excluded
 
 
+def oracle_rows(
+    truth: np.ndarray, taught: Sequence[int], other_classes: str, class_index: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """The oracle's answer for every pixel of one pool image: its classifier row, IGNORE_INDEX where the pool holds
+    no ground truth.
+
+    Args:
+        truth: (*spatial) the pool's label, global class ids, 255 where there is none.
+        taught: the session's taught classes; other classes become what ``other_classes`` says ("background": 0,
+            "ignore": 255), as for labelled data (:func:`jascl.data.datasets.training_labels`).
+        class_index: global ids -> classifier rows (``LoopState.class_index``).
+
+    Returns:
+        (*spatial) int64 rows.
+    """
+    truth = np.asarray(truth)
+    labels = torch.from_numpy(training_labels(truth, taught, other_classes).astype("int64"))
+    labels[torch.from_numpy(truth == IGNORE_INDEX)] = IGNORE_INDEX  # no ground truth: never "background"
+    return class_index(labels)
+
+
 def regions_per_round(num_pixels: int, budget: float, rounds: int, region_radius: int, spatial_dims: int) -> int:
     """``ceil(pixels * budget / rounds / region size)`` regions per image and round (official, 2D and 3D)."""
     return math.ceil(num_pixels * budget / rounds / (2 * region_radius + 1) ** spatial_dims)
@@ -144,6 +177,8 @@ class HALOOptions:
         hfr: hyperbolic feature reweighting (``HFR`` True).
         head_weight: weight of the hyperbolic head's cross-entropy on the labelled batch.
         acquired_weight: weight of the cross-entropy on acquired pool pixels (model and head).
+        oracle: acquired pixels take the pool's ground truth (active learning, HALO as published; default) instead
+            of the model's argmax (self-training).
         freeze: "config" (default), "none" or "all_but_classifier".
     """
 
@@ -156,6 +191,7 @@ class HALOOptions:
     hfr: bool = True
     head_weight: float = option(1.0, gt=0)
     acquired_weight: float = option(1.0, gt=0)
+    oracle: bool = True
     freeze: str = freeze_option()
 
 
@@ -170,11 +206,10 @@ class HALOPlugin(PoolPhasesPlugin):
     * ``halo_al`` (unlabelled phases): ``acquired_weight`` x (cross-entropy of the model + cross-entropy of
       the hyperbolic head) on the pool pixels acquired so far. At the start of each of the first ``rounds``
       phases, one acquisition round (:meth:`acquire`): :func:`halo_scores` of every pool image (model and
-      head in eval mode), :func:`select_regions` per image with ``regions_per_round`` regions, and the model's
-      argmax as the label of the picked pixels.
+      head in eval mode), :func:`select_regions` per image with ``regions_per_round`` regions, and as the label
+      of the picked pixels the pool's ground truth (``oracle``; :func:`oracle_rows`) or the model's argmax.
 
-    Deviations: no oracle -- acquired pixels are pseudo-labelled by the model (see the module docstring);
-    the network's own classifier stays Euclidean (the loop's classifier growth, prototypes, evaluation and
+    Deviations: the oracle is the pool's label files, not an annotator (see the module docstring); the network's own classifier stays Euclidean (the loop's classifier growth, prototypes, evaluation and
     GAS act on it) and the hyperbolic head is an auxiliary head on the same features, built anew (seeded)
     every incremental session and dropped after it, since the shared base session has no hyperbolic head
     (HALO's row in the JASCL paper starts from that base); hyperplane offsets are kept on the ball by an
@@ -198,6 +233,7 @@ class HALOPlugin(PoolPhasesPlugin):
         hfr: bool = True,
         head_weight: float = 1.0,
         acquired_weight: float = 1.0,
+        oracle: bool = True,
         start_epoch: int = 25,
         every: int = 25,
         batch_size: int | None = None,
@@ -208,14 +244,19 @@ class HALOPlugin(PoolPhasesPlugin):
         self.region_radius, self.mask_radius = region_radius, mask_radius
         self.channels, self.curvature, self.hfr = channels, curvature, hfr
         self.head_weight, self.acquired_weight = head_weight, acquired_weight
+        self.oracle = oracle
         self.freeze_incremental = freeze
         self.head: HyperbolicHead | None = None
         self.pseudo: torch.Tensor | None = None
         self.excluded: torch.Tensor | None = None
         self.rounds_done = 0
+        self.revealed = 0  # pixels whose ground truth the oracle revealed this session
+        self.budget_pixels = 0  # the most pixels the session's rounds can acquire
+        self.without_truth = 0  # pool pixels the oracle cannot answer (not offered for acquisition)
 
     def before_session(self, state: LoopState) -> None:
         self.head, self.pseudo, self.excluded, self.rounds_done = None, None, None, 0
+        self.revealed = self.budget_pixels = self.without_truth = 0
         if state.session.index == 0:
             return
         devices = [state.device.index or 0] if state.device.type == "cuda" else []
@@ -230,6 +271,13 @@ class HALOPlugin(PoolPhasesPlugin):
             shape = (len(pool), *np.asarray(pool.labels[0]).shape)
             self.pseudo = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
             self.excluded = torch.zeros(shape, dtype=torch.bool)
+            spatial = shape[1:]
+            per_round = regions_per_round(
+                int(np.prod(spatial)), self.budget, self.rounds, self.region_radius, len(spatial)
+            )
+            self.budget_pixels = len(pool) * self.rounds * per_round * (2 * self.region_radius + 1) ** len(spatial)
+            if self.oracle:
+                self.without_truth = int(sum((np.asarray(y) == IGNORE_INDEX).sum() for y in pool.labels))
 
     def make_optimizer(self, state: LoopState, params: list, lr: float) -> torch.optim.Optimizer | None:
         if self.head is None:
@@ -243,7 +291,8 @@ class HALOPlugin(PoolPhasesPlugin):
 
     @torch.no_grad()
     def acquire(self, state: LoopState) -> int:
-        """One acquisition round over the pool; returns the number of pixels newly pseudo-labelled."""
+        """One acquisition round over the pool; returns the number of pixels newly labelled (by the oracle, or
+        pseudo-labelled by the model)."""
         assert self.head is not None and self.pseudo is not None and self.excluded is not None
         spatial = tuple(self.pseudo.shape[1:])
         count = regions_per_round(int(np.prod(spatial)), self.budget, self.rounds, self.region_radius, len(spatial))
@@ -257,13 +306,25 @@ class HALOPlugin(PoolPhasesPlugin):
                 scores = halo_scores(probs, radii, self.region_radius).cpu()
                 labels = probs.argmax(dim=1).cpu()
                 for row, index in enumerate(batch["index"].tolist()):
-                    score = scores[row].masked_fill(self.excluded[index], -math.inf)
+                    unavailable = self.excluded[index]
+                    answer = labels[row]
+                    if self.oracle:
+                        answer = oracle_rows(
+                            state.data.unlabelled.labels[index],
+                            state.session.classes,
+                            state.session.other_classes,
+                            state.class_index,
+                        )
+                        unavailable = unavailable | (answer == IGNORE_INDEX)
+                    score = scores[row].masked_fill(unavailable, -math.inf)
                     picked, excluded = select_regions(score, count, self.region_radius, self.mask_radius)
-                    new = picked & (self.pseudo[index] == IGNORE_INDEX)
-                    self.pseudo[index][new] = labels[row][new]
+                    new = picked & (self.pseudo[index] == IGNORE_INDEX) & (answer != IGNORE_INDEX)
+                    self.pseudo[index][new] = answer[new]
                     self.excluded[index] |= excluded
                     added += int(new.sum())
         self.rounds_done += 1
+        if self.oracle:
+            self.revealed += added
         return added
 
     def after_forward(self, state: LoopState) -> None:
@@ -293,9 +354,14 @@ class HALOPlugin(PoolPhasesPlugin):
     def after_training(self, state: LoopState) -> None:
         if self.pseudo is None:
             return
-        state.report["pseudo_labels"] = pool_pseudo_label_report(
+        report = pool_pseudo_label_report(
             state.data.unlabelled.labels, self.pseudo, state.seen, "halo", self.rounds_done
         )
+        report["filter"] = "oracle" if self.oracle else "model argmax"
+        report["budget_pixels"] = self.budget_pixels
+        if self.oracle:
+            report.update(revealed=self.revealed, without_truth=self.without_truth)
+        state.report["pseudo_labels"] = report
 
     def after_session(self, state: LoopState) -> None:
         super().after_session(state)
@@ -306,7 +372,12 @@ class HALOPlugin(PoolPhasesPlugin):
     "halo",
     options=HALOOptions,
     paper="Franco et al., ICML 2024",
-    doc="baseline: hyperbolic head + pool pixels acquired by hyperbolic radius x entropy, pseudo-labelled",
+    doc="baseline: hyperbolic head + pool pixels acquired by hyperbolic radius x entropy, annotated by an oracle",
+    fidelity=(
+        "simplified: the oracle is the pool's label files; the network's classifier stays Euclidean, the hyperbolic "
+        "head is auxiliary"
+    ),
+    flags=("annotation oracle",),
 )
 def halo(o: HALOOptions, config: RunConfig) -> Method:
     """HALO on the unlabelled pool, on the unlabelled-phase schedule of ``method_args.jascl.pas``."""
@@ -320,7 +391,9 @@ def halo(o: HALOOptions, config: RunConfig) -> Method:
         hfr=o.hfr,
         head_weight=o.head_weight,
         acquired_weight=o.acquired_weight,
+        oracle=o.oracle,
         freeze=freeze_policy(o.freeze),
         **_schedule(config),
     )
-    return Method("halo", [plugin], "HALO: hyperbolic radius x entropy acquisition, pseudo-labelled")
+    labels = "annotated by the pool's ground truth (oracle)" if o.oracle else "pseudo-labelled by the model"
+    return Method("halo", [plugin], f"HALO: hyperbolic radius x entropy acquisition, {labels}")

@@ -409,6 +409,11 @@ class NNCSLPlugin(PoolPhasesPlugin):
     options=NNCSLOptions,
     paper="Kang et al., ICCV 2023",
     doc="baseline: PAWS soft nearest-neighbour learner + NN distillation over a labelled replay memory",
+    fidelity=(
+        "simplified: pre-classifier features as the embedding (no projection MLP); mirrored and intensity-jittered "
+        "views instead of multi-crop"
+    ),
+    flags=("uses exemplars",),
 )
 def nncsl(o: NNCSLOptions, config: RunConfig) -> Method:
     """NNCSL with a labelled memory of ``memory_size`` samples, on the unlabelled-phase schedule of

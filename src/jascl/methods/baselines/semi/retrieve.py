@@ -273,6 +273,7 @@ class RetrievePlugin(MeanTeacherPlugin):
     options=RetrieveOptions,
     paper="Killamsetty et al., NeurIPS 2021",
     doc="baseline: greedy bilevel coreset of the unlabelled pool under a mean teacher",
+    fidelity="faithful",
 )
 def retrieve(o: RetrieveOptions, config: RunConfig) -> Method:
     """RETRIEVE under the confidence-filtered mean teacher of ``method_args.jascl.pas`` (its weight, EMA, schedule)."""

@@ -315,6 +315,7 @@ class UaDCEPlugin(PoolPhasesPlugin):
     options=UaDCEOptions,
     paper="Cui et al., IEEE TNNLS 2023",
     doc="baseline: class-balanced self-training + uncertainty-aware distillation",
+    fidelity="simplified: pixels instead of images; no exemplar memory; the distillation carries gradient",
 )
 def uad_ce(o: UaDCEOptions, config: RunConfig) -> Method:
     """UaD-CE on the unlabelled pool, on the unlabelled-phase schedule of ``method_args.jascl.pas``."""

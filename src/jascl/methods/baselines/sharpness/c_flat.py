@@ -119,6 +119,7 @@ class CFlatOptions:
     options=CFlatOptions,
     paper="Bian et al., NeurIPS 2024",
     doc="baseline: C-Flat, zeroth- + first-order flatness in the update",
+    fidelity="faithful",
 )
 def c_flat(o: CFlatOptions, config: RunConfig) -> Method:
     """C-Flat: the SAM gradient plus a first-order flatness correction."""

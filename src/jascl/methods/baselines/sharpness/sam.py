@@ -104,6 +104,7 @@ class SAMOptions:
     options=SAMOptions,
     paper="Foret et al., ICLR 2021",
     doc="baseline: sharpness-aware minimisation, two-step update",
+    fidelity="faithful",
 )
 def sam(o: SAMOptions, config: RunConfig) -> Method:
     """SAM: the gradient is taken at the worst-case neighbour within radius ``rho``."""

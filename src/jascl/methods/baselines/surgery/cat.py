@@ -23,16 +23,29 @@ The method's continual part is ILT (output + feature distillation from the previ
 The loss is ``seg + kd_weight * L_kd + sd_weight * L_sd`` (the authors' loss_kd = 100, loss_de = 50,
 temperatures 4 for the unique old classes and 3 for the rest, their EndoVis 17 -> 18 script).
 
+The synthetic data (the "Synthetic" of CAT-SD; :mod:`._blend` gives the recipe and its source): the authors train
+the new session on blended images only -- new instruments on augmented real backgrounds, and a memory of 500 images
+of the *old* instruments (open-source foregrounds, not patient data) blended onto synthesised backgrounds. Here,
+in every incremental session, a share ``synthetic`` (1.0: all, as the authors) of every training batch is replaced
+by blended samples (``before_iteration``): the batch image, augmented, is the background (its labels kept), and one
+instrument (p 0.8) or two of different classes are pasted on it -- with probability ``old_share`` cut-outs of old
+classes from the memory, else cut-outs of the session's own labelled images (its taught classes). The memory keeps
+``memory`` cut-outs per class of every earlier session (cut from its training crops at its end, chosen at random),
+so CAT **stores foreground cut-outs of earlier sessions** (the authors' old instruments; no background, but real
+pixels of earlier images: an exemplar memory of a kind, flagged in the method's fidelity label). The pasted pixels
+carry their class, so the old-instrument pixels are annotated as in the authors' data and the class-aware
+temperature finds them from the labels (``partition="label"``, the authors' code, is the default).
+
 Deviations, for our loop and the paper's benchmarks:
-    * No synthetic data: the authors train on EndoVis 2018 images with new instruments blended onto augmented
-      real backgrounds and old instruments (open-source foregrounds) blended onto StyleGAN-XL backgrounds. That
-      is data preparation outside the training loop (needs instrument cut-outs and a GAN trained on the old
-      backgrounds); the continual part (CAT + SD) is what is implemented here.
-    * Which pixels are "unique old": in the authors' setting their labels say so (the synthetic old-instrument
-      images are annotated). In ours an old class not taught in the session is hidden (labelled background or
-      ignore), so by default (``partition="label_or_teacher"``) a pixel labelled background or ignore takes the
-      previous model's prediction as its class; ``partition="label"`` uses the labels only, as the authors'
-      code (then every pixel of a session without recurring-class replay gets T_rest).
+    * Synthetic data (see :mod:`._blend`): no harmonisation network after blending; old cut-outs are pasted on the
+      session's own (augmented) images instead of StyleGAN-XL backgrounds trained on the old data; the old
+      foregrounds are cut from earlier sessions' labelled images (the authors used open-source instrument images);
+      ``memory`` (3 per class, the MICCAI 2022 synthesis used 2-3 source images per instrument) and ``old_share``
+      (0.5) are our choices; blended samples are made on the fly, a fresh augmentation every iteration, instead of
+      a fixed set written to disk.
+    * Which pixels are "unique old": labels first (pasted old instruments are labelled). An old class not taught
+      in the session that appears in a real background is hidden (labelled background or ignore);
+      ``partition="label_or_teacher"`` also gives such a pixel the previous model's prediction as its class.
     * Unique-old classes are those of the previous classifier (background excluded) that the session does not
       teach; the authors list them by hand (classes 4 and 5 of their label map).
     * Feature distillation on the backbone's "encoder" alias (e.g. the U-Net bottleneck) captured by a forward
@@ -49,13 +62,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from jascl.data.datasets import LabelledDataset
+from jascl.data.sampling import derive_seed
+from jascl.data.types import dense
 from jascl.engine.plugin import Method
 from jascl.errors import ConfigError
 from jascl.methods.baselines.distillation._shared import FeatureTap, TeacherPlugin
 from jascl.methods.baselines.distillation.plop import local_pod
+from jascl.methods.baselines.surgery._blend import Cutout, blend_sample, cut_instruments
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
 from jascl.protocols.schema import IGNORE_INDEX
@@ -168,8 +186,13 @@ class CATOptions:
         temperature_rest: T of every other pixel.
         scales: parts per axis of the feature pyramid of SD.
         feature_layer: layer whose output SD distils ("encoder", "decoder" or a module path).
-        partition: "label_or_teacher" (background or ignored pixels take the previous model's class) or
-            "label" (the labels only, as the authors' annotated synthetic data allows).
+        partition: "label" (the labels only, as the authors' code; pasted old instruments are labelled) or
+            "label_or_teacher" (background or ignored pixels take the previous model's class).
+        synthetic: share of every incremental training batch replaced by blended samples (the authors: 1.0);
+            0 turns the synthetic data off (CAT + SD on the real batches alone).
+        old_share: probability that a blended sample pastes old instruments (from the memory) instead of the
+            session's own.
+        memory: cut-outs kept per class of every earlier session (0: none, no old instruments are pasted).
         freeze: incremental-session freezing; "none" (the authors fine-tune the network).
     """
 
@@ -179,7 +202,10 @@ class CATOptions:
     temperature_rest: float = option(3.0, gt=0)
     scales: list = option([2, 4, 8])
     feature_layer: str = "encoder"
-    partition: str = option("label_or_teacher", choices=("label_or_teacher", "label"))
+    partition: str = option("label", choices=("label_or_teacher", "label"))
+    synthetic: float = option(1.0, ge=0, le=1)
+    old_share: float = option(0.5, ge=0, le=1)
+    memory: int = option(3, ge=0)
     freeze: str = freeze_option("none")
 
 
@@ -189,6 +215,8 @@ class CATPlugin(TeacherPlugin):
 
     name = "cat"
     loss_terms = ("cat_kd", "cat_sd")
+    #: the memory changes only between sessions (saved with each session's checkpoint)
+    snapshot_exclude = ("memory", "harvested")
 
     def __init__(self, options: CATOptions | None = None, freeze: str | None = "none") -> None:
         super().__init__(freeze)
@@ -196,11 +224,97 @@ class CATPlugin(TeacherPlugin):
         self.loss_terms = ("cat_kd", "cat_sd") if self.o.sd_weight > 0 else ("cat_kd",)
         self._taps: tuple[FeatureTap, FeatureTap] | None = None
         self._unique: list[int] = []
+        self.memory: list[Cutout] = []  # cut-outs of earlier sessions' classes (the old instruments)
+        self.harvested: list[int] = []  # sessions whose cut-outs were offered to the memory
+        self._current: list[Cutout] = []  # the session's own cut-outs
+        self._rng: np.random.Generator | None = None
+        self.blended = 0  # blended samples made this session
+
+    # ------------------------------------------------------------------ synthetic data
+
+    def _session_cutouts(self, state: LoopState) -> list[Cutout]:
+        """Cut-outs of the session's taught classes from its training crops (no augmentation)."""
+        dataset = LabelledDataset(
+            dense(state.data.train),
+            state.session.classes,
+            state.session.other_classes,
+            augment=False,
+            patch_size=state.config.patch_size,
+            seed=derive_seed(state.seed, "cat-cutouts", state.session.index),
+        )
+        out: list[Cutout] = []
+        for i in range(len(dataset)):
+            item = dataset[i]
+            out += cut_instruments(item["image"], item["label"], state.session.classes)
+        return out
+
+    def harvest(self, state: LoopState) -> None:
+        """Keep ``memory`` cut-outs per class of the session that ends (chosen at random, seeded)."""
+        t = state.session.index
+        if t in self.harvested:
+            return
+        self.harvested.append(t)
+        if self.o.memory == 0 or len(state.data.train) == 0:
+            return
+        rng = np.random.default_rng(derive_seed(state.seed, "cat-memory", t))
+        cutouts = self._session_cutouts(state)
+        for c in sorted({cut.class_id for cut in cutouts}):
+            of_class = [cut for cut in cutouts if cut.class_id == c]
+            for j in sorted(rng.permutation(len(of_class))[: self.o.memory].tolist()):
+                self.memory.append(of_class[j])
+
+    def before_iteration(self, state: LoopState) -> None:
+        if self.teacher is None or self._rng is None or self.o.synthetic == 0:
+            return
+        rng, batch = self._rng, state.batch
+        images, labels = batch["image"].clone(), batch["label"].clone()
+        for i in range(len(images)):
+            if rng.random() >= self.o.synthetic:
+                continue
+            use_old = bool(self.memory) and (not self._current or rng.random() < self.o.old_share)
+            source = self.memory if use_old else self._current
+            if not source:
+                continue
+            images[i], labels[i] = blend_sample(images[i], labels[i], source, rng)
+            self.blended += 1
+        state.batch = {
+            **batch,
+            "image": images,
+            "label": labels,
+            "ignore": (labels == IGNORE_INDEX).flatten(1).any(dim=1),
+        }
+
+    def session_restored(self, state: LoopState) -> None:
+        self.harvest(state)
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {"harvested": torch.tensor(self.harvested, dtype=torch.long)}
+        for i, cut in enumerate(self.memory):
+            out[f"memory.{i}.image"] = cut.image.float().contiguous()
+            out[f"memory.{i}.mask"] = cut.mask.to(torch.uint8).contiguous()
+            out[f"memory.{i}.class"] = torch.tensor([cut.class_id])
+        return out
+
+    def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.harvested = [int(t) for t in tensors["harvested"].tolist()] if "harvested" in tensors else []
+        count = len([k for k in tensors if k.startswith("memory.") and k.endswith(".image")])
+        self.memory = [
+            Cutout(
+                int(tensors[f"memory.{i}.class"][0]), tensors[f"memory.{i}.image"], tensors[f"memory.{i}.mask"].bool()
+            )
+            for i in range(count)
+        ]
+
+    # ------------------------------------------------------------------ events
 
     def before_session(self, state: LoopState) -> None:
         super().before_session(state)
+        self._rng, self._current, self.blended = None, [], 0
         if self.teacher is None:
             return
+        if self.o.synthetic > 0:
+            self._current = self._session_cutouts(state)
+            self._rng = np.random.default_rng(derive_seed(state.seed, "cat-synthetic", state.session.index))
         self._unique = unique_old_rows(state)
         if self.o.sd_weight > 0:
             layer = self.o.feature_layer
@@ -230,17 +344,35 @@ class CATPlugin(TeacherPlugin):
             for tap in self._taps:
                 tap.remove()
             self._taps = None
+        if self.teacher is not None and self._rng is not None:
+            state.report["cat_synthetic"] = {
+                "blended": self.blended,
+                "session_cutouts": len(self._current),
+                "memory_cutouts": len(self.memory),
+            }
+
+    def after_session(self, state: LoopState) -> None:
+        super().after_session(state)
+        self._current, self._rng = [], None
+        self.harvest(state)
 
 
 @METHODS.register(
     "cat",
     options=CATOptions,
     paper="Xu et al., IEEE TMI 2024",
-    doc="baseline: class-aware-temperature logit distillation + multi-scale shifted-feature distillation",
+    doc="baseline: CAT-SD: blended synthetic data, class-aware-temperature KD, multi-scale shifted-feature distillation",
+    fidelity=(
+        "simplified: no harmonisation network and no StyleGAN-XL backgrounds; old instruments cut from earlier "
+        "sessions' labelled images"
+    ),
+    flags=("uses exemplars",),
 )
 def cat(o: CATOptions, config: RunConfig) -> Method:
-    """CAT-SD's continual part: class-aware temperature KD and shifted-feature distillation."""
+    """CAT-SD: blended synthetic data, class-aware temperature KD and shifted-feature distillation."""
     if not o.scales or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in o.scales):
         raise ConfigError(f"method_args.cat.scales={o.scales!r}: must be a list of positive integers")
     plugin = CATPlugin(o, freeze_policy(o.freeze))
-    return Method("cat", [plugin], "CAT: class-aware temperature distillation + shifted-feature distillation")
+    return Method(
+        "cat", [plugin], "CAT-SD: blended synthetic data + class-aware temperature KD + shifted-feature distillation"
+    )
