@@ -87,7 +87,7 @@ def test_the_resume_error_names_no_version(tmp_path, capsys):
 def test_an_all_extra_installs_every_optional_dependency():
     tomllib = pytest.importorskip("tomllib")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    users = set(extras["natural"]) | set(extras["clip"])  # what a user runs with (test and dev are the project's)
+    users = set(extras["natural"]) | set(extras["clip"]) | set(extras["diffusion"])  # test and dev are the project's
     assert set(extras["all"]) == users
 
 
@@ -96,7 +96,7 @@ def test_seeds_and_num_seeds_on_the_command_line(tmp_path, capsys, monkeypatch):
     import jascl.experiments.compare as compare
 
     seen = []
-    monkeypatch.setattr(compare, "run_compare", lambda p, c, m, seeds, out, **kw: seen.append(seeds) or {})
+    monkeypatch.setattr(compare, "run_compare", lambda p, c, m, seeds, out, **kw: seen.append(seeds) or {"methods": {}})
     monkeypatch.setattr("jascl.experiments.compare.compare_table", lambda summary: ([], []))
     monkeypatch.setattr("jascl.experiments.compare.compare_title", lambda summary: "")
     common = ["--methods", "vanilla", "--out", str(tmp_path / "c"), "--no-progress"]
