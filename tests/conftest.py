@@ -27,6 +27,11 @@ settings.register_profile("explore", derandomize=False, database=None, print_blo
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "jascl"))
 
 
+#: Gen-Replay's diffusion prior at toy cost (a few DDPM and DDIM steps; test_baselines_gen_replay.py and
+#: test_gen_replay_diffusion.py check what it learns): the every-method tests pass these overrides
+TINY_DIFFUSION = tuple(f"method_args.gen-replay.{k}" for k in ("diffusion_steps=3", "sample_steps=2", "bank=4"))
+
+
 def toy_protocol_dict(spatial_dims: int = 2) -> dict:
     size = 32
     return {

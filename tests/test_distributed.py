@@ -21,7 +21,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import toy_protocol_dict
+from conftest import TINY_DIFFUSION, toy_protocol_dict
 from jascl.cli import main
 from jascl.data.sampling import SeededBatchSampler, derive_seed
 from jascl.engine.config import resolve_config
@@ -377,6 +377,7 @@ def test_the_newer_methods_keep_every_process_identical_under_ddp(tmp_path):
             ),
             *("--methods", ",".join(f"{m}+digest" for m in ISSUE17)),
             *("--set", "pas.start_epoch=0", "--set", "pas.every=1"),
+            *(a for o in TINY_DIFFUSION for a in ("--set", o)),
             *("--device", "cpu", "--devices", "2", "--no-progress"),
             *("--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")),
         ],

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import toy_protocol_dict
+from conftest import TINY_DIFFUSION, toy_protocol_dict
 from jascl.data.sessions import load_sessions
 from jascl.engine.config import resolve_config
 from jascl.experiments.runner import ensure_base, run_benchmark
@@ -37,11 +37,8 @@ def toy_ss(tmp_path_factory):
     spec = toy_protocol_dict(2)
     spec["sessions"][1]["unlabelled"] = 4
     protocol = parse_protocol(spec, source="toy-ss.yaml")
-    # Gen-Replay's diffusion prior at toy cost (a few DDPM and DDIM steps; tests/test_baselines_gen_replay.py
-    # checks what it learns)
-    tiny_diffusion = [f"method_args.gen-replay.{k}" for k in ("diffusion_steps=3", "sample_steps=2", "bank=4")]
     config = resolve_config(
-        protocol.training, "toy-ss.yaml", overrides=["pas.start_epoch=0", "pas.every=1", *tiny_diffusion]
+        protocol.training, "toy-ss.yaml", overrides=["pas.start_epoch=0", "pas.every=1", *TINY_DIFFUSION]
     )
     root = tmp_path_factory.mktemp("registry")
     data = load_sessions(protocol, root / "cache", echo=lambda *a: None)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import toy_protocol_dict
+from conftest import TINY_DIFFUSION, toy_protocol_dict
 from jascl.data.sessions import load_sessions
 from jascl.engine.checkpoint import load_progress, save_progress
 from jascl.engine.config import resolve_config
@@ -46,7 +46,9 @@ def _toy_with_base(tmp_path_factory, name: str, **training):
     spec["sessions"][1]["unlabelled"] = 4
     spec["training"].update({"epochs_incremental": 3, "augment": True, **training})
     protocol = parse_protocol(spec, source=f"{name}.yaml")
-    config = resolve_config(protocol.training, f"{name}.yaml", overrides=["pas.start_epoch=0", "pas.every=1"])
+    config = resolve_config(
+        protocol.training, f"{name}.yaml", overrides=["pas.start_epoch=0", "pas.every=1", *TINY_DIFFUSION]
+    )
     root = tmp_path_factory.mktemp(name)
     data = load_sessions(protocol, root / "cache", echo=lambda *a: None)
     ensure_base(protocol, config, data, root / "base", progress=False, echo=lambda *a: None)
