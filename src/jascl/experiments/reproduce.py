@@ -14,7 +14,8 @@ every moment of a reproduction:
 * a cell is *measured* when every seed has its value, *partial* (mean of the seeds so far, "k/n seeds") when
   some have, else pending ("—"); the title says "n of m cells";
 * a job that fails (an error in one method or setting) marks its unfinished cells ``failed`` with the reason
-  and the next job runs; the command then exits 1;
+  and the next job runs; a method that cannot be built (e.g. an optional dependency not installed) is left out
+  of its job before it runs, its cells ``failed`` with the one-line reason, and the job's other methods run; the command then exits 1;
 * ``jascl reproduce TABLE --out DIR --report`` re-renders the table from ``DIR`` without training.
 
 Quick mode (``--quick``): every session trains a :data:`~jascl.experiments.reproduce_plan.QUICK_EPOCH_DIVISOR`-th
@@ -194,7 +195,8 @@ def measure(
             mean, std = mean_std(values)
             entry["seeds_done"] = len(done)
             if not done:
-                entry["status"], entry["reason"] = ("failed", failed[p.job]) if p.job in failed else ("pending", "")
+                reason = failed.get(f"{p.job}/{c.method}", failed.get(p.job))
+                entry["status"], entry["reason"] = ("failed", reason) if reason else ("pending", "")
             elif c.class_id is not None and plan.stand_in and all(math.isnan(v) for v in values):
                 entry["status"], entry["reason"] = "not in stand-in", f"class {c.class_id} is not in {t.stand_in}"
             elif math.isnan(mean):
@@ -316,10 +318,12 @@ def run_plan(
                     protocol.training, protocol.path, None, _job_overrides(job, protocol, overrides, plan.quick)
                 )
                 kwargs = {**compare_kwargs, "split_manifest": manifest_for(protocol.name, manifests)}
-                run_compare(
-                    protocol, config, job.methods, seeds, out / job.key, echo=echo_and_refresh,
-                    roots=roots_for(job, roots), **kwargs,
-                )  # fmt: skip
+                methods = _creatable(job, config, protocol.task, failed, echo)
+                if methods:
+                    run_compare(
+                        protocol, config, methods, seeds, out / job.key, echo=echo_and_refresh,
+                        roots=roots_for(job, roots), **kwargs,
+                    )  # fmt: skip
             except Stopped:
                 raise
             except Exception as exc:  # one failed job: its cells say why, the others still run
@@ -330,6 +334,24 @@ def run_plan(
     finally:
         summary = refresh(force=True)
     return summary
+
+
+def _creatable(job: Job, config: Any, task: str, failed: dict[str, str], echo: Callable[[str], None]) -> list[str]:
+    """The job's methods that can be built under ``config``; each one refused (a missing optional dependency, an
+    option the configuration rejects) is recorded as ``failed["<job>/<method>"]`` and left out, so one method's
+    missing extra does not fail the table's other cells."""
+    from jascl.methods.registry import create_method
+
+    usable = []
+    for method in job.methods:
+        try:
+            create_method(method, config, task)
+        except JasclError as exc:
+            failed[f"{job.key}/{method}"] = str(exc).splitlines()[0]
+            echo(f"[reproduce] {method} left out of job {job.key}: {failed[f'{job.key}/{method}']}")
+            continue
+        usable.append(method)
+    return usable
 
 
 def manifest_for(protocol: str, manifests: str | Path | Sequence[str | Path] | None) -> str | None:
