@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from jascl.errors import CheckpointError
 from jascl.fileio import atomic_write
+from jascl.networks.ops import unit_channels
 from jascl.protocols.schema import IGNORE_INDEX
 
 
@@ -79,7 +80,7 @@ def per_sample_prototypes(
     authors = form == "authors"
     labels = align_labels(labels, features.shape[2:])
     if normalize_pixels or authors:
-        features = F.normalize(features, dim=1)
+        features = unit_channels(features)
     out: dict[int, list[torch.Tensor]] = {c: [] for c in classes}
     flat = features.flatten(2)  # (B, D, N)
     lab = labels.flatten(1)  # (B, N)

@@ -11,7 +11,7 @@ from monai.transforms import Compose, RandAdjustContrast, RandGaussianNoise, Ran
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from jascl import distributed
-from jascl.data.datasets import BatchStream
+from jascl.data.datasets import BatchStream, reseed
 from jascl.data.sampling import derive_seed, seeded_loader, split_key
 from jascl.engine.plugin import Plugin
 from jascl.methods.gas import clean_state_dict
@@ -78,7 +78,7 @@ class UnlabelledDataset(Dataset):
 
 def apply_view(transform: Compose, image: torch.Tensor, seed: int) -> torch.Tensor:
     """``transform`` applied to one (C, *spatial) image with its random draws seeded by ``seed``; a plain float tensor."""
-    transform.set_random_state(seed=seed)
+    reseed(transform, seed)  # as transform.set_random_state(seed=seed), without building new random states
     # plain tensors: MONAI MetaTensors would slow down every later operation
     return torch.as_tensor(transform(image)).as_subclass(torch.Tensor).float()
 

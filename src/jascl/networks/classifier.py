@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jascl.networks.ops import unit_channels
+
 
 def _apply_rows(features: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """(B, C, *spatial) x (K, C) -> (B, K, *spatial); (N, C) x (K, C) -> (N, K)."""
@@ -60,7 +62,7 @@ class PixelClassifier(nn.Module):
         """
         weight = self.weight  # read once: under GAS every read draws fresh noise
         if self.cosine:
-            unit_features = features if unit else F.normalize(features, dim=1)
+            unit_features = features if unit else unit_channels(features)
             return self.temperature * _apply_rows(unit_features, F.normalize(weight, dim=1))
         logits = _apply_rows(features, weight)
         shape = (1, -1) + (1,) * (logits.dim() - 2)
