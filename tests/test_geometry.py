@@ -1,7 +1,7 @@
 """The new-class geometry diagnostic: prototype cosines and where a new class's test pixels go."""
 
 import math
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -92,10 +92,20 @@ def test_geometry_refuses_what_it_cannot_measure(toy_run):
         new_class_geometry(run, "jascl", 1, cache_dir=cache)
 
 
-def test_tool_prints_the_tables_and_fails_in_one_line(toy_run):
+def _tool(*argv: str) -> int:
+    """The script as ``python tools/new_class_geometry.py ARGV`` runs it (its ``__main__`` block, here in this
+    process: a new interpreter would spend seconds importing torch and MONAI again); its exit status."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["new_class_geometry.py", *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(ROOT / "tools" / "new_class_geometry.py"), run_name="__main__")
+    return exit_info.value.code
+
+
+def test_tool_prints_the_tables_and_fails_in_one_line(toy_run, capsys):
     run, cache = toy_run
-    tool = [sys.executable, str(ROOT / "tools" / "new_class_geometry.py")]
-    ok = subprocess.run([*tool, str(run), "vanilla", "1", "--cache-dir", str(cache)], capture_output=True, text=True)
-    assert ok.returncode == 0 and "| new class | s0.c0 | s0.c1 | s0.c2 |" in ok.stdout
-    bad = subprocess.run([*tool, str(run), "vanilla", "5", "--cache-dir", str(cache)], capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "choose an incremental session" in bad.stderr
+    assert _tool(str(run), "vanilla", "1", "--cache-dir", str(cache)) == 0
+    assert "| new class | s0.c0 | s0.c1 | s0.c2 |" in capsys.readouterr().out
+    assert _tool(str(run), "vanilla", "5", "--cache-dir", str(cache)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "choose an incremental session" in err

@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from conftest import toy_protocol_dict
+from jascl.cli import main
 from jascl.errors import ConfigError
 from jascl.experiments.runner import run_benchmark
 from jascl.methods import METHODS, Plugin
@@ -88,7 +89,7 @@ def test_the_example_registers_runs_and_is_configured_like_every_method(example,
         create_method("l2-sp", toy_config)
 
 
-def test_the_example_from_the_command_line(tmp_path):
+def test_the_example_from_the_command_line(tmp_path, capsys, monkeypatch):
     protocol = tmp_path / "toy.yaml"
     protocol.write_text(yaml.safe_dump(toy_protocol_dict(2)))
     run = subprocess.run(
@@ -131,20 +132,15 @@ def test_the_example_from_the_command_line(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((tmp_path / "run" / "results.json").read_text()) == results
-    shown = subprocess.run(
-        [sys.executable, "-m", "jascl", "methods", "l2-sp", "--import", str(EXAMPLE)],
-        capture_output=True,
-        text=True,
-        env={"COLUMNS": "200", **__import__("os").environ},
-    )
-    assert shown.returncode == 0 and "method_args.l2-sp" in shown.stdout and "alpha" in shown.stdout
-    missing = subprocess.run(
-        [sys.executable, "-m", "jascl", "methods", "--import", str(tmp_path / "nope.py")],
-        capture_output=True,
-        text=True,
-        env=ENV,
-    )
-    assert (
-        missing.returncode == 2
-        and missing.stderr.strip() == f"jascl: error: --import {tmp_path / 'nope.py'}: no such file"
-    )
+    # `jascl methods l2-sp --import ...` and the refusal of a missing file, in this process (the command's entry
+    # point, without a new interpreter's imports); the registration --import makes is undone afterwards
+    monkeypatch.setenv("COLUMNS", "200")
+    try:
+        assert main(["methods", "l2-sp", "--import", str(EXAMPLE)]) == 0
+    finally:
+        METHODS.unregister("l2-sp")
+        sys.modules.pop(EXAMPLE.stem, None)
+    shown = capsys.readouterr().out
+    assert "method_args.l2-sp" in shown and "alpha" in shown
+    assert main(["methods", "--import", str(tmp_path / "nope.py")]) == 2
+    assert capsys.readouterr().err.strip() == f"jascl: error: --import {tmp_path / 'nope.py'}: no such file"
