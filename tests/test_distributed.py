@@ -25,6 +25,7 @@ from conftest import TINY_DIFFUSION, toy_protocol_dict
 from jascl.cli import main
 from jascl.data.sampling import SeededBatchSampler, derive_seed
 from jascl.engine.config import resolve_config
+from jascl.methods import METHODS
 from jascl.networks.base import create_segmenter
 from jascl.protocols import parse_protocol
 
@@ -314,7 +315,7 @@ def test_sync_batchnorm_converts_in_place_only_with_several_gpu_processes(monkey
     assert torch.equal(m.eval()(x), reference(x))  # evaluation (no synchronisation) is unchanged
 
 
-def test_a_method_that_leaves_parameters_without_gradient_trains_with_two_processes(tmp_path):
+def test_a_method_that_leaves_parameters_without_gradient_trains_with_two_processes(tmp_path, monkeypatch, capfd):
     """C-FSCIL's meta-learning epochs leave the pixel classifier without a gradient; the trainer must ask
     DistributedDataParallel to find such parameters (``Plugin.unused_parameters``), else the second
     process stops at the first meta-learning step ("Expected to have finished reduction ...")."""
@@ -327,19 +328,18 @@ def test_a_method_that_leaves_parameters_without_gradient_trains_with_two_proces
     spec["training"].update(epochs_base=2, epochs_incremental=1, batch_size=4, threads=1)
     protocol = tmp_path / "toy.yaml"
     protocol.write_text(yaml.safe_dump(spec))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
+    # the launcher (jascl run --devices 2: it starts torchrun and waits) runs in this process; torchrun and the two
+    # ranks are processes of their own, started with this environment
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "src"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    code = main(
         [
-            *(sys.executable, "-m", "jascl", "run", "--protocol", str(protocol), "--methods", "c-fscil"),
+            *("run", "--protocol", str(protocol), "--methods", "c-fscil"),
             *("--device", "cpu", "--devices", "2", "--no-progress"),
             *("--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
+        ]
     )
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert code == 0, capfd.readouterr().err[-3000:]
     log = (tmp_path / "run" / "log.txt").read_text()
     assert "cfscil_meta" in log  # the meta-learning epoch ran
     sessions = json.loads((tmp_path / "run" / "results.json").read_text())["methods"]["c-fscil"]["sessions"]
@@ -351,7 +351,7 @@ ISSUE17 = ("nncsl", "halo", "ucb", "cat", "variational-dropout", "clip-ct", "cli
 
 
 @pytest.mark.slow
-def test_the_newer_methods_keep_every_process_identical_under_ddp(tmp_path):
+def test_the_newer_methods_keep_every_process_identical_under_ddp(tmp_path, monkeypatch, capfd):
     """DDP safety: trained with two processes, each method ends every session with the same parameters on both
     ranks (a plugin's extra module or loss that escaped the gradient averaging would make them drift apart), and
     the run completes (no collective left waiting on one rank)."""
@@ -362,31 +362,30 @@ def test_the_newer_methods_keep_every_process_identical_under_ddp(tmp_path):
     protocol.write_text(yaml.safe_dump(spec))
     digests = tmp_path / "digests"
     digests.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "JASCL_DIGEST_DIR": str(digests)}
-    run = subprocess.run(
-        [
-            *(
-                sys.executable,
-                "-m",
-                "jascl",
-                "run",
-                "--protocol",
-                str(protocol),
-                "--import",
-                str(ROOT / "tests" / "ddp_digest.py"),
-            ),
-            *("--methods", ",".join(f"{m}+digest" for m in ISSUE17)),
-            *("--set", "pas.start_epoch=0", "--set", "pas.every=1"),
-            *(a for o in TINY_DIFFUSION for a in ("--set", o)),
-            *("--device", "cpu", "--devices", "2", "--no-progress"),
-            *("--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    # the launcher runs in this process (as above); what --import registers here is undone afterwards
+    for name, value in {
+        "PYTHONPATH": str(ROOT / "src"),
+        "OMP_NUM_THREADS": "1",
+        "JASCL_DIGEST_DIR": str(digests),
+    }.items():
+        monkeypatch.setenv(name, value)
+    registered = "digest" in METHODS
+    try:
+        code = main(
+            [
+                *("run", "--protocol", str(protocol), "--import", str(ROOT / "tests" / "ddp_digest.py")),
+                *("--methods", ",".join(f"{m}+digest" for m in ISSUE17)),
+                *("--set", "pas.start_epoch=0", "--set", "pas.every=1"),
+                *(a for o in TINY_DIFFUSION for a in ("--set", o)),
+                *("--device", "cpu", "--devices", "2", "--no-progress"),
+                *("--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")),
+            ]
+        )
+    finally:
+        if not registered and "digest" in METHODS:
+            METHODS.unregister("digest")
+        sys.modules.pop("ddp_digest", None)
+    assert code == 0, capfd.readouterr().err[-3000:]
     for method in ISSUE17:
         rank0 = (digests / f"{method}.s1.rank0").read_text()
         assert rank0 == (digests / f"{method}.s1.rank1").read_text(), f"{method}: the two processes drifted apart"

@@ -92,33 +92,22 @@ def test_the_example_registers_runs_and_is_configured_like_every_method(example,
 def test_the_example_from_the_command_line(tmp_path, capsys, monkeypatch):
     protocol = tmp_path / "toy.yaml"
     protocol.write_text(yaml.safe_dump(toy_protocol_dict(2)))
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jascl",
-            "run",
-            "--import",
-            str(EXAMPLE),
-            "--protocol",
-            str(protocol),
-            "--methods",
-            "l2-sp",
-            "--set",
-            "method_args.l2-sp.scope=classifier",
-            "--device",
-            "cpu",
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--out",
-            str(tmp_path / "run"),
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        env=ENV,
-    )
-    assert run.returncode == 0, run.stderr
+    # the run in this process, with the command's own entry point (a new interpreter would add only its imports);
+    # the resume below is a process of its own, one that never imported the example
+    threads = torch.get_num_threads()
+    try:
+        code = main(
+            [
+                *("run", "--import", str(EXAMPLE), "--protocol", str(protocol), "--methods", "l2-sp"),
+                *("--set", "method_args.l2-sp.scope=classifier", "--device", "cpu"),
+                *("--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"), "--no-progress"),
+            ]
+        )
+    finally:
+        torch.set_num_threads(threads)
+        METHODS.unregister("l2-sp")
+        sys.modules.pop(EXAMPLE.stem, None)
+    assert code == 0, capsys.readouterr().err
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert [s["session"] for s in results["methods"]["l2-sp"]["sessions"]] == [0, 1]
     # the run folder records the module, so that a resumed run (from another folder, no --import) finds l2-sp
