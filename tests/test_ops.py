@@ -28,3 +28,7 @@ def test_unit_channels_equals_f_normalize_forward_and_backward():
     # half precision: the squares are summed in float32, so large features do not overflow to inf
     big = torch.full((1, 4, 2), 300.0, dtype=torch.float16)
     assert torch.allclose(unit_channels(big).float(), torch.full((1, 4, 2), 0.5), atol=1e-3)
+    # ... and an all-zero vector (a ReLU backbone's pixel) stays zero instead of 0 * (1 / eps) = NaN
+    for dtype in (torch.float16, torch.bfloat16):
+        zero = unit_channels(torch.zeros(2, 3, 4, dtype=dtype))
+        assert zero.dtype == dtype and torch.equal(zero, torch.zeros(2, 3, 4, dtype=dtype))
