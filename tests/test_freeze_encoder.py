@@ -12,12 +12,35 @@ from safetensors.torch import load_file
 from jascl.errors import ConfigError
 from jascl.experiments.runner import run_benchmark
 from jascl.networks import create_segmenter
-from jascl.networks.base import encoder_modules
+from jascl.networks.base import encoder_modules, eval_mode
 
 
 def _names(backbone, modules):
     ids = {id(m) for m in modules}
     return sorted(n for n, m in backbone.named_modules() if id(m) in ids)
+
+
+def test_eval_mode_restores_each_modules_own_mode_exactly():
+    """A training model with a frozen (eval-mode) encoder: all eval inside the block, every module's own flag
+    afterwards, also when the block raises; ``train`` is not re-run on restore (it would recurse per module)."""
+    model = create_segmenter("unet", spatial_dims=2, in_channels=1, num_classes=3, features=[4, 4, 8, 8, 8, 8])
+    model.train()
+    for m in encoder_modules(model.backbone):
+        m.eval()
+    before = [m.training for m in model.modules()]
+    assert True in before and False in before
+    calls = []
+    original = type(model.backbone).train
+    type(model.backbone).train = lambda self, mode=True: calls.append(mode) or original(self, mode)
+    try:
+        with pytest.raises(RuntimeError, match="inside"):
+            with eval_mode(model):
+                assert not any(m.training for m in model.modules())
+                raise RuntimeError("inside")
+    finally:
+        type(model.backbone).train = original
+    assert [m.training for m in model.modules()] == before
+    assert calls == [False]  # the model.eval() that entered the block, nothing on the way out
 
 
 def test_encoder_modules_are_everything_outside_the_decoder():

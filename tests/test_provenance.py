@@ -25,3 +25,15 @@ def test_environment_records_date_and_revision():
     if head:  # the tests run from a checkout: its HEAD, marked dirty if files differ
         assert rev is not None and rev.split("+")[0] == head
     assert env["git_revision"] == rev
+
+
+def test_the_revision_is_asked_of_git_once_per_process(monkeypatch):
+    calls = []
+    real = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a) or real(*a, **k))
+    git_revision.cache_clear()
+    first = git_revision()
+    asked = len(calls)  # two git calls in a checkout, one that fails without git
+    assert asked in (1, 2)
+    assert git_revision() == first and len(calls) == asked
+    assert git_revision.cache_info().hits == 1

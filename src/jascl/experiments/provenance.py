@@ -4,6 +4,7 @@ of the jascl source (``environment.json`` of every run folder; the report's vers
 from __future__ import annotations
 
 import datetime
+import functools
 import platform
 import shlex
 import sys
@@ -53,8 +54,13 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return shlex.join(argv)
 
 
+@functools.cache
 def git_revision() -> str | None:
-    """The git commit of the jascl source that ran (``+dirty`` with uncommitted changes), None outside a checkout."""
+    """The git commit of the jascl source that ran (``+dirty`` with uncommitted changes), None outside a checkout.
+
+    Asked once per process: the source that runs is the one imported at start (an edit made while a long
+    ``reproduce`` or a test session runs does not change the code it runs), and the two ``git`` calls cost
+    10 ms per run folder otherwise."""
     import subprocess
 
     source = Path(__file__).resolve().parent

@@ -94,14 +94,19 @@ class Backbone(nn.Module):
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` in eval mode for the block; every submodule's own train/eval mode is restored afterwards
-    (a frozen encoder stays in eval mode, a training model goes back to training)."""
-    modes = {m: m.training for m in model.modules()}
+    (a frozen encoder stays in eval mode, a training model goes back to training).
+
+    The flags are restored by assignment: ``module.train(mode)`` per module would recurse into every
+    submodule again (quadratic in the depth; 5 ms per call on the tests' tiny U-Net, which the prototype
+    and evaluation passes call hundreds of times), and would let a ``train`` override re-decide a mode
+    that was saved."""
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         yield model
     finally:
-        for module, mode in modes.items():
-            module.train(mode)
+        for module, mode in modes:
+            module.training = mode
 
 
 def resize(
