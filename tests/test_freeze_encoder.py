@@ -20,7 +20,7 @@ def _names(backbone, modules):
     return sorted(n for n, m in backbone.named_modules() if id(m) in ids)
 
 
-def test_eval_mode_restores_each_modules_own_mode_exactly():
+def test_eval_mode_restores_each_modules_own_mode_exactly(monkeypatch):
     """A training model with a frozen (eval-mode) encoder: all eval inside the block, every module's own flag
     afterwards, also when the block raises; ``train`` is not re-run on restore (it would recurse per module)."""
     model = create_segmenter("unet", spatial_dims=2, in_channels=1, num_classes=3, features=[4, 4, 8, 8, 8, 8])
@@ -31,14 +31,13 @@ def test_eval_mode_restores_each_modules_own_mode_exactly():
     assert True in before and False in before
     calls = []
     original = type(model.backbone).train
-    type(model.backbone).train = lambda self, mode=True: calls.append(mode) or original(self, mode)
-    try:
-        with pytest.raises(RuntimeError, match="inside"):
-            with eval_mode(model):
-                assert not any(m.training for m in model.modules())
-                raise RuntimeError("inside")
-    finally:
-        type(model.backbone).train = original
+    monkeypatch.setattr(
+        type(model.backbone), "train", lambda self, mode=True: calls.append(mode) or original(self, mode)
+    )
+    with pytest.raises(RuntimeError, match="inside"):
+        with eval_mode(model):
+            assert not any(m.training for m in model.modules())
+            raise RuntimeError("inside")
     assert [m.training for m in model.modules()] == before
     assert calls == [False]  # the model.eval() that entered the block, nothing on the way out
 
