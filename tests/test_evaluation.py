@@ -287,3 +287,34 @@ def test_all_class_mean_excludes_background_unless_asked(toy_protocol):
     assert session_record(toy_protocol, 0, result)["all"] == pytest.approx(0.4)
     assert session_record(toy_protocol, 0, result, background_in_mean=True)["all"] == pytest.approx(1.7 / 3)
     assert session_record(toy_protocol, 0, result, background_in_mean=True)["background"] == 0.9
+
+
+def test_class_rows_is_argmax_with_first_index_on_ties():
+    from jascl.evaluation.evaluator import class_rows
+
+    # (1, 3, 1, 4) scores; voxel 1 ties classes 0 and 2 at the top, voxel 2 classes 1 and 2, voxel 3 all three
+    scores = torch.tensor([[[[0.0, 2.0, 1.0, 5.0]], [[1.0, 0.0, 3.0, 5.0]], [[0.5, 2.0, 3.0, 5.0]]]])
+    assert class_rows(scores).tolist() == [[[1, 0, 1, 0]]]
+    rng = torch.Generator().manual_seed(0)
+    rounded = torch.randint(0, 3, (2, 7, 9, 11), generator=rng).float()  # many ties
+    rounded[0, :, 0, 0] = float("nan")
+    assert torch.equal(class_rows(rounded), rounded.argmax(1))
+
+
+def test_whole_sample_scores_come_from_logits_without_a_softmax(monkeypatch):
+    # the deterministic sliding-window mode takes the argmax of the logits; the softmax is left to the authors'
+    # soft Dice (and to MC-GAS): counted here
+    import jascl.evaluation.evaluator as ev
+
+    calls = []
+    real = torch.softmax
+    monkeypatch.setattr(ev.torch, "softmax", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gt = np.array([[[0, 5], [5, 5]]], dtype=np.uint8)
+    split = Split(np.zeros((1, 1, 2, 2), np.float32), gt, ["x"])
+    model = Oracle(torch.tensor([[[0, 1], [0, 1]]]), 2)
+    result = evaluate(model, [split], [0, 5], torch.device("cpu"), roi=None)
+    assert calls == []
+    # gt [[0,5],[5,5]] against [[0,5],[0,5]]: class 5 Dice 2*2/(3+2) = 0.8
+    assert result.dice[5] == pytest.approx(0.8)
+    evaluate(model, [split], [0, 5], torch.device("cpu"), mode="authors", roi=None)
+    assert calls == [1]
