@@ -13,8 +13,8 @@ cuDNN autotuning); the next ``--epochs`` are timed. For each loader worker count
   ``after_update``): the sum of the steps' GPU spans over the span from the first timed step's start to the
   last one's end. The time between two steps (waiting for the next batch, the loop's own work between
   steps, the epoch boundaries) counts as idle.
-* **NVML utilisation** (``nvidia-smi``'s "GPU-Util": the share of 20 ms samples with a kernel running), sampled
-  every 50 ms over the timed epochs, where ``pynvml`` is importable.
+* **NVML utilisation** (``nvidia-smi``'s "GPU-Util": the share of the driver's last sample period, 1/6 s to
+  1 s, in which a kernel ran), read every 50 ms over the timed epochs, where ``pynvml`` is importable.
 * **steps/s** fed from the store and **steps/s** on one batch kept on the GPU (the same loop's model and
   optimiser, no loader): their ratio is a second estimate of the share.
 * the main process's **wait for a batch** (host seconds inside the loader's ``next``) per step.
