@@ -343,3 +343,34 @@ def test_cli_unknown_protocol(capsys):
 def test_cli_no_command_prints_help(capsys):
     assert main([]) == 0
     assert "usage: jascl" in capsys.readouterr().out
+
+
+def test_cudnn_benchmark_reaches_torch_on_a_gpu_only(toy_protocol, monkeypatch):
+    import torch
+
+    from jascl.engine.loop import ContinualTrainer
+    from jascl.engine.optim import apply_cudnn_benchmark
+    from jascl.engine.plugin import Method
+
+    saved = torch.backends.cudnn.benchmark
+    try:
+        assert resolve_config(overrides=["cudnn_benchmark=true"]).cudnn_benchmark is True
+        assert RunConfig().cudnn_benchmark is False
+        torch.backends.cudnn.benchmark = False
+        apply_cudnn_benchmark(True, torch.device("cuda"))  # sets the flag; needs no GPU to do so
+        assert torch.backends.cudnn.benchmark is True
+        apply_cudnn_benchmark(False, torch.device("cuda:1"))
+        assert torch.backends.cudnn.benchmark is False
+        apply_cudnn_benchmark(True, torch.device("cpu"))  # a CPU run leaves the process-wide flag alone
+        assert torch.backends.cudnn.benchmark is False
+        # the loop applies the run's setting on its device
+        import jascl.engine.loop as loop
+
+        calls = []
+        monkeypatch.setattr(loop, "apply_cudnn_benchmark", lambda enabled, device: calls.append((enabled, device)))
+        config = resolve_config(toy_protocol.training, "toy-2d.yaml", None, ["cudnn_benchmark=true", "device=cpu"])
+        ContinualTrainer(toy_protocol, config, Method("plain"), [], progress=False)
+        assert calls == [(True, torch.device("cpu"))]
+    finally:
+        torch.backends.cudnn.benchmark = saved
+    assert _error(overrides=["cudnn_benchmark=3"]) == "--set: cudnn_benchmark: must be true or false (got 3)"

@@ -98,6 +98,8 @@ class RunConfig:
             statistics to ``<run>/tensorboard/<method>/`` (``jascl.results.tensorboard``).
         precision: "auto" (bf16 autocast on a GPU that supports it, else fp32), "fp32" or "bf16".
         channels_last: channels-last memory format for the model and its training inputs (GPU convolutions).
+        cudnn_benchmark: on a GPU, cuDNN picks the fastest convolution algorithm for each input shape by timing
+            them (``torch.backends.cudnn.benchmark``); results are then not bit-identical between runs.
         compile: experimental: ``torch.compile`` the backbone (the classifier grows and carries GAS, so it
             stays eager); see the README for a known Inductor failure with MONAI's BasicUNet on CPU.
         num_workers: data-loading worker processes per rank (-1 = auto: 4 on CUDA, 0 on CPU).
@@ -155,6 +157,7 @@ class RunConfig:
     tensorboard: bool = False
     precision: str = "auto"
     channels_last: bool = False
+    cudnn_benchmark: bool = False
     compile: bool = False
     num_workers: int = -1
     pin_memory: bool | None = None

@@ -27,7 +27,7 @@ from jascl.data.types import SessionData
 from jascl.engine.checkpoint import load_model, load_tensors, session_meta
 from jascl.engine.config import RunConfig
 from jascl.engine.defaults import PROGRESS
-from jascl.engine.optim import make_optimizer, resolve_device, resolve_precision, schedule_lr
+from jascl.engine.optim import apply_cudnn_benchmark, make_optimizer, resolve_device, resolve_precision, schedule_lr
 from jascl.engine.plugin import EVENTS, Method, Plugin
 from jascl.engine.progress import SessionProgress
 from jascl.engine.prototypes import PrototypeStore
@@ -79,6 +79,7 @@ class ContinualTrainer:
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         self.amp_dtype = resolve_precision(config.precision, self.device)
+        apply_cudnn_benchmark(config.cudnn_benchmark, self.device)
         self.loader_options = loader_options(self.device, config.num_workers, config.pin_memory)
         self.memory_format = None
         if config.channels_last:

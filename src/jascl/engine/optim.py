@@ -22,6 +22,14 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype | Non
     return None
 
 
+def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> None:
+    """On a GPU, let cuDNN time its convolution algorithms for each new input shape and keep the fastest
+    (``torch.backends.cudnn.benchmark``): worth it for fixed training patches, at the cost of run-to-run
+    bit-exactness. On a CPU the process-wide flag is left as it is."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = bool(enabled)
+
+
 def make_optimizer(cfg: RunConfig, params: list, lr: float) -> torch.optim.Optimizer:
     """The run configuration's optimiser (``optimizer``: sgd, adam or adamw) over ``params``."""
     if cfg.optimizer == "adam":
