@@ -80,6 +80,12 @@ def write_dataset(root: Path, cases: int, shape: tuple[int, int, int]) -> float:
     start = time.perf_counter()
     for i in range(cases):
         write_case(root, f"ct_{i:03d}", shape, rng)
+    write_meta(root, cases)
+    return time.perf_counter() - start
+
+
+def write_meta(root: Path, cases: int) -> None:
+    """The MSD ``dataset.json`` of the ``cases`` volumes :func:`write_case` wrote as ``ct_000``, ``ct_001``, ..."""
     meta = {
         "name": "bench",
         "modality": {"0": "CT"},
@@ -89,10 +95,7 @@ def write_dataset(root: Path, cases: int, shape: tuple[int, int, int]) -> float:
             {"image": f"./imagesTr/ct_{i:03d}.nii.gz", "label": f"./labelsTr/ct_{i:03d}.nii.gz"} for i in range(cases)
         ],
     }
-    import json
-
     (root / "dataset.json").write_text(json.dumps(meta))
-    return time.perf_counter() - start
 
 
 def protocol_for(cases: int):

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data_pipeline import protocol_for, write_case  # noqa: E402
+from data_pipeline import protocol_for, write_case, write_meta  # noqa: E402
 
 from jascl.data.prepare import prepare_protocol  # noqa: E402
 from jascl.data.sessions import load_sessions  # noqa: E402
@@ -70,16 +70,7 @@ def write_dataset(root: Path, cases: int, shape: tuple[int, int, int], processes
     start = time.perf_counter()
     with ProcessPoolExecutor(processes) as pool:
         list(pool.map(write_one, [(str(root), i, shape) for i in range(cases)]))
-    meta = {
-        "name": "bench",
-        "modality": {"0": "CT"},
-        "labels": {"0": "background", "1": "liver", "2": "spleen", "3": "kidney"},
-        "numTraining": cases,
-        "training": [
-            {"image": f"./imagesTr/ct_{i:03d}.nii.gz", "label": f"./labelsTr/ct_{i:03d}.nii.gz"} for i in range(cases)
-        ],
-    }
-    (root / "dataset.json").write_text(json.dumps(meta))
+    write_meta(root, cases)
     return time.perf_counter() - start
 
 
