@@ -96,6 +96,24 @@ def test_unknown_target_value_raises_data_error() -> None:
         acc.update(torch.tensor([[0, 1]]), torch.tensor([[0, 4]]))
 
 
+def test_ids_outside_the_classes_fail_except_under_ignored_targets() -> None:
+    acc = ConfusionAccumulator([0, 1, 2])
+    # a prediction outside class_ids where the target is ignored is not counted, so not an error:
+    # pairs (gt, pred) (0,0) (255,9) (2,1) -> rows/cols 0,1,2: [[1,0,0],[0,0,0],[0,1,0]]
+    acc.update(torch.tensor([[0, 9, 1]]), torch.tensor([[0, 255, 2]]))
+    assert acc.matrix().tolist() == [[1, 0, 0], [0, 0, 0], [0, 1, 0]]
+    for pred, target, value in (([[0, 9]], [[0, 1]], "9"), ([[0, 1]], [[-3, 1]], "-3"), ([[300, 1]], [[0, 1]], "300")):
+        with pytest.raises(DataError, match=f"contains class id {value},"):
+            acc.update(torch.tensor(pred), torch.tensor(target))
+    assert acc.matrix().sum().item() == 2  # a refused batch adds nothing
+    with pytest.raises(ValueError, match="non-negative"):
+        ConfusionAccumulator([0, -1])
+    # an ignore_index outside the ids' range (here -1) is skipped as well
+    neg = ConfusionAccumulator([0, 1], ignore_index=-1)
+    neg.update(torch.tensor([[1, 1]]), torch.tensor([[-1, 1]]))
+    assert neg.matrix().tolist() == [[0, 0], [0, 1]]
+
+
 def test_absent_class_is_nan() -> None:
     # class 3 has neither ground truth nor predictions -> 0/0 -> NaN
     acc = ConfusionAccumulator([0, 1, 3])

@@ -50,8 +50,8 @@ class ConfusionAccumulator:
             (whatever the prediction there).
 
     Raises:
-        ValueError: If ``class_ids`` is empty, has duplicates or contains
-            ``ignore_index``.
+        ValueError: If ``class_ids`` is empty, has duplicates, contains
+            ``ignore_index`` or a negative id.
     """
 
     def __init__(self, class_ids: Sequence[int], ignore_index: int = IGNORE_INDEX) -> None:
@@ -62,10 +62,13 @@ class ConfusionAccumulator:
             raise ValueError(f"class_ids contains duplicates: {ids}")
         if ignore_index in ids:
             raise ValueError(f"ignore_index {ignore_index} must not be one of class_ids")
+        if min(ids) < 0:
+            raise ValueError(f"class_ids must be non-negative: {ids}")
         self.class_ids: list[int] = ids
         self.ignore_index = int(ignore_index)
-        ids_t = torch.tensor(ids, dtype=torch.int64)
-        self._sorted_ids, self._order = torch.sort(ids_t)
+        # global id -> row / column of the matrix (-1: not a class); one gather per pixel, on any device
+        self._positions = torch.full((max(ids) + 1,), -1, dtype=torch.int64)
+        self._positions[torch.tensor(ids)] = torch.arange(len(ids))
         self._cm = torch.zeros(len(ids), len(ids), dtype=torch.int64)
 
     @property
@@ -73,22 +76,23 @@ class ConfusionAccumulator:
         """Number of classes ``C`` (size of each matrix side)."""
         return len(self.class_ids)
 
-    def _to_index(self, values: torch.Tensor, what: str) -> torch.Tensor:
-        """Maps global ids ``(N,)`` to matrix positions ``(N,)``.
+    def _to_index(self, values: torch.Tensor, what: str, ignored: torch.Tensor) -> torch.Tensor:
+        """Maps global ids ``(N,)`` to matrix positions ``(N,)`` (-1 where ``ignored``).
 
         Raises:
-            DataError: If a value is not in ``class_ids``.
+            DataError: If a value where ``ignored`` is False is not in ``class_ids``.
         """
-        sorted_ids = self._sorted_ids.to(values.device)
-        pos = torch.searchsorted(sorted_ids, values).clamp_(max=len(self.class_ids) - 1)
-        bad = sorted_ids[pos] != values
+        table = self._positions.to(values.device)
+        inside = (values >= 0) & (values < len(table))
+        pos = table[values.clamp(0, len(table) - 1)].masked_fill_(~inside, -1)
+        bad = (pos < 0) & ~ignored
         if bool(bad.any()):
             value = int(values[bad][0])
             raise DataError(
                 f"{what} contains class id {value}, which is not in class_ids {self.class_ids} "
                 f"(and is not ignore_index {self.ignore_index})"
             )
-        return self._order.to(values.device)[pos]
+        return pos
 
     def update(self, pred: torch.Tensor, target: torch.Tensor) -> None:
         """Adds one batch to the matrix.
@@ -110,14 +114,13 @@ class ConfusionAccumulator:
                 raise DataError(f"{name} label map must be an integer tensor, got {t.dtype}")
         p = pred.reshape(-1).to(torch.int64)
         g = target.reshape(-1).to(torch.int64)
-        keep = g != self.ignore_index
-        p, g = p[keep], g[keep]
-        if g.numel() == 0:
-            return
-        rows = self._to_index(g, "target")
-        cols = self._to_index(p, "prediction")
+        ignored = g == self.ignore_index
+        rows = self._to_index(g, "target", ignored)
+        cols = self._to_index(p, "prediction", ignored)
         c = self.num_classes
-        counts = torch.bincount(rows * c + cols, minlength=c * c).reshape(c, c)
+        # ignored pixels go to one spare bin past the matrix (no compaction of the kept pixels)
+        cells = (rows * c + cols).masked_fill_(ignored, c * c)
+        counts = torch.bincount(cells, minlength=c * c + 1)[: c * c].reshape(c, c)
         self._cm += counts.cpu()
 
     def matrix(self) -> torch.Tensor:
