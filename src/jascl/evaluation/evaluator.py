@@ -337,7 +337,7 @@ def _update_confusion(
     confusion: ConfusionAccumulator, ids: torch.Tensor, rows: torch.Tensor, target: np.ndarray
 ) -> None:
     """Add (B, *spatial) predictions (classifier rows) against ``target`` in chunks along the first spatial axis,
-    on the device of ``rows`` (only the small uint8 target chunks travel, and the K x K counts come back)."""
+    on the device of ``rows`` (only the label chunks travel there, and the K x K counts come back)."""
     ids = ids.to(rows.device)
     per_slice = max(math.prod(rows.shape) // max(rows.shape[1], 1), 1)
     step = max(CONFUSION_CHUNK // per_slice, 1)

@@ -77,7 +77,8 @@ class ConfusionAccumulator:
         return len(self.class_ids)
 
     def _to_index(self, values: torch.Tensor, what: str, ignored: torch.Tensor) -> torch.Tensor:
-        """Maps global ids ``(N,)`` to matrix positions ``(N,)`` (-1 where ``ignored``).
+        """Maps global ids ``(N,)`` to matrix positions ``(N,)``; -1 for a value that is not one of ``class_ids``
+        (allowed only where ``ignored``).
 
         Raises:
             DataError: If a value where ``ignored`` is False is not in ``class_ids``.
