@@ -101,6 +101,30 @@ def test_preset_file_round_trip(tmp_path):
     assert resolve_config({"epochs_base": 3}, config_file=path) == cfg
 
 
+@pytest.mark.parametrize(
+    ("protocol", "weight"),
+    [
+        ("med-disjoint", 0.1), ("med-mixed", 0.1), ("med-ss", 0.1),  # the authors' medical code
+        ("natural", 0.2), ("natural-cil", 0.2), ("natural-dil", 0.2), ("natural-cdil", 0.2),  # natural code
+        ("natural-ss", 0.01),  # natural semi-supervised code
+        ("synthetic-3d", 0.03),  # jascl's trade-off, kept under the preset
+    ],
+)  # fmt: skip
+def test_the_l_proto_weight_under_the_preset_is_the_protocols(protocol, weight):
+    """The L_proto weight item: the preset leaves the weight to the protocol, and the paper protocols carry the
+    authors' weight of their domain; ``--set`` gives synthetic-3d the medical 0.1."""
+    from jascl.protocols import get_protocol
+
+    spec = get_protocol(protocol)
+    cfg = resolve_config(spec.training, spec.path, overrides=["preset=authors"])
+    assert read_options(JasclOptions, cfg, "jascl").replay.weight == weight
+    if protocol == "synthetic-3d":
+        cfg = resolve_config(
+            spec.training, spec.path, overrides=["preset=authors", "method_args.jascl.replay.weight=0.1"]
+        )
+        assert read_options(JasclOptions, cfg, "jascl").replay.weight == 0.1
+
+
 # ------------------------------------------------------------------ item 1: replay prototype values
 
 
