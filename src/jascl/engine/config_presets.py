@@ -109,7 +109,7 @@ AUTHORS: tuple[PresetItem, ...] = (
     PresetItem(
         "L_proto weight",
         {},
-        "0.1 medical, 0.2 natural, 0.01 natural semi-supervised (run.py of each code base)",
+        "0.1 medical, 0.2 natural, 0.01 natural semi-supervised (AUTHORS-CODE-NOTES: Prototypes and L_proto)",
         "the paper protocols carry the authors' weight of their domain (0.1 is also ReplayOptions' default); "
         "synthetic-3d uses 0.03, so `--preset authors` there keeps 0.03 unless `--set "
         "method_args.jascl.replay.weight=0.1` is given",
