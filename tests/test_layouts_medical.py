@@ -53,7 +53,7 @@ def test_msd_nnunet_v1_scan_and_read(tmp_path):
     sample = layout.read(records[1])
     assert sample.image.dtype == np.float32 and sample.image.shape == (1, 16, 16, 12)
     assert np.array_equal(sample.image[0], _raw(records[1].images[0]).astype(np.float32))
-    assert sample.label.dtype == np.int64 and np.array_equal(sample.label, _raw(records[1].label))
+    assert sample.label.dtype == np.uint8 and np.array_equal(sample.label, _raw(records[1].label))
     assert set(np.unique(sample.label)) == {0, 1, 2}
     assert np.allclose(sample.affine, fixture_affine((16, 16, 12)))
     assert sample.meta["spacing"] == pytest.approx(SPACING) and sample.meta["modality"] == "CT"
@@ -297,7 +297,7 @@ def test_preprocess_ct_window_and_ras_orientation():
 def test_preprocess_spacing_nearest_labels():
     sample = _ct_sample()
     image, label = preprocess_volume(sample, {"orientation": None, "spacing": [3.0, 3.0, 2.0], "intensity": "none"})
-    assert image.shape == (1, 2, 2, 2) and label.shape == (2, 2, 2) and label.dtype == np.int64
+    assert image.shape == (1, 2, 2, 2) and label.shape == (2, 2, 2) and label.dtype == np.uint8
     # nearest neighbour at voxel centres 0 and 2 along x/y (3 mm / 1.5 mm = every second voxel)
     assert np.array_equal(label, sample.label[::2, ::2, :])
     assert np.allclose(image, sample.image[:, ::2, ::2, :])

@@ -431,3 +431,14 @@ def test_old_format_and_damaged_entries_are_rebuilt_not_misread(copy, tmp_path):
     # the arrays equal preprocessing the files now
     nii = nib.load(str(record.label))
     assert np.array_equal(np.sort(np.unique(np.asarray(nii.dataobj))), np.unique(reference[1]))
+
+
+def test_entries_of_an_earlier_preprocessing_version_are_not_read_as_current(copy, tmp_path, monkeypatch):
+    """PREPROCESS_VERSION 2 (resampling in float32) is part of every entry's key: version 1's entries are not found."""
+    from jascl.data.real import storage
+
+    protocol, roots = copy
+    store = _store(protocol, roots, tmp_path / "cache")
+    current = store.entry_path("ct/case_000")
+    monkeypatch.setattr(storage, "PREPROCESS_VERSION", 1)
+    assert PREPROCESS_VERSION == 2 and store.entry_path("ct/case_000") != current

@@ -23,6 +23,7 @@ import numpy as np
 
 from jascl.data import medical, nifti, volume_checks
 from jascl.data.layouts.base import LAYOUTS, DatasetLayout, Problem, Record, Sample
+from jascl.data.types import compact_dtype
 from jascl.errors import ConfigError, DataError
 
 MASK_ENDINGS = (".nii.gz", ".nii")
@@ -165,7 +166,7 @@ class TotalSegmentatorLayout(DatasetLayout):
         image = medical.stack_channels([ct], record.images)
         label = None
         if record.label is not None:
-            label = np.zeros(image.shape[1:], np.int64)
+            label = np.zeros(image.shape[1:], compact_dtype(np.array([len(self.structures)])))
             for index, structure in enumerate(self.structures, start=1):
                 path = self._mask_path(record.label, structure)
                 mask, _ = medical.load_label(path)

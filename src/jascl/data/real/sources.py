@@ -18,8 +18,8 @@ from jascl.errors import ConfigError, DataError
 from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import IGNORE_INDEX, DatasetSpec, Protocol
 
-#: bump when the cached preprocessed samples change meaning
-PREPROCESS_VERSION = 1
+#: bump when the cached preprocessed samples change meaning (2: volumes resampled in float32, 2026-11-28)
+PREPROCESS_VERSION = 2
 
 
 def _signature(paths: Iterable[Path]) -> str:

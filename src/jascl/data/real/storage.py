@@ -15,7 +15,7 @@ from jascl.data.cache import cache_key
 from jascl.data.real.selection import split_ref
 from jascl.data.real.sources import PREPROCESS_VERSION, DatasetSource
 from jascl.data.real.store import STORE_VERSION, Entry, entry_dir, open_entry, write_entry
-from jascl.data.types import LazySequence, Split
+from jascl.data.types import LazySequence, Split, compact_dtype
 from jascl.errors import DataError
 from jascl.protocols.schema import IGNORE_INDEX, Protocol
 
@@ -164,20 +164,6 @@ class SampleStore:
         while len(self._memo) > 2:
             self._memo.popitem(last=False)
         return item
-
-
-def compact_dtype(label: np.ndarray) -> np.dtype:
-    """The smallest dtype holding a native label map: uint8 for ids 0-255 (every dataset jascl reads so far),
-    uint16, else int32 (a 274 x 274 x 300 CT label is 22 MiB on disk instead of 90)."""
-    label = np.asarray(label)
-    if label.size == 0:
-        return np.dtype(np.uint8)
-    lo, hi = int(label.min()), int(label.max())
-    if lo >= 0 and hi < 1 << 8:
-        return np.dtype(np.uint8)
-    if lo >= 0 and hi < 1 << 16:
-        return np.dtype(np.uint16)
-    return np.dtype(np.int32)
 
 
 def check_sample_values(record: Any, image: np.ndarray) -> None:

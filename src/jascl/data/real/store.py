@@ -5,7 +5,7 @@ An entry lives in ``<cache>/real/store/<key[:2]>/<key>/`` and holds:
 
 * ``image.npy``: the preprocessed image, ``(C, *spatial)`` float32, C order, uncompressed;
 * ``label.npy``: the *native* label, ``(*spatial)`` in the smallest integer dtype holding its ids
-  (:func:`~jascl.data.real.storage.compact_dtype`); absent for a sample without a label;
+  (:func:`~jascl.data.types.compact_dtype`); absent for a sample without a label;
 * ``index.npz`` and ``coords.npy``: the foreground index: for every native id present, its voxel count
   and up to :data:`FOREGROUND_CAP` of its voxel coordinates, drawn once with a fixed seed (``coords.npy``
   holds them one id after another, memory-mapped when a crop needs one);

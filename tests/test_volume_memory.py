@@ -1,0 +1,135 @@
+"""What keeps a ``jascl data prepare`` worker's memory down (issue 33): label ids in the smallest integer dtype, one
+channel stacked without a copy, resampling in float32 one volume at a time; and that this computes what MONAI's
+own pipeline computes (exactly in float32, within the documented bound of its float64 default)."""
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from fixtures.medical import fixture_affine
+from jascl.data import medical
+from jascl.data.layouts import Sample
+from jascl.data.medical import load_label, preprocess_volume, stack_channels
+from jascl.data.types import compact_dtype
+from jascl.errors import DataError
+
+
+@pytest.mark.parametrize(
+    "ids, dtype",
+    [
+        ([], np.uint8),
+        ([0, 255], np.uint8),
+        ([0, 256], np.uint16),
+        ([0, 65535], np.uint16),
+        ([0, 65536], np.int32),
+        ([-1, 3], np.int32),
+        ([-(2**31), 2**31 - 1], np.int32),
+        ([0, 2**31], np.int64),
+        ([-(2**31) - 1, 0], np.int64),
+    ],
+)
+def test_compact_dtype_is_the_smallest_integer_type_holding_the_ids(ids, dtype):
+    assert compact_dtype(np.array(ids, dtype=np.int64)) == np.dtype(dtype)
+
+
+def _save(tmp_path, name, array):
+    path = tmp_path / f"{name}.nii.gz"
+    nib.save(nib.Nifti1Image(array, fixture_affine(array.shape)), str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    "stored, ids, dtype",
+    [
+        (np.int16, [0, 1, 2], np.uint8),  # the usual CT label file: int16 on disk, uint8 in memory
+        (np.float32, [0, 7, 300], np.uint16),  # float label files are rounded, checked, then made compact
+        (np.int32, [0, 70000], np.int32),
+        (np.int16, [-1, 0, 4], np.int32),
+    ],
+)
+def test_labels_are_decoded_into_the_smallest_dtype_with_their_ids_unchanged(tmp_path, stored, ids, dtype):
+    raw = np.array(ids, dtype=stored)[np.arange(4 * 3 * 2) % len(ids)].reshape(4, 3, 2)
+    label, _ = load_label(_save(tmp_path, "label", raw))
+    assert label.dtype == np.dtype(dtype)
+    assert np.array_equal(label.astype(np.int64), raw.astype(np.int64))
+
+
+def test_a_non_integer_label_is_still_refused(tmp_path):
+    path = _save(tmp_path, "label", np.full((2, 2, 2), 0.5, np.float32))
+    with pytest.raises(DataError, match="non-integer values"):
+        load_label(path)
+
+
+def test_one_channel_is_stacked_as_a_view_several_are_copied():
+    volume = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    one = stack_channels([volume], ["a.nii.gz"])
+    assert one.shape == (1, 2, 3, 4) and one.flags.c_contiguous and np.shares_memory(one, volume)
+    two = stack_channels([volume, volume + 1], ["a.nii.gz", "b.nii.gz"])
+    assert two.shape == (2, 2, 3, 4) and not np.shares_memory(two, volume)
+    assert np.array_equal(two[1], volume + 1)
+
+
+def _ct(shape=(13, 11, 9), seed=0):
+    """A smooth CT-like volume (HU -1000..1000) with a 3-class label, on the fixtures' LPS-like 1.5 x 1.5 x 2 mm
+    grid, so that preprocessing flips two axes and resamples all three."""
+    rng = np.random.default_rng(seed)
+    grid = np.stack(np.meshgrid(*[np.linspace(0, 1, n) for n in shape], indexing="ij"))
+    image = 1000 * np.sin(3 * grid[0] + 2 * grid[1] - grid[2]) + rng.normal(0, 20, shape)
+    label = ((grid[0] > 0.4).astype(np.int64) + (grid[1] + grid[2] > 1.1)).astype(np.int64)
+    label[0, 0, 0] = 300  # an id above 255: the label goes through uint16
+    return Sample(image[None].astype(np.float32), label, fixture_affine(shape), {"modality": "CT"})
+
+
+OPTIONS = {"spacing": [1.2, 2.1, 1.3], "intensity": "ct", "window": [-175, 250]}
+
+
+def _monai(sample, dtype):
+    """MONAI's own dictionary pipeline over both keys at once (as jascl ran it before issue 33's memory work)."""
+    from monai.data import MetaTensor
+    from monai.transforms import Orientationd, ScaleIntensityRanged, Spacingd
+
+    affine = torch.as_tensor(sample.affine, dtype=torch.float64)
+    data = {
+        "image": MetaTensor(torch.as_tensor(sample.image), affine=affine),
+        "label": MetaTensor(torch.as_tensor(sample.label[None], dtype=torch.float32), affine=affine.clone()),
+    }
+    data = Orientationd(keys=["image", "label"], axcodes="RAS", labels=None)(data)
+    data = Spacingd(keys=["image", "label"], pixdim=OPTIONS["spacing"], mode=["bilinear", "nearest"], dtype=dtype)(data)
+    resampled = data["image"].as_tensor().numpy().copy()
+    data = ScaleIntensityRanged(keys="image", a_min=-175, a_max=250, b_min=0, b_max=1, clip=True)(data)
+    return data["image"].as_tensor().numpy(), np.rint(data["label"].as_tensor().numpy()[0]), resampled
+
+
+def test_preprocessing_one_volume_at_a_time_equals_monais_joint_float32_pipeline():
+    sample = _ct()
+    image, label = preprocess_volume(sample, OPTIONS)
+    expected_image, expected_label, _ = _monai(sample, np.float32)
+    # MONAI keeps the first and last voxel centres: 1 + (n - 1) * old / new, rounded: 1 + 15, 1 + 7.1, 1 + 12.3
+    assert image.shape == expected_image.shape == (1, 16, 8, 13)
+    assert np.array_equal(image, expected_image)
+    assert label.dtype == np.uint16 and np.array_equal(label.astype(np.int64), expected_label.astype(np.int64))
+
+
+def test_float32_resampling_stays_within_the_documented_bound_of_monais_float64_default():
+    sample = _ct(seed=1)
+    _, _, float64 = _monai(sample, np.float64)
+    _, _, float32 = _monai(sample, np.float32)
+    resampled, _ = preprocess_volume(sample, {**OPTIONS, "intensity": "none"})
+    assert np.array_equal(resampled, float32)
+    difference = np.abs(resampled.astype(np.float64) - float64).max()
+    assert 0 < difference <= 0.02  # HU; the docstring of preprocess_volume states this bound
+
+
+def test_the_label_is_resampled_before_the_image(monkeypatch):
+    """The label's float copy is freed before the image's resampling buffers exist (the order is the saving)."""
+    seen = []
+    regrid = medical._regrid
+
+    def spy(volume, affine, mode, **grid):
+        seen.append(mode)
+        return regrid(volume, affine, mode, **grid)
+
+    monkeypatch.setattr(medical, "_regrid", spy)
+    preprocess_volume(_ct(), OPTIONS)
+    assert seen == ["nearest", "bilinear"]
