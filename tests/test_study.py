@@ -146,6 +146,17 @@ def test_study_end_to_end_matches_the_run_records(tmp_path, capsys):
     assert "reusing" in capsys.readouterr().out
     assert (out / "variants.csv").read_text() == before
     assert len(json.loads((out / "study-plan.json").read_text())["commands"]) == 2
+    # --report over named seeds (seeds run by different commands into one folder), in the order given
+    assert main([*argv, "--report", "--seeds", "5,3"]) == 0
+    chosen = json.loads((out / "study.json").read_text())
+    assert chosen["seeds"] == [5, 3] and chosen["incomplete_seeds"] == {}
+    drop = next(v for v in chosen["variants"] if v["method"] == "jascl")["total_drop"]
+    assert drop["values"] == pytest.approx([runs[5]["jascl"]["total_drop"], runs[3]["jascl"]["total_drop"]])
+    assert {r["seed"] for r in chosen["compute"]["runs"]} == {5, 3}
+    assert main([*argv, "--report", "--seeds", "3,9"]) == 0
+    assert json.loads((out / "study.json").read_text())["incomplete_seeds"] == {"9": "no results.json (not finished)"}
+    no_seeds = argv[:4] + argv[6:]
+    assert main([*no_seeds, "--report"]) == 0 and (out / "variants.csv").read_text() == before  # the plan's seeds
     # another configuration into the same folder is refused before the plan is touched or anything trains
     assert main([*argv, "--set", "epochs_incremental=3"]) == 2
     assert "different configuration (epochs_incremental)" in capsys.readouterr().err

@@ -47,7 +47,8 @@ def add_study_parser(
     p.add_argument(
         "--report",
         action="store_true",
-        help="train nothing: re-render the tables and the figure from what the --out folder holds",
+        help="train nothing: re-render the tables and the figure from what the --out folder holds, over --seeds "
+        "if given (default: the seeds of the last command that ran the study)",
     )
     add_launcher_arguments(p)
     p.set_defaults(func=cmd_study_components)
@@ -109,9 +110,13 @@ def cmd_study_components(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / f"study-components-{protocol.name}"
     console = _console()
     if args.report:
+        from jascl.experiments.compare import parse_seeds
         from jascl.results.study import write_study
 
-        summary = write_study(out)
+        chosen = None
+        if args.seeds is not None or args.num_seeds is not None:
+            chosen = parse_seeds(args.seeds, protocol.seed, args.num_seeds)
+        summary = write_study(out, chosen)
         _print_summary(console, summary)
         console.print(f"re-rendered {out}/study.md (and .json, variants.csv, differences.csv, seen-new-hm.png)")
         return 0

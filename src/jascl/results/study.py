@@ -130,15 +130,20 @@ def compute_rows(out: Path, seeds: Sequence[int], methods: Sequence[str]) -> lis
     return rows
 
 
-def summarise(out: str | Path) -> dict[str, Any]:
-    """Everything the study's tables and figure show, from the study folder (module docstring)."""
+def summarise(out: str | Path, seeds: Sequence[int] | None = None) -> dict[str, Any]:
+    """Everything the study's tables and figure show, from the study folder (module docstring).
+
+    ``seeds``: the seeds to show, in this order (default: those of the plan's last command; a study whose seeds
+    were run by different commands into one folder is shown whole by naming them all).
+    """
     out = Path(out)
     plan = read_plan(out)
+    plan_seeds = list(plan["seeds"]) if seeds is None else list(dict.fromkeys(int(s) for s in seeds))
     variants = [v for v in plan["variants"] if v["status"] != "skipped"]
     sources = list(dict.fromkeys(v["runs_from"] for v in variants))
     runs: dict[int, RunResults] = {}
     incomplete: dict[int, str] = {}
-    for seed in plan["seeds"]:
+    for seed in plan_seeds:
         path = out / f"seed-{seed}" / "results.json"
         if not path.is_file():
             incomplete[seed] = "no results.json (not finished)"
@@ -186,7 +191,7 @@ def summarise(out: str | Path) -> dict[str, Any]:
             )
     # the same session-0 model gives the same session-0 scores (compared as text: NaN equals NaN)
     same_base = {seed: len({f"{runs[seed].methods[m].sessions[0].all:.12g}" for m in sources}) == 1 for seed in seeds}
-    compute = compute_rows(out, plan["seeds"], sources)
+    compute = compute_rows(out, plan_seeds, sources)
     return {
         "study": plan.get("study", "components"),
         "protocol": plan["protocol"],
@@ -377,12 +382,13 @@ def _joined(values: Sequence[float]) -> str:
     return ";".join(_num(v) for v in values)
 
 
-def write_study(out: str | Path) -> dict[str, Any]:
-    """Summarise the study folder ``out`` and write its tables and figure there; returns the summary."""
+def write_study(out: str | Path, seeds: Sequence[int] | None = None) -> dict[str, Any]:
+    """Summarise the study folder ``out`` (over ``seeds``, see :func:`summarise`) and write its tables and figure
+    there; returns the summary."""
     from jascl.results.study_figure import MEASURES, seen_new_hm_figure
 
     out = Path(out)
-    summary = summarise(out)
+    summary = summarise(out, seeds)
     atomic_write_text(out / "study.md", to_markdown(summary))
     write_json(summary, out / "study.json")
     stat = ["mean", "half_width", "low", "high", "n"]
