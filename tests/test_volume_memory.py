@@ -11,7 +11,8 @@ from fixtures.medical import fixture_affine
 from jascl.data import medical
 from jascl.data.layouts import Sample
 from jascl.data.medical import load_label, preprocess_volume, stack_channels
-from jascl.data.types import compact_dtype
+from jascl.data.real.sources import present_values
+from jascl.data.types import compact_dtype, id_counts
 from jascl.errors import DataError
 
 
@@ -31,6 +32,34 @@ from jascl.errors import DataError
 )
 def test_compact_dtype_is_the_smallest_integer_type_holding_the_ids(ids, dtype):
     assert compact_dtype(np.array(ids, dtype=np.int64)) == np.dtype(dtype)
+
+
+@pytest.mark.parametrize(
+    "label, ids, counts",
+    [
+        (np.array([[0, 0, 3], [3, 3, 7]], np.uint8), [0, 3, 7], [2, 3, 1]),
+        (np.asfortranarray(np.array([[0, 0, 3], [3, 3, 7]], np.uint8)), [0, 3, 7], [2, 3, 1]),  # nibabel's order
+        (np.array([[5, 5], [1, 5]], np.int16)[:, ::-1], [1, 5], [1, 3]),  # neither order: counted all the same
+        (np.array([True, False, True]), [0, 1], [1, 2]),
+        (np.array([-1, 0, 0, 9], np.int32), [-1, 0, 9], [1, 2, 1]),  # a negative id: np.unique
+        (np.array([2.0, 2.0, 0.0]), [0, 2], [1, 2]),
+        (np.array([0, 1 << 20], np.int64), [0, 1 << 20], [1, 1]),  # past bincount's range: np.unique
+        (np.zeros((0, 3), np.uint8), [], []),
+    ],
+)
+def test_id_counts_by_hand(label, ids, counts):
+    got_ids, got_counts = id_counts(label)
+    assert got_ids.dtype == got_counts.dtype == np.int64
+    assert got_ids.tolist() == ids and got_counts.tolist() == counts
+    assert present_values(label) == ids
+
+
+def test_id_counts_across_slabs_of_a_million_voxels():
+    label = np.zeros((3 << 20) + 5, np.uint8)
+    label[(1 << 20) - 1 : (1 << 20) + 1] = 4  # one voxel either side of the first slab boundary
+    label[-1] = 200
+    ids, counts = id_counts(label)
+    assert ids.tolist() == [0, 4, 200] and counts.tolist() == [label.size - 3, 2, 1]
 
 
 def _save(tmp_path, name, array):

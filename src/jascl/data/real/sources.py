@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from jascl.data.types import id_counts
 from jascl.errors import ConfigError, DataError
 from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import IGNORE_INDEX, DatasetSpec, Protocol
@@ -176,13 +177,7 @@ def read_native_label(layout: Any, record: Any) -> np.ndarray:
 
 def present_values(label: np.ndarray) -> list[int]:
     """The native ids a label array holds, ascending."""
-    flat = np.asarray(label).reshape(-1)
-    if flat.size == 0:
-        return []
-    if flat.dtype.kind in "iub" and flat.min() >= 0 and flat.max() < 1 << 20:
-        counts = np.bincount(flat.astype(np.int64, copy=False))
-        return [int(v) for v in np.nonzero(counts)[0]]
-    return sorted(int(v) for v in np.unique(flat))
+    return [int(v) for v in id_counts(label)[0]]
 
 
 def _atomic_json(path: Path, payload: Any) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jascl.data.types import id_counts
 from jascl.errors import DataError
 from jascl.fileio import atomic_write_dir
 from jascl.protocols.schema import IGNORE_INDEX
@@ -180,15 +181,7 @@ def foreground_index(label: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.n
     flat = np.ascontiguousarray(label).reshape(-1)
     if flat.size == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), []
-    if flat.dtype.kind in "iu" and int(flat.min()) >= 0 and int(flat.max()) < 1 << 20:
-        top = int(flat.max()) + 1
-        counts = np.zeros(top, np.int64)
-        for i in range(0, flat.size, 1 << 22):  # in slabs: bincount makes an int64 copy of what it counts
-            counts += np.bincount(flat[i : i + (1 << 22)], minlength=top)
-        natives = np.flatnonzero(counts)
-        counts = counts[natives]
-    else:
-        natives, counts = np.unique(flat, return_counts=True)
+    natives, counts = id_counts(flat)
     rng = np.random.default_rng([seed, 7919])
     coords = []
     for value, count in zip(natives, counts):
