@@ -325,6 +325,13 @@ def test_preprocess_rejects_bad_options():
         preprocess_volume(_ct_sample(), {"spacing": [1, 0, 1]})
     with pytest.raises(ConfigError, match="intensity"):
         preprocess_volume(_ct_sample(), {"intensity": "pet"})
+    for key, value in [("window", [1]), ("window", [-100, 0, 100]), ("window", "ab"), ("range", [0]), ("range", 1)]:
+        with pytest.raises(ConfigError, match=rf"preprocess\.{key}=.*give two numbers, lower and upper"):
+            preprocess_volume(_ct_sample(), {key: value})
+    with pytest.raises(ConfigError, match="upper bound must exceed"):
+        preprocess_volume(_ct_sample(), {"window": [100, -100]})
+    with pytest.raises(ConfigError, match="spacing"):
+        preprocess_volume(_ct_sample(), {"spacing": [1, "a", 1]})
 
 
 # --- cache -----------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ are nibabel's voxel-to-world (RAS+ world) 4 x 4 matrices, which is what MONAI's
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -230,7 +231,9 @@ def preprocess_volume(sample: Sample, options: dict | None = None) -> tuple[np.n
     orientation = options.get("orientation", "RAS")
     spacing = options.get("spacing")
     if spacing is not None and not (
-        isinstance(spacing, (list, tuple)) and len(spacing) == 3 and all(float(s) > 0 for s in spacing)
+        isinstance(spacing, (list, tuple))
+        and len(spacing) == 3
+        and all(isinstance(s, numbers.Real) and not isinstance(s, bool) and s > 0 for s in spacing)
     ):
         raise ConfigError(
             f"preprocess.spacing={spacing!r}: give three positive voxel sizes in mm, e.g. [1.5, 1.5, 2.0]"
@@ -239,9 +242,10 @@ def preprocess_volume(sample: Sample, options: dict | None = None) -> tuple[np.n
     intensity = str(options.get("intensity", "ct" if modality == "ct" else "mri")).lower()
     if intensity not in ("ct", "mri", "none"):
         raise ConfigError(f"preprocess.intensity={intensity!r}: choose ct, mri or none")
-    window = None
+    window = span = None
     if intensity == "ct":
-        window = tuple(float(v) for v in options.get("window", CT_WINDOW))
+        window = _two_numbers(options.get("window", CT_WINDOW), "window", "[-175, 250] (HU)")
+        span = _two_numbers(options.get("range", (0.0, 1.0)), "range", "[0, 1]")
         if window[1] <= window[0]:
             raise ConfigError(f"preprocess.window={list(window)}: the upper bound must exceed the lower one")
 
@@ -261,12 +265,22 @@ def preprocess_volume(sample: Sample, options: dict | None = None) -> tuple[np.n
         torch.as_tensor(np.ascontiguousarray(sample.image), dtype=torch.float32), affine, "bilinear", **grid
     )
 
-    if window is not None:
-        b_lo, b_hi = (float(v) for v in options.get("range", (0.0, 1.0)))
-        image = ScaleIntensityRange(a_min=window[0], a_max=window[1], b_min=b_lo, b_max=b_hi, clip=True)(image)
+    if window is not None and span is not None:
+        image = ScaleIntensityRange(a_min=window[0], a_max=window[1], b_min=span[0], b_max=span[1], clip=True)(image)
     elif intensity == "mri":
         image = NormalizeIntensity(nonzero=bool(options.get("nonzero", True)), channel_wise=True)(image)
     return np.ascontiguousarray(torch.as_tensor(image).numpy(), dtype=np.float32), label
+
+
+def _two_numbers(value: Any, key: str, example: str) -> tuple[float, float]:
+    """``value`` as (lower, upper) floats; ConfigError naming ``preprocess.<key>`` otherwise."""
+    try:
+        if isinstance(value, (str, bytes)) or len(value) != 2:
+            raise ValueError
+        lo, hi = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"preprocess.{key}={value!r}: give two numbers, lower and upper, e.g. {example}") from None
+    return lo, hi
 
 
 def _regrid(volume: Any, affine: Any, mode: str, orientation: Any, spacing: Any) -> Any:
