@@ -35,7 +35,7 @@ from jascl.data.real import (  # noqa: E402
     storage,  # noqa: E402
 )
 from jascl.data.real import store as store_module  # noqa: E402
-from jascl.data.real.sources import PREPROCESS_VERSION  # noqa: E402
+from jascl.data.real.sources import PREPROCESS_VERSIONS  # noqa: E402
 from jascl.data.real.storage import SplitBackend, crop_starts  # noqa: E402
 from jascl.data.real.store import FOREGROUND_CAP, foreground_index, open_entry  # noqa: E402
 from jascl.errors import ConfigError, DataError  # noqa: E402
@@ -409,7 +409,7 @@ def test_old_format_and_damaged_entries_are_rebuilt_not_misread(copy, tmp_path):
     source = store.sources["ct"]
     record = source.records["case_000"]
     # what the earlier versions wrote for this sample (an .npz under real/samples, the same key parts), here bogus
-    old_key = [PREPROCESS_VERSION, "msd", list(record.files), {}, {"intensity": "ct"}, 3]
+    old_key = [1, "msd", list(record.files), {}, {"intensity": "ct"}, 3]
     bogus = (np.full((1, *SHAPE), 7.0, np.float32), np.full(SHAPE, 9, np.uint8))
     cached(old_key, lambda: bogus, cache / "real" / "samples")
     assert len(list((cache / "real" / "samples").rglob("*.npz"))) == 1
@@ -433,12 +433,45 @@ def test_old_format_and_damaged_entries_are_rebuilt_not_misread(copy, tmp_path):
     assert np.array_equal(np.sort(np.unique(np.asarray(nii.dataobj))), np.unique(reference[1]))
 
 
-def test_entries_of_an_earlier_preprocessing_version_are_not_read_as_current(copy, tmp_path, monkeypatch):
-    """PREPROCESS_VERSION 2 (resampling in float32) is part of every entry's key: version 1's entries are not found."""
+def test_entries_of_an_earlier_preprocessing_version_are_not_read_and_can_be_removed(
+    copy, tmp_path, monkeypatch, capsys
+):
+    """Volume preprocessing version 2 (resampling in float32) is part of every volume entry's key and recorded in
+    the entry; version-1 entries (which do not record it) are not found, are counted by prepare, and removed on
+    request; 2D entries keep version 1."""
+    from jascl.data import prepare as prepare_module
     from jascl.data.real import storage
 
     protocol, roots = copy
-    store = _store(protocol, roots, tmp_path / "cache")
+    cache = tmp_path / "cache"
+    store = _store(protocol, roots, cache)
     current = store.entry_path("ct/case_000")
-    monkeypatch.setattr(storage, "PREPROCESS_VERSION", 1)
-    assert PREPROCESS_VERSION == 2 and store.entry_path("ct/case_000") != current
+    store.load("ct/case_000")
+    made_from = json.loads((current / "entry.json").read_text())["made_from"]
+    assert PREPROCESS_VERSIONS == {2: 1, 3: 2} and made_from["preprocess_version"] == 2
+    monkeypatch.setattr(storage, "PREPROCESS_VERSIONS", {2: 1, 3: 1})
+    earlier = _store(protocol, roots, cache)
+    old = earlier.entry_path("ct/case_000")
+    assert old != current
+    earlier.load("ct/case_000")  # what the earlier version wrote: an entry without the field
+    info = json.loads((old / "entry.json").read_text())
+    del info["made_from"]["preprocess_version"]
+    (old / "entry.json").write_text(json.dumps(info))
+    monkeypatch.undo()
+    assert prepare_module.outdated_entries(cache) == [old]
+    lines = []
+    prepare_module._remove_outdated(cache, False, lines.append)
+    assert old.is_dir() and lines == [
+        f"[prepare] note: the store holds 1 entr(y/ies) ({_gib(old)}) made by an earlier version of the "
+        "preprocessing, which this version no longer reads; add --remove-outdated to delete them"
+    ]
+    path = tmp_path / "store-proto.yaml"
+    path.write_text(yaml.safe_dump(protocol_dict()))
+    args = ["data", "prepare", "--protocol", str(path), "--root", f"ct={roots['ct']}", "--cache-dir", str(cache)]
+    assert main([*args, "--workers", "1", "--remove-outdated"]) == 0
+    assert "[prepare] removed 1 entr(y/ies) of an earlier preprocessing version" in capsys.readouterr().out
+    assert not old.exists() and current.is_dir() and prepare_module.outdated_entries(cache) == []
+
+
+def _gib(folder):
+    return f"{sum(f.stat().st_size for f in folder.iterdir()) / 2**30:.2f} GiB"

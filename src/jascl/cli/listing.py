@@ -278,7 +278,14 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     print(f"jascl data prepare: protocol {protocol.name} (file {protocol.path})")
     progress = False if args.no_progress else None
     report = prepare_protocol(
-        protocol, parse_root_args(args.root), args.roots, args.cache_dir, args.workers, echo=print, progress=progress
+        protocol,
+        parse_root_args(args.root),
+        args.roots,
+        args.cache_dir,
+        args.workers,
+        echo=print,
+        progress=progress,
+        remove_outdated=args.remove_outdated,
     )
     for line in report.problems:
         print(f"error: {line}")
@@ -387,6 +394,12 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
         "--cache-dir", default=None, help="cache folder runs read (default $JASCL_CACHE or ~/.cache/jascl)"
     )
     prepare.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    prepare.add_argument(
+        "--remove-outdated",
+        action="store_true",
+        help="delete the store's entries made by an earlier version of the preprocessing (no run reads them; "
+        "without this flag they are counted in a note)",
+    )
     prepare.set_defaults(func=cmd_data_prepare)
     classes = data_sub.add_parser(
         "coco-o-classes", help="the COCO-O base session's classes (annotated in Painting, less person / car / bench)"

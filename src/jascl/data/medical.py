@@ -203,8 +203,9 @@ def preprocess_volume(sample: Sample, options: dict | None = None) -> tuple[np.n
     sampling grid tripled a worker's memory (a 512 x 512 x 300 CT resampled to 1.5 mm: 1.9 GiB transient in
     float64, 0.56 GiB in float32). The image then differs from a float64 resampling by at most 0.02 HU, far below
     CT noise; the label differs only at voxels whose centre falls exactly half-way between two source voxels,
-    where float rounding picks the neighbour (0.007 % of that CT's voxels). :data:`~jascl.data.real.sources.
-    PREPROCESS_VERSION` 2 marks the change, so store entries made before it are rebuilt.
+    where float rounding picks the neighbour (0.007 % of that CT's voxels). Volume preprocessing version 2
+    (:data:`~jascl.data.real.sources.PREPROCESS_VERSIONS`) marks the change, so store entries made before it are
+    rebuilt, and ``jascl data prepare --remove-outdated`` deletes the old ones.
 
     Args:
         sample: image ``(C, X, Y, Z)`` float32, label ``(X, Y, Z)`` integer ids or None, affine ``(4, 4)``.

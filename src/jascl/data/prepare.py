@@ -20,6 +20,7 @@ longer run, and builds the rest. A sample that cannot be read or preprocessed is
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import resource
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from jascl.data.real import DatasetSource, SampleStore, open_source, resolve_roots
-from jascl.data.real.sources import present_values, read_native_label
+from jascl.data.real.sources import PREPROCESS_VERSIONS, present_values, read_native_label
 from jascl.data.real.store import open_entry, store_folder
 from jascl.data.synthetic import default_cache_dir
 from jascl.errors import ConfigError, DataError
@@ -139,6 +140,7 @@ def prepare_protocol(
     echo: Callable[[str], None] = print,
     progress: bool | None = None,
     environ: Mapping[str, str] | None = None,
+    remove_outdated: bool = False,
 ) -> PrepareReport:
     """Fill the store with every sample of ``protocol``'s datasets (see the module docstring).
 
@@ -150,6 +152,8 @@ def prepare_protocol(
         cache_dir: the cache folder (default ``$JASCL_CACHE`` or ``~/.cache/jascl``).
         workers: worker processes (default :func:`default_workers`); each uses ``cores // workers`` threads.
         progress: show a progress bar (None: when the error stream is a terminal).
+        remove_outdated: delete the store's entries of an earlier preprocessing version (:func:`outdated_entries`;
+            by default they are counted in a note).
 
     Raises:
         ConfigError: a protocol without datasets, a detection protocol, ``workers < 1``, an unknown root name.
@@ -178,6 +182,7 @@ def prepare_protocol(
             if src is not None:
                 sources[name] = src
     _remove_stale(cache, echo)
+    _remove_outdated(cache, remove_outdated, echo)
 
     store = SampleStore(protocol, sources, cache)
     jobs: dict[Path, list] = {}  # entry folder -> [ref, build, label signature or None]
@@ -279,6 +284,41 @@ def worker_context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["jascl.data.prepare", "jascl.data.medical", "jascl.data.natural", "torch", "monai"])
     return context
+
+
+def outdated_entries(cache: Path) -> list[Path]:
+    """Store entries made by an earlier version of their kind's preprocessing, which no run reads any more.
+
+    An entry records its version in ``made_from.preprocess_version``; entries written before that field existed
+    are version 1 (their image has one more axis than its spatial dims: ``(C, X, Y, Z)`` for a volume).
+    """
+    found = []
+    for info_file in sorted(store_folder(cache).glob("*/*/entry.json")):
+        try:
+            info = json.loads(info_file.read_text())
+            dims = len(info["image_shape"]) - 1
+            version = info.get("made_from", {}).get("preprocess_version", 1)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # damaged: open_entry removes it when a run asks for it
+        if dims in PREPROCESS_VERSIONS and version != PREPROCESS_VERSIONS[dims]:
+            found.append(info_file.parent)
+    return found
+
+
+def _remove_outdated(cache: Path, remove: bool, echo: Callable[[str], None]) -> None:
+    entries = outdated_entries(cache)
+    if not entries:
+        return
+    size = sum(f.stat().st_size for e in entries for f in e.iterdir() if f.is_file()) / 2**30
+    if remove:
+        for entry in entries:
+            shutil.rmtree(entry, ignore_errors=True)
+        echo(f"[prepare] removed {len(entries)} entr(y/ies) of an earlier preprocessing version ({size:.2f} GiB)")
+    else:
+        echo(
+            f"[prepare] note: the store holds {len(entries)} entr(y/ies) ({size:.2f} GiB) made by an earlier "
+            "version of the preprocessing, which this version no longer reads; add --remove-outdated to delete them"
+        )
 
 
 def _remove_stale(cache: Path, echo: Callable[[str], None]) -> None:

@@ -19,8 +19,9 @@ from jascl.errors import ConfigError, DataError
 from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import IGNORE_INDEX, DatasetSpec, Protocol
 
-#: bump when the cached preprocessed samples change meaning (2: volumes resampled in float32, 2026-11-28)
-PREPROCESS_VERSION = 2
+#: per spatial dims, bumped when the cached preprocessed samples of that kind change meaning: volumes are at 2
+#: since 2026-11-28 (resampled in float32); 2D images stay at 1, so their store entries stay valid
+PREPROCESS_VERSIONS = {2: 1, 3: 2}
 
 
 def _signature(paths: Iterable[Path]) -> str:

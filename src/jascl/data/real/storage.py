@@ -13,7 +13,7 @@ import numpy as np
 
 from jascl.data.cache import cache_key
 from jascl.data.real.selection import split_ref
-from jascl.data.real.sources import PREPROCESS_VERSION, DatasetSource
+from jascl.data.real.sources import PREPROCESS_VERSIONS, DatasetSource
 from jascl.data.real.store import STORE_VERSION, Entry, entry_dir, open_entry, write_entry
 from jascl.data.types import LazySequence, Split, compact_dtype
 from jascl.errors import DataError
@@ -88,7 +88,7 @@ class SampleStore:
         d, rid = split_ref(ref)
         source = self.sources[d]
         key = [
-            PREPROCESS_VERSION,
+            PREPROCESS_VERSIONS[self.protocol.spatial_dims],
             STORE_VERSION,
             source.spec.layout,
             list(source.records[rid].files),
@@ -128,6 +128,7 @@ class SampleStore:
             "files": [str(f) for f in record.files],
             "options": dict(source.spec.options),
             "preprocess": dict(source.spec.preprocess),
+            "preprocess_version": PREPROCESS_VERSIONS[self.protocol.spatial_dims],
         }
         write_entry(path, image, label, made_from)
         return path, sample
