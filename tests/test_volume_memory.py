@@ -1,5 +1,5 @@
 """What keeps a ``jascl data prepare`` worker's memory down (issue 33): label ids in the smallest integer dtype, one
-channel stacked without a copy, resampling in float32 one volume at a time; and that this computes what MONAI's
+channel stacked without a copy, Fortran-ordered volumes copied to C order in slabs, resampling in float32 one volume at a time; and that this computes what MONAI's
 own pipeline computes (exactly in float32, within the documented bound of its float64 default)."""
 
 import nibabel as nib
@@ -10,9 +10,10 @@ import torch
 from fixtures.medical import fixture_affine
 from jascl.data import medical
 from jascl.data.layouts import Sample
+from jascl.data.layouts.base import image_value_problems
 from jascl.data.medical import load_label, preprocess_volume, stack_channels
 from jascl.data.real.sources import present_values
-from jascl.data.types import compact_dtype, id_counts
+from jascl.data.types import c_order, compact_dtype, id_counts
 from jascl.errors import DataError
 
 
@@ -97,6 +98,52 @@ def test_one_channel_is_stacked_as_a_view_several_are_copied():
     two = stack_channels([volume, volume + 1], ["a.nii.gz", "b.nii.gz"])
     assert two.shape == (2, 2, 3, 4) and not np.shares_memory(two, volume)
     assert np.array_equal(two[1], volume + 1)
+
+
+def test_fortran_ordered_channels_as_nibabel_decodes_them_are_stacked_in_c_order():
+    """nibabel gives Fortran-ordered arrays; stacking gives C order with the same values, one file's 4D array too."""
+    volume = np.asfortranarray(np.arange(2 * 3 * 20, dtype=np.int16).reshape(2, 3, 20))
+    for stacked, expected in (
+        (stack_channels([volume], ["a.nii.gz"]), volume[None]),
+        (stack_channels([volume, 2 * volume], ["a.nii.gz", "b.nii.gz"]), np.stack([volume, 2 * volume])),
+        (stack_channels([np.asfortranarray(np.stack([volume, -volume], -1))], ["a.nii.gz"]), [volume, -volume]),
+    ):
+        assert stacked.dtype == np.float32 and stacked.flags.c_contiguous
+        assert np.array_equal(stacked, np.asarray(expected, np.float32))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda a: np.asfortranarray(a),  # nibabel's order: copied in slabs of the last axis
+        lambda a: np.moveaxis(np.asfortranarray(np.moveaxis(a, 0, -1)), -1, 0),  # a 4D file's channels moved first
+        lambda a: np.asfortranarray(a)[:, ::2, 1:],  # strided, last axis strided too
+        lambda a: a[..., ::-1],  # C order reversed: the last axis is the fastest, copied by numpy
+        lambda a: a[:, 1:],  # C order, sliced
+    ],
+)
+@pytest.mark.parametrize("dtype", [None, np.float32])
+def test_c_order_copies_any_layout_to_c_order_with_the_same_values(make, dtype):
+    base = np.arange(3 * 4 * 5 * 19, dtype=np.int16).reshape(3, 4, 5, 19)  # 19: slabs of 8, 8 and 3
+    array = make(base)
+    out = c_order(array, dtype)
+    assert out.flags.c_contiguous and out.dtype == (array.dtype if dtype is None else np.dtype(dtype))
+    assert np.array_equal(out, array) and not np.shares_memory(out, base)
+
+
+def test_c_order_returns_a_c_ordered_array_of_its_dtype_itself():
+    array = np.zeros((2, 3, 4), np.float32)
+    assert c_order(array) is array and c_order(array, np.float32) is array
+    assert c_order(array, np.float64).dtype == np.float64
+
+
+@pytest.mark.parametrize("value, count", [(np.nan, 1), (np.inf, 2), (-np.inf, 3)])
+def test_image_value_problems_counts_nan_and_both_infinities(value, count):
+    data = np.asfortranarray(np.arange(60, dtype=np.float32).reshape(3, 4, 5))
+    data.flat[:count] = value
+    (problem,) = image_value_problems("x.nii.gz", data)
+    assert problem.message == f"image holds {count} non-finite value(s) (NaN or +-inf) out of 60"
+    assert image_value_problems("x.nii.gz", np.arange(60, dtype=np.float32)) == []
 
 
 def _ct(shape=(13, 11, 9), seed=0):

@@ -27,7 +27,7 @@ import numpy as np
 from jascl.data.geometry import header_size_problem, planned_shape_problem
 from jascl.data.layouts.base import Sample
 from jascl.data.nifti import REDOWNLOAD, _nib, _reason, missing_reason
-from jascl.data.types import compact_dtype
+from jascl.data.types import c_order, compact_dtype
 from jascl.errors import ConfigError, DataError
 
 #: default CT window in Hounsfield units (the soft-tissue window of MONAI's abdominal CT
@@ -111,13 +111,17 @@ def _as_ids(data: np.ndarray, path: Path) -> np.ndarray:
 
 
 def stack_channels(volumes: Sequence[np.ndarray], paths: Sequence[Path]) -> np.ndarray:
-    """Stack channel volumes ``(X, Y, Z)`` (or one ``(X, Y, Z, C)`` file) into ``(C, X, Y, Z)`` float32.
+    """Stack channel volumes ``(X, Y, Z)`` (or one ``(X, Y, Z, C)`` file) into ``(C, X, Y, Z)`` float32, C order.
+
+    nibabel decodes in the file's Fortran order; the copy to C order (which MONAI's resampling needs and would
+    otherwise make itself, more slowly) goes through :func:`~jascl.data.types.c_order`. A one-channel volume
+    already in C order is returned as a view with a channel axis.
 
     Raises:
         DataError: the channel files differ in shape (naming the first that does).
     """
     if len(volumes) == 1 and volumes[0].ndim == 4:
-        return np.ascontiguousarray(np.moveaxis(volumes[0], -1, 0), dtype=np.float32)
+        return c_order(np.moveaxis(volumes[0], -1, 0), np.float32)
     for volume, path in zip(volumes, paths):
         if volume.ndim != 3:
             raise DataError(f"{path}: expected a 3D volume per channel, got shape {volume.shape}")
@@ -126,9 +130,12 @@ def stack_channels(volumes: Sequence[np.ndarray], paths: Sequence[Path]) -> np.n
                 f"{path}: shape {volume.shape} differs from {paths[0].name} {volumes[0].shape}; "
                 "all channels of a sample must share one voxel grid"
             )
-    if len(volumes) == 1:  # one channel: a view with a channel axis, not a copy of the decoded volume
-        return np.ascontiguousarray(volumes[0], dtype=np.float32)[None]
-    return np.stack(volumes).astype(np.float32, copy=False)
+    if len(volumes) == 1:
+        return c_order(volumes[0], np.float32)[None]
+    stacked = np.empty((len(volumes),) + volumes[0].shape, dtype=np.float32)
+    for channel, volume in zip(stacked, volumes):
+        channel[...] = c_order(volume, np.float32)
+    return stacked
 
 
 def check_options(layout: str, options: dict, known: Sequence[str]) -> None:
@@ -258,19 +265,17 @@ def preprocess_volume(sample: Sample, options: dict | None = None) -> tuple[np.n
     label = None
     if sample.label is not None:  # first, so that its float copy is gone before the image is resampled
         # float32 holds every native id exactly (ids << 2**24); nearest resampling keeps them exact
-        ids = _regrid(torch.as_tensor(np.asarray(sample.label)[None], dtype=torch.float32), affine, "nearest", **grid)
-        ids = np.rint(ids[0].numpy())
+        ids = _regrid(torch.as_tensor(c_order(np.asarray(sample.label), np.float32)[None]), affine, "nearest", **grid)
+        ids = np.rint(c_order(ids[0].numpy()))  # no resampling: MONAI's reorientation may return a view
         label = ids.astype(compact_dtype(ids))
         del ids
-    image = _regrid(
-        torch.as_tensor(np.ascontiguousarray(sample.image), dtype=torch.float32), affine, "bilinear", **grid
-    )
+    image = _regrid(torch.as_tensor(c_order(np.asarray(sample.image), np.float32)), affine, "bilinear", **grid)
 
     if window is not None and span is not None:
         image = ScaleIntensityRange(a_min=window[0], a_max=window[1], b_min=span[0], b_max=span[1], clip=True)(image)
     elif intensity == "mri":
         image = NormalizeIntensity(nonzero=bool(options.get("nonzero", True)), channel_wise=True)(image)
-    return np.ascontiguousarray(torch.as_tensor(image).numpy(), dtype=np.float32), label
+    return c_order(torch.as_tensor(image).numpy(), np.float32), label
 
 
 def _two_numbers(value: Any, key: str, example: str) -> tuple[float, float]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from jascl.protocols.schema import SessionSpec
 
@@ -53,6 +54,26 @@ def id_counts(label: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return ids.astype(np.int64), counts[ids]
     ids, counts = np.unique(flat, return_counts=True)
     return ids.astype(np.int64), counts.astype(np.int64)
+
+
+def c_order(array: np.ndarray, dtype: DTypeLike | None = None) -> np.ndarray:
+    """``array`` as a C-contiguous array of ``dtype`` (default its own); ``array`` itself when it is one already.
+
+    nibabel decodes NIfTI voxels in the file's Fortran order (x fastest). Copying such a volume to C order
+    element by element in C order (``np.ascontiguousarray``, or torch's ``.contiguous()``, which MONAI's
+    resampling calls) reads it with a stride of one whole slice: for a 512 x 512 x 300 CT, a memory page per voxel,
+    1.35-1.45 s for the float32 volume (best of 3, one thread, a 2-core machine). Copied in slabs of 8 along the
+    last axis, the same copy touches a few hundred pages per row at a time: 0.39 s (0.39 s too for a uint8 label
+    made float32, 0.89 s with ``np.ascontiguousarray``), the result identical. Arrays whose last axis is already
+    the fastest (C order, sliced or not) are copied by ``np.ascontiguousarray``.
+    """
+    dtype = array.dtype if dtype is None else np.dtype(dtype)
+    if array.flags.c_contiguous or array.ndim < 3 or abs(array.strides[-1]) <= array.itemsize:
+        return np.ascontiguousarray(array, dtype=dtype)
+    out = np.empty(array.shape, dtype=dtype)
+    for start in range(0, array.shape[-1], 8):
+        out[..., start : start + 8] = array[..., start : start + 8]
+    return out
 
 
 class LazySequence:

@@ -93,17 +93,16 @@ def image_value_problems(path: Path | str, data: np.ndarray, what: str = "image"
     data = np.asarray(data)
     if data.size == 0:
         return [Problem(path, f"{what} holds no values", "re-export the file")]
-    if data.dtype.kind in "fc":
+    low, high = data.min(), data.max()  # NaN propagates through both, +-inf is one of them: two passes, no mask
+    if data.dtype.kind in "fc" and not (np.isfinite(low) and np.isfinite(high)):
         bad = int(data.size - np.count_nonzero(np.isfinite(data)))
-        if bad:
-            return [
-                Problem(
-                    path,
-                    f"{what} holds {bad} non-finite value(s) (NaN or +-inf) out of {data.size}",
-                    "replace them (e.g. numpy.nan_to_num) and save the file again, or drop the sample",
-                )
-            ]
-    low, high = data.min(), data.max()
+        return [
+            Problem(
+                path,
+                f"{what} holds {bad} non-finite value(s) (NaN or +-inf) out of {data.size}",
+                "replace them (e.g. numpy.nan_to_num) and save the file again, or drop the sample",
+            )
+        ]
     if low == high:
         return [
             Problem(
