@@ -5,6 +5,7 @@ another machine; nnU-Net v2's explicit ``dataset`` mapping; a missing listed fil
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from fixtures.medical import remove_file, write_msd
@@ -191,3 +192,42 @@ def test_a_3d_file_where_the_dataset_declares_channels_and_a_4d_channel_file(tmp
     assert problem.message == (
         "modality T1w is 4D (16, 16, 12, 2) with 2 channels; a channel file (_0000, _0001, ...) holds one 3D volume"
     )
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["v1-list", "no-list"])
+def test_uncompressed_nii_files_without_a_file_ending_key(tmp_path, listed):
+    """A conversion that wrote plain .nii files and a v1 list naming them (or no list, no file_ending): the ending
+    is taken from the list or the folder, not .nii.gz, which made every path case.nii.nii.gz and "missing"."""
+    import gzip
+
+    root = write_msd(tmp_path / "msd", cases=2, test_cases=1)
+    original = _layout(root).read(_train(_layout(root))[0])
+    for path in sorted(root.rglob("*.nii.gz")):
+        path.with_name(path.name.removesuffix(".gz")).write_bytes(gzip.decompress(path.read_bytes()))
+        path.unlink()
+
+    def change(meta):
+        if not listed:
+            del meta["training"], meta["test"]
+            return
+        for entry in meta["training"]:
+            entry["image"], entry["label"] = (entry[k].removesuffix(".gz") for k in ("image", "label"))
+        meta["test"] = [name.removesuffix(".gz") for name in meta["test"]]
+
+    _rewrite(root, change)
+    layout = _layout(root)
+    assert layout.ending == ".nii"
+    records = layout.scan()
+    assert [(r.id, r.split) for r in records] == [("case_000", "train"), ("case_001", "train"), ("case_002", "test")]
+    assert records[0].images == (root / "imagesTr" / "case_000_0000.nii",)
+    assert records[0].label == root / "labelsTr" / "case_000.nii"
+    assert all(layout.check(r) == [] for r in records)
+    sample = layout.read(records[0])
+    assert np.array_equal(sample.image, original.image) and np.array_equal(sample.label, original.label)
+
+
+def test_the_decathlon_ending_stays_the_default(tmp_path):
+    root = write_msd(tmp_path / "msd", cases=1, test_cases=0)
+    assert _layout(root).ending == ".nii.gz"
+    _rewrite(root, lambda meta: meta.update(file_ending=".nii"))
+    assert _layout(root).ending == ".nii"

@@ -95,6 +95,7 @@ class MSDLayout(DatasetLayout):
         self.include_test = bool(options.get("include_test", True))
         self.tolerance = float(options.get("affine_tolerance", nifti.AFFINE_TOLERANCE))
         self._meta: dict | None = None
+        self._ending: str | None = None
 
     # --- dataset.json ---------------------------------------------------------------------------------------
 
@@ -145,7 +146,22 @@ class MSDLayout(DatasetLayout):
 
     @property
     def ending(self) -> str:
-        return str(self.meta.get("file_ending", ".nii.gz"))
+        """The volumes' file ending: dataset.json's ``file_ending`` (nnU-Net v2 writes one); without it, the ending
+        every listed training image carries when that is ``.nii`` (a v1 list of uncompressed files), or ``.nii``
+        when ``imagesTr`` holds ``.nii`` files and no ``.nii.gz`` (a conversion that wrote no list); else
+        ``.nii.gz``, the Decathlon's."""
+        if self._ending is None:
+            ending = self.meta.get("file_ending")
+            if ending is None:
+                listed = [e.get("image") if isinstance(e, dict) else e for e in self.meta.get("training") or []]
+                names = [n for n in listed if isinstance(n, str)]
+                folder = self.root / "imagesTr"
+                if names and all(n.endswith(".nii") for n in names):
+                    ending = ".nii"
+                elif not names and any(folder.glob("*.nii")) and not any(folder.glob("*.nii.gz")):
+                    ending = ".nii"
+            self._ending = str(ending or ".nii.gz")
+        return self._ending
 
     def _check_nifti(self, records: list[Record]) -> None:
         """One line for a dataset whose files are not NIfTI (a PNG dataset given to this layout), instead of an
