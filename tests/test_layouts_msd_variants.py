@@ -5,6 +5,7 @@ another machine; nnU-Net v2's explicit ``dataset`` mapping; a missing listed fil
 import json
 import shutil
 
+import nibabel as nib
 import numpy as np
 import pytest
 
@@ -231,3 +232,40 @@ def test_the_decathlon_ending_stays_the_default(tmp_path):
     assert _layout(root).ending == ".nii.gz"
     _rewrite(root, lambda meta: meta.update(file_ending=".nii"))
     assert _layout(root).ending == ".nii"
+
+
+def test_images_with_axes_of_size_one_after_the_third_are_volumes(tmp_path):
+    """(X, Y, Z, 1, 1) is one 3D volume and (X, Y, Z, 1, C) C channels (how ITK writes a C-component image to
+    NIfTI); data check accepts both, and reading gives the same image as the 3D / 4D file."""
+    from fixtures.medical import rewrite_volume
+
+    root = write_msd(tmp_path / "msd", cases=2, test_cases=0)
+    layout = _layout(root)
+    first, second = _train(layout)
+    plain = layout.read(first).image
+    rewrite_volume(first.images[0], lambda d: d[..., None, None])
+    assert nib.load(str(first.images[0])).shape == (*plain.shape[1:], 1, 1)
+    assert layout.check(first) == []
+    assert np.array_equal(layout.read(first).image, plain)
+
+    mri = write_msd(tmp_path / "mri", cases=1, test_cases=0, channels=2, style="msd")
+    layout = _layout(mri)
+    (case,) = _train(layout)
+    four_d = layout.read(case).image
+    rewrite_volume(case.images[0], lambda d: d[..., None, :])
+    assert nib.load(str(case.images[0])).shape == (*four_d.shape[1:], 1, 2)
+    assert layout.check(case) == []
+    assert np.array_equal(layout.read(case).image, four_d)
+
+
+def test_an_image_with_two_axes_beyond_the_volume_is_refused_with_the_fix(tmp_path):
+    from fixtures.medical import rewrite_volume
+
+    root = write_msd(tmp_path / "msd", cases=1, test_cases=0)
+    layout = _layout(root)
+    (case,) = _train(layout)
+    rewrite_volume(case.images[0], lambda d: np.stack([d, d], -1)[..., None, :].repeat(2, 3))
+    (problem,) = layout.check(case)
+    assert "image has 5 dimension(s)" in problem.message and problem.fix == "re-export it as a 3D NIfTI volume"
+    with pytest.raises(DataError, match=r"expected a 3D volume per channel file, got shape \(16, 16, 12, 2, 2\); save"):
+        layout.read(case)

@@ -110,8 +110,15 @@ def _as_ids(data: np.ndarray, path: Path) -> np.ndarray:
     return data.astype(compact_dtype(data), copy=False)
 
 
+def _squeeze_extra_axes(volume: np.ndarray) -> np.ndarray:
+    """``volume`` as :func:`~jascl.data.nifti.volume_shape` reads it (a view)."""
+    return np.squeeze(volume, axis=tuple(i for i in range(3, volume.ndim) if volume.shape[i] == 1))
+
+
 def stack_channels(volumes: Sequence[np.ndarray], paths: Sequence[Path]) -> np.ndarray:
     """Stack channel volumes ``(X, Y, Z)`` (or one ``(X, Y, Z, C)`` file) into ``(C, X, Y, Z)`` float32, C order.
+
+    Axes of size 1 after the third are dropped first (:func:`jascl.data.nifti.volume_shape`).
 
     nibabel decodes in the file's Fortran order; the copy to C order (which MONAI's resampling needs and would
     otherwise make itself, more slowly) goes through :func:`~jascl.data.types.c_order`. A one-channel volume
@@ -120,11 +127,15 @@ def stack_channels(volumes: Sequence[np.ndarray], paths: Sequence[Path]) -> np.n
     Raises:
         DataError: the channel files differ in shape (naming the first that does).
     """
+    volumes = [_squeeze_extra_axes(v) for v in volumes]
     if len(volumes) == 1 and volumes[0].ndim == 4:
         return c_order(np.moveaxis(volumes[0], -1, 0), np.float32)
     for volume, path in zip(volumes, paths):
         if volume.ndim != 3:
-            raise DataError(f"{path}: expected a 3D volume per channel, got shape {volume.shape}")
+            raise DataError(
+                f"{path}: expected a 3D volume per channel file, got shape {volume.shape}; save each channel as "
+                "one 3D file (case_0000, case_0001, ...) or a case's channels as one 4D file (X, Y, Z, C)"
+            )
         if volume.shape != volumes[0].shape:
             raise DataError(
                 f"{path}: shape {volume.shape} differs from {paths[0].name} {volumes[0].shape}; "

@@ -17,7 +17,7 @@ import numpy as np
 
 from jascl.data.geometry import MAX_SPACING_MM, affine_problem, header_size_problem
 from jascl.data.layouts.base import Problem, image_value_problems
-from jascl.data.nifti import AFFINE_TOLERANCE, REDOWNLOAD, _nib, _reason, missing_reason
+from jascl.data.nifti import AFFINE_TOLERANCE, REDOWNLOAD, _nib, _reason, missing_reason, volume_shape
 
 
 def check_volumes(
@@ -153,8 +153,9 @@ def check_volumes(
 def _shape_problems(
     path: Path, shape: Sequence[int], what: str, files: int, channels: Sequence[str] | None
 ) -> list[Problem]:
-    """A 3D volume, or 4D with channels last; one channel per file when a sample has one file per channel."""
-    shape = tuple(int(n) for n in shape)
+    """A 3D volume, or 4D with channels last (axes of size 1 after the third do not count:
+    :func:`jascl.data.nifti.volume_shape`); one channel per file when a sample has one file per channel."""
+    shape = volume_shape(shape)
     if len(shape) < 3 or len(shape) > 4:
         return [
             Problem(
