@@ -33,6 +33,7 @@ def load_sessions(
     split_manifest: str | Path | None = None,
     roots_file: str | Path | None = None,
     patch_size: Sequence[int] | None = None,
+    prepare_workers: int = 0,
 ) -> list[SessionData]:
     """The protocol's sessions: one :class:`SessionData` per session, unlabelled pools with their noise.
 
@@ -41,6 +42,10 @@ def load_sessions(
     ``roots_file`` / ``JASCL_ROOT_<NAME>``, lazy splits, seeded K-shot selection or the samples of
     ``split_manifest``; unlabelled pool images cropped to ``patch_size``). A ``split_manifest`` given
     for a synthetic protocol must list exactly the generated samples.
+
+    ``prepare_workers`` (a run's key of that name; -1: as many as ``jascl data prepare`` would start): preprocess
+    the store entries the sessions read and the store lacks in that many processes first
+    (:func:`jascl.data.prepare.fill_store`); 0, and with several processes (torchrun), on first access instead.
     """
     if protocol.task == "detection":
         if protocol.uses_datasets:
@@ -53,6 +58,13 @@ def load_sessions(
     if protocol.uses_datasets:
         from jascl.data.real import load_real
 
+        fill = None
+        if prepare_workers != 0 and not distributed.active():  # ranks would wait for rank 0 past their timeout
+            from jascl.data.prepare import fill_store
+
+            def fill(store, refs):
+                return fill_store(store, refs, prepare_workers, echo)
+
         data, _ = load_real(
             protocol,
             roots,
@@ -61,6 +73,7 @@ def load_sessions(
             split_manifest,
             roots_file,
             unlabelled_crop=list(patch_size) if patch_size is not None else None,
+            fill=fill,
         )
         return apply_unlabelled_noise(protocol, data)
     data = load_or_generate(protocol, cache_dir, progress=lambda msg: echo(f"[data] {msg}"))

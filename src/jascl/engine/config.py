@@ -104,6 +104,9 @@ class RunConfig:
             stays eager); see the README for a known Inductor failure with MONAI's BasicUNet on CPU.
         num_workers: data-loading worker processes per rank (-1 = auto: 4 on CUDA, 0 on CPU).
         pin_memory: page-locked host batches (null = on CUDA only).
+        prepare_workers: processes that preprocess, before training, the samples a run on datasets reads and
+            the store lacks (-1 = auto: as many as ``jascl data prepare`` starts, from 16 missing samples on;
+            0 = each on first access, one after another; :func:`jascl.data.prepare.fill_store`).
         checkpoint_every: write a resumable in-session checkpoint every N epochs (0 = only whole
             sessions are saved); the last epoch of a session is always checkpointed.
         checkpoint_steps: also write it every N training steps inside an epoch (0 = at epoch ends only),
@@ -161,6 +164,7 @@ class RunConfig:
     compile: bool = False
     num_workers: int = -1
     pin_memory: bool | None = None
+    prepare_workers: int = -1
     checkpoint_every: int = 1
     checkpoint_steps: int = 0
     find_unused_parameters: bool = False
@@ -218,6 +222,8 @@ class RunConfig:
             raise bad("precision", f"must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
         if self.num_workers < -1:
             raise bad("num_workers", f"must be >= 0, or -1 for auto (got {self.num_workers})")
+        if self.prepare_workers < -1:
+            raise bad("prepare_workers", f"must be >= 0, or -1 for auto (got {self.prepare_workers})")
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise bad("pin_memory", f"must be true, false or null (got {self.pin_memory!r})")
         if self.checkpoint_every < 0:

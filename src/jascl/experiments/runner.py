@@ -119,6 +119,7 @@ _NEUTRAL_KEYS = (
     "method_args",
     "tensorboard",
     "num_workers",
+    "prepare_workers",
     "pin_memory",
     "checkpoint_every",
     "checkpoint_steps",
@@ -379,7 +380,16 @@ def run_benchmark(
             )
         if data is None:
             with distributed.main_first():  # rank 0 generates and caches, the others read the cache
-                data = load_sessions(protocol, cache_dir, echo, roots, split_manifest, roots_file, config.patch_size)
+                data = load_sessions(
+                    protocol,
+                    cache_dir,
+                    echo,
+                    roots,
+                    split_manifest,
+                    roots_file,
+                    config.patch_size,
+                    config.prepare_workers,
+                )
         elif len(data) != len(protocol.sessions):
             raise ConfigError(f"{protocol.path}: {len(protocol.sessions)} sessions but data for {len(data)} were given")
         else:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from jascl.data.real.manifests import load_manifest, manifest_dict, plans_from_manifest
 from jascl.data.real.roots import env_var, parse_root_args, read_roots_file, resolve_roots
@@ -103,6 +104,7 @@ def load_real(
     split_manifest: str | Path | None = None,
     roots_file: str | Path | None = None,
     unlabelled_crop: Sequence[int] | None = None,
+    fill: Callable[[SampleStore, list[str]], Any] | None = None,
 ) -> tuple[list[SessionData], dict]:
     """One :class:`SessionData` per session of a protocol on public datasets, and its manifest.
 
@@ -113,6 +115,8 @@ def load_real(
         split_manifest: a ``manifest.json`` to reuse instead of selecting samples.
         unlabelled_crop: serve unlabelled pools as random crops of this size (the
             training patch), so variable-size samples batch together.
+        fill: called with the store and every sample id the sessions read, once they are chosen (a run
+            preprocesses the missing ones in parallel: :func:`jascl.data.prepare.fill_store`).
 
     Raises:
         DataError / ConfigError: one line naming the dataset, session or file and the fix.
@@ -131,6 +135,9 @@ def load_real(
 
     check_planned_volumes(sources, plans)  # a header resampling cannot use stops the run before it trains
     store = SampleStore(protocol, sources, cache)
+    if fill is not None:
+        parts = ((p.train, p.test, p.unlabelled or [], p.validation or []) for p in plans)
+        fill(store, sorted({ref for split in parts for refs in split for ref in refs}))
     data: list[SessionData] = []
     for session, plan in zip(protocol.sessions, plans):
         luts = {name: label_lut(protocol, src, session.index) for name, src in sources.items()}

@@ -1,0 +1,125 @@
+"""A run on datasets preprocesses the samples it reads in parallel before it trains, when the store lacks them
+(``prepare_workers``, :func:`jascl.data.prepare.fill_store`; issue 33): the same entries the first access would
+write, nothing below the threshold or with ``prepare_workers=0``, and a sample that cannot be prepared stops the
+run with its one line after the others were written."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fixtures import medical as fxm  # noqa: E402
+from jascl.data import prepare  # noqa: E402
+from jascl.data.real import open_sources, resolve_roots  # noqa: E402
+from jascl.data.real.storage import SampleStore  # noqa: E402
+from jascl.data.real.store import open_entry  # noqa: E402
+from jascl.data.sessions import load_sessions  # noqa: E402
+from jascl.engine.config import resolve_config  # noqa: E402
+from jascl.errors import ConfigError, DataError  # noqa: E402
+from jascl.protocols import parse_protocol  # noqa: E402
+
+SPEC = {
+    "name": "fill",
+    "seed": 3,
+    "spatial_dims": 3,
+    "in_channels": 1,
+    "classes": [{"id": 0, "name": "background"}, {"id": 1, "name": "liver"}, {"id": 2, "name": "spleen"}],
+    "domains": {"ct": {}},
+    "datasets": {
+        "ct": {
+            "layout": "msd",
+            "domain": "ct",
+            "root": "ct",
+            "labels": {1: "liver", 2: "spleen"},
+            "preprocess": {"intensity": "ct"},
+            "test_fraction": 0.25,
+        }
+    },
+    "sessions": [
+        {"name": "base", "domains": ["ct"], "new_classes": [1], "shots": "all", "sources": ["ct"]},
+        {"name": "inc", "domains": ["ct"], "new_classes": [2], "shots": 1, "sources": ["ct"]},
+    ],
+    "training": {"patch_size": [8, 8, 8]},
+}
+
+
+@pytest.fixture
+def copy(tmp_path):
+    root = fxm.write_msd(tmp_path / "ct", cases=4, shape=(20, 18, 16), labels=(1, 2), test_cases=1)
+    return parse_protocol(SPEC, "fill.yaml"), {"ct": root}
+
+
+def _read_refs(data) -> list[str]:
+    """Every sample id the sessions read (train, test, unlabelled)."""
+    refs = set()
+    for d in data:
+        for split in (d.train, d.test, d.unlabelled):
+            refs |= set(split.ids) if split is not None else set()
+    return sorted(refs)
+
+
+def _entries(cache: Path) -> list[Path]:
+    return sorted((cache / "real" / "store").glob("*/*/entry.json"))
+
+
+def test_a_run_preprocesses_what_it_reads_in_parallel_and_the_entries_equal_first_access(copy, tmp_path, monkeypatch):
+    protocol, roots = copy
+    monkeypatch.setattr(prepare, "FILL_MIN_ENTRIES", 2)
+    said: list[str] = []
+    data = load_sessions(protocol, tmp_path / "filled", said.append, roots, prepare_workers=2)
+    refs = _read_refs(data)
+    assert refs == [f"ct/case_00{i}" for i in range(4)]  # trained on or tested; the imagesTs case is in no split
+    assert f"[data] preprocessing {len(refs)} sample(s) this run reads, with 2 worker processes" in said[-2]
+    assert said[-1].startswith(f"[data] {len(refs)} sample(s) preprocessed in ")
+    assert len(_entries(tmp_path / "filled")) == len(refs)
+
+    # the same entries, to the bit, as a run that builds each on first access
+    lazy = load_sessions(protocol, tmp_path / "lazy", lambda *a: None, roots, prepare_workers=0)
+    assert _entries(tmp_path / "lazy") == []
+    for d_filled, d_lazy in zip(data, lazy):
+        for i in range(len(d_lazy.test)):
+            assert np.array_equal(d_filled.test.images[i], d_lazy.test.images[i])
+            assert np.array_equal(d_filled.test.labels[i], d_lazy.test.labels[i])
+    assert len(_entries(tmp_path / "lazy")) == len({r for d in lazy for r in d.test.ids})
+
+
+def test_below_the_threshold_or_with_zero_workers_nothing_is_built_ahead(copy, tmp_path):
+    protocol, roots = copy
+    assert prepare.FILL_MIN_ENTRIES == 16
+    said: list[str] = []
+    load_sessions(protocol, tmp_path / "cache", said.append, roots, prepare_workers=2)  # 5 missing < 16
+    assert _entries(tmp_path / "cache") == [] and not [m for m in said if "preprocessing" in m]
+    sources = open_sources(protocol, resolve_roots(protocol, roots), tmp_path / "cache", lambda *a: None)
+    store = SampleStore(protocol, sources, tmp_path / "cache")
+    refs = [f"ct/case_00{i}" for i in range(4)]
+    assert prepare.fill_store(store, refs, workers=1, echo=said.append).built == 0  # one worker: first access
+    report = prepare.fill_store(store, refs + refs, workers=2, echo=said.append)
+    assert (report.samples, report.built) == (4, 0) and _entries(tmp_path / "cache") == []
+
+
+def test_a_sample_that_cannot_be_prepared_stops_the_run_after_the_others(copy, tmp_path, monkeypatch):
+    protocol, roots = copy
+    monkeypatch.setattr(prepare, "FILL_MIN_ENTRIES", 2)
+    bad = fxm.rewrite_volume(roots["ct"] / "imagesTr" / "case_002_0000.nii.gz", lambda d: d * np.nan, np.float32)
+    sources = open_sources(protocol, resolve_roots(protocol, roots), tmp_path / "cache", lambda *a: None)
+    store = SampleStore(protocol, sources, tmp_path / "cache")
+    refs = [f"ct/case_00{i}" for i in range(4)]
+    with pytest.raises(
+        DataError, match=rf"^{bad}: image holds 5760 non-finite value\(s\) \(NaN or \+-inf\) out of 5760; "
+    ) as error:
+        prepare.fill_store(store, refs, workers=2, echo=lambda *a: None)
+    assert "\n" not in str(error.value)
+    assert [open_entry(store.entry_path(r)) is not None for r in refs] == [True, True, False, True]
+
+
+def test_prepare_workers_is_a_run_key_that_does_not_change_results():
+    from jascl.experiments.runner import _NEUTRAL_KEYS
+
+    assert resolve_config().prepare_workers == -1
+    assert resolve_config(overrides=["prepare_workers=0"]).prepare_workers == 0
+    with pytest.raises(ConfigError, match="prepare_workers"):
+        resolve_config(overrides=["prepare_workers=-2"])
+    assert "prepare_workers" in _NEUTRAL_KEYS
