@@ -123,3 +123,13 @@ def test_prepare_workers_is_a_run_key_that_does_not_change_results():
     with pytest.raises(ConfigError, match="prepare_workers"):
         resolve_config(overrides=["prepare_workers=-2"])
     assert "prepare_workers" in _NEUTRAL_KEYS
+
+
+@pytest.mark.parametrize("cases, hint", [(15, False), (16, True)])
+def test_the_label_index_line_points_to_prepare_from_16_files(tmp_path, cases, hint):
+    root = fxm.write_msd(tmp_path / "ct", cases=cases, shape=(8, 8, 8), labels=(1, 2), test_cases=0)
+    said: list[str] = []
+    open_sources(parse_protocol(SPEC, "fill.yaml"), {"ct": root}, tmp_path / "cache", said.append)
+    (line,) = [m for m in said if "label file(s) to index" in m]
+    assert line.startswith(f"[data] ct: reading {cases} label file(s) to index their classes (cached afterwards)")
+    assert line.endswith("; 'jascl data prepare' reads them in parallel, ahead of a run") is hint

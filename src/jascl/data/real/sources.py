@@ -102,7 +102,11 @@ class DatasetSource:
         """
         todo = self.unindexed(cache_dir, record_ids)
         if todo:
-            echo(f"[data] {self.name}: reading {len(todo)} label file(s) to index their classes (cached afterwards)")
+            ahead = "; 'jascl data prepare' reads them in parallel, ahead of a run" if len(todo) >= 16 else ""
+            echo(
+                f"[data] {self.name}: reading {len(todo)} label file(s) to index their classes (cached afterwards)"
+                + ahead
+            )
         found: dict[str, tuple[str, list[int]]] = {}
         for n, (rid, sig) in enumerate(todo):
             try:
