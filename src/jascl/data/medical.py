@@ -194,6 +194,19 @@ def read_volumes(record_id: str, images: Sequence[Path], label: Path | None, met
     return Sample(image, label_ids, affine, meta)
 
 
+def read_label_only(record_id: str, label: Path | None) -> np.ndarray:
+    """The label :func:`read_volumes` gives a sample, without decoding its image: what a layout's ``read_label``
+    returns for the label index (which ids each label holds), at a fraction of the cost (for a 512 x 512 x 300 CT,
+    the label's decode instead of the image's, its C-order copy and the label's).
+
+    Raises:
+        DataError: the sample has no label file, or the label cannot be read (as :func:`load_label`).
+    """
+    if label is None:
+        raise DataError(f"{record_id}: the layout read no label for this sample")
+    return load_label(label)[0]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # preprocessing
 

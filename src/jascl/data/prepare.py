@@ -114,8 +114,9 @@ def _prepare_one(ref: str, build: bool, index_sig: str | None) -> tuple[str, boo
         if index_sig is not None:
             name, rid = ref.split("/", 1)
             source, record = store.sources[name], store.sources[name].records[rid]
-            uses_read = not hasattr(source.layout, "read_label") and not hasattr(source.layout, "decode_label")
-            if sample is not None and uses_read and sample.label is not None:
+            # a layout's read_label returns its read()'s label (read_native_label); decode_label may not
+            same = not hasattr(source.layout, "decode_label")
+            if sample is not None and same and sample.label is not None:
                 label = sample.label  # what read_native_label would decode again
             else:
                 label = read_native_label(source.layout, record)

@@ -17,6 +17,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from jascl.data import medical, nifti, volume_checks
 from jascl.data.layouts.base import LAYOUTS, DatasetLayout, Problem, Record, Sample
 from jascl.errors import ConfigError, DataError
@@ -159,6 +161,10 @@ class BraTSLayout(DatasetLayout):
         return volume_checks.check_volumes(
             record.images, record.label, self.modalities, label_values=self.label_names(), tolerance=self.tolerance
         )
+
+    def read_label(self, record: Record) -> np.ndarray:
+        """The label :meth:`read` gives, without the image (:func:`jascl.data.medical.read_label_only`)."""
+        return medical.read_label_only(record.id, record.label)
 
     def read(self, record: Record) -> Sample:
         return medical.read_volumes(

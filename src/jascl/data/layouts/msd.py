@@ -33,6 +33,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from jascl.data import medical, nifti, volume_checks
 from jascl.data.layouts.base import LAYOUTS, DatasetLayout, Problem, Record, Sample
 from jascl.errors import DataError
@@ -419,6 +421,10 @@ class MSDLayout(DatasetLayout):
                     )
             out.append(problem)
         return out
+
+    def read_label(self, record: Record) -> np.ndarray:
+        """The label :meth:`read` gives, without the image (:func:`jascl.data.medical.read_label_only`)."""
+        return medical.read_label_only(record.id, record.label)
 
     def read(self, record: Record) -> Sample:
         return medical.read_volumes(

@@ -169,7 +169,9 @@ class DatasetSource:
 
 
 def read_native_label(layout: Any, record: Any) -> np.ndarray:
-    """The native label array of a record, decoding as little as the layout allows."""
+    """The native label array of a record, decoding as little as the layout allows: the layout's ``read_label``
+    (which must return what its ``read`` gives as the sample's label, without the image), else ``decode_label``
+    of the label file, else the whole sample's ``read``."""
     if hasattr(layout, "read_label"):
         return np.asarray(layout.read_label(record))
     if hasattr(layout, "decode_label") and record.label is not None and not Path(record.label).is_dir():
