@@ -68,6 +68,7 @@ def _entries(cache: Path) -> list[Path]:
 def test_a_run_preprocesses_what_it_reads_in_parallel_and_the_entries_equal_first_access(copy, tmp_path, monkeypatch):
     protocol, roots = copy
     monkeypatch.setattr(prepare, "FILL_MIN_ENTRIES", 2)
+    monkeypatch.setattr(prepare, "FILL_MIN_BYTES", 0)
     said: list[str] = []
     data = load_sessions(protocol, tmp_path / "filled", said.append, roots, prepare_workers=2)
     refs = _read_refs(data)
@@ -88,7 +89,7 @@ def test_a_run_preprocesses_what_it_reads_in_parallel_and_the_entries_equal_firs
 
 def test_below_the_threshold_or_with_zero_workers_nothing_is_built_ahead(copy, tmp_path):
     protocol, roots = copy
-    assert prepare.FILL_MIN_ENTRIES == 16
+    assert (prepare.FILL_MIN_ENTRIES, prepare.FILL_MIN_BYTES) == (16, 256 * 2**20)
     said: list[str] = []
     load_sessions(protocol, tmp_path / "cache", said.append, roots, prepare_workers=2)  # 5 missing < 16
     assert _entries(tmp_path / "cache") == [] and not [m for m in said if "preprocessing" in m]
@@ -98,11 +99,20 @@ def test_below_the_threshold_or_with_zero_workers_nothing_is_built_ahead(copy, t
     assert prepare.fill_store(store, refs, workers=1, echo=said.append).built == 0  # one worker: first access
     report = prepare.fill_store(store, refs + refs, workers=2, echo=said.append)
     assert (report.samples, report.built) == (4, 0) and _entries(tmp_path / "cache") == []
+    # enough samples but too few bytes: the files of the four cases, one byte short of the bar
+    files = [f for r in refs for f in sources["ct"].records[r.split("/")[1]].files]
+    assert prepare._file_bytes(store, refs) == sum(f.stat().st_size for f in files)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prepare, "FILL_MIN_ENTRIES", 2)
+        mp.setattr(prepare, "FILL_MIN_BYTES", prepare._file_bytes(store, refs) + 1)
+        assert prepare.fill_store(store, refs, workers=2, echo=said.append).built == 0
+    assert _entries(tmp_path / "cache") == [] and not [m for m in said if "preprocessing" in m]
 
 
 def test_a_sample_that_cannot_be_prepared_stops_the_run_after_the_others(copy, tmp_path, monkeypatch):
     protocol, roots = copy
     monkeypatch.setattr(prepare, "FILL_MIN_ENTRIES", 2)
+    monkeypatch.setattr(prepare, "FILL_MIN_BYTES", 0)
     bad = fxm.rewrite_volume(roots["ct"] / "imagesTr" / "case_002_0000.nii.gz", lambda d: d * np.nan, np.float32)
     sources = open_sources(protocol, resolve_roots(protocol, roots), tmp_path / "cache", lambda *a: None)
     store = SampleStore(protocol, sources, tmp_path / "cache")

@@ -26,7 +26,7 @@ import os
 import resource
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -212,10 +212,13 @@ def prepare_protocol(
     return report
 
 
-#: a run preprocesses its missing store entries in parallel (:func:`fill_store`) only from this many on: below it
-#: the first pass is short (under about 2 minutes at 8 s per large CT), and starting a pool costs about one volume
-#: (4.3 s on a 2-core machine: the fork server imports torch and MONAI), so the run builds them on first access
+#: a run preprocesses its missing store entries in parallel (:func:`fill_store`) only from this many on, and when
+#: their files hold at least :data:`FILL_MIN_BYTES`: starting a pool costs 4.3 s on a 2-core machine (the fork
+#: server imports torch and MONAI), which 16 CTs of 512 x 512 x 300 (1.3 GiB of .nii.gz) repay twice over (144-155 s
+#: -> 71-74 s) and 16 of 256 x 256 x 150 (0.16 GiB) do not (13 s either way; docs/performance.md); below either,
+#: the run builds them on first access
 FILL_MIN_ENTRIES = 16
+FILL_MIN_BYTES = 256 * 2**20
 
 
 def fill_store(
@@ -230,8 +233,9 @@ def fill_store(
     would otherwise pay one sample after another on first access (the test splits in the main process, at
     evaluation), runs on every core.
 
-    Nothing is done when fewer than :data:`FILL_MIN_ENTRIES` entries are missing, or with one worker (``workers``:
-    -1 for :func:`default_workers`); the run then builds them on first access as before.
+    Nothing is done when fewer than :data:`FILL_MIN_ENTRIES` entries are missing, when their files hold less than
+    :data:`FILL_MIN_BYTES`, or with one worker (``workers``: -1 for :func:`default_workers`); the run then builds
+    them on first access as before.
 
     Raises:
         DataError: a sample that cannot be prepared (the first one's line and how many), after every other entry
@@ -245,7 +249,7 @@ def fill_store(
         if path not in missing and open_entry(path) is None:
             missing[path] = ref
     report.samples = len(missing)
-    if workers < 2 or len(missing) < FILL_MIN_ENTRIES:
+    if workers < 2 or len(missing) < FILL_MIN_ENTRIES or _file_bytes(store, missing.values()) < FILL_MIN_BYTES:
         return report
     echo(
         f"[data] preprocessing {len(missing)} sample(s) this run reads, with {workers} worker processes, into "
@@ -268,6 +272,19 @@ def fill_store(
         more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
         raise DataError(f"{report.problems[0]}{more}")
     return report
+
+
+def _file_bytes(store: SampleStore, refs: Iterable[str]) -> int:
+    """The size of the files the samples ``refs`` are read from (a folder's files counted one level down)."""
+    total = 0
+    for ref in refs:
+        name, rid = ref.split("/", 1)
+        for path in store.sources[name].records[rid].files:
+            try:
+                total += sum(p.stat().st_size for p in path.iterdir()) if path.is_dir() else path.stat().st_size
+            except OSError:
+                continue  # a missing file is the build's problem line, not this estimate's
+    return total
 
 
 def _run_pool(

@@ -105,7 +105,7 @@ class RunConfig:
         num_workers: data-loading worker processes per rank (-1 = auto: 4 on CUDA, 0 on CPU).
         pin_memory: page-locked host batches (null = on CUDA only).
         prepare_workers: processes that preprocess, before training, the samples a run on datasets reads and
-            the store lacks (-1 = auto: as many as ``jascl data prepare`` starts, from 16 missing samples on;
+            the store lacks (-1 = auto: as many as ``jascl data prepare`` starts, from 16 missing samples and 256 MiB of files;
             0 = each on first access, one after another; :func:`jascl.data.prepare.fill_store`).
         checkpoint_every: write a resumable in-session checkpoint every N epochs (0 = only whole
             sessions are saved); the last epoch of a session is always checkpointed.
