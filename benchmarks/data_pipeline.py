@@ -84,6 +84,16 @@ def write_dataset(root: Path, cases: int, shape: tuple[int, int, int]) -> float:
     return time.perf_counter() - start
 
 
+def kept_dataset(base: Path, cases: int, shape: tuple[int, int, int]) -> Path:
+    """The dataset of ``cases`` volumes of ``shape`` under ``base``, written by :func:`write_dataset` the first time
+    and kept (what the one-setting-per-process benchmarks reuse across their calls)."""
+    root = base / f"msd-{cases}-{'x'.join(map(str, shape))}"
+    if not (root / "dataset.json").exists():
+        shutil.rmtree(root, ignore_errors=True)
+        print(f"wrote {cases} volumes in {write_dataset(root, cases, shape):.1f} s")
+    return root
+
+
 def write_meta(root: Path, cases: int) -> None:
     """The MSD ``dataset.json`` of the ``cases`` volumes :func:`write_case` wrote as ``ct_000``, ``ct_001``, ..."""
     meta = {

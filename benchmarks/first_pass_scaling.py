@@ -37,10 +37,7 @@ def main() -> None:
     parser.add_argument("--dir", default="first-pass-data", help="dataset folder, written once and kept")
     args = parser.parse_args()
     base = Path(args.dir)
-    root = base / f"msd-{args.cases}-{'x'.join(map(str, args.shape))}"
-    if not (root / "dataset.json").exists():
-        shutil.rmtree(root, ignore_errors=True)
-        print(f"wrote {args.cases} volumes in {data_pipeline.write_dataset(root, args.cases, tuple(args.shape)):.1f} s")
+    root = data_pipeline.kept_dataset(base, args.cases, tuple(args.shape))
     cache = base / f"cache-{args.workers}"
     shutil.rmtree(cache, ignore_errors=True)
     start = time.perf_counter()

@@ -21,29 +21,7 @@ from jascl.engine.config import resolve_config  # noqa: E402
 from jascl.errors import ConfigError, DataError  # noqa: E402
 from jascl.protocols import parse_protocol  # noqa: E402
 
-SPEC = {
-    "name": "fill",
-    "seed": 3,
-    "spatial_dims": 3,
-    "in_channels": 1,
-    "classes": [{"id": 0, "name": "background"}, {"id": 1, "name": "liver"}, {"id": 2, "name": "spleen"}],
-    "domains": {"ct": {}},
-    "datasets": {
-        "ct": {
-            "layout": "msd",
-            "domain": "ct",
-            "root": "ct",
-            "labels": {1: "liver", 2: "spleen"},
-            "preprocess": {"intensity": "ct"},
-            "test_fraction": 0.25,
-        }
-    },
-    "sessions": [
-        {"name": "base", "domains": ["ct"], "new_classes": [1], "shots": "all", "sources": ["ct"]},
-        {"name": "inc", "domains": ["ct"], "new_classes": [2], "shots": 1, "sources": ["ct"]},
-    ],
-    "training": {"patch_size": [8, 8, 8]},
-}
+SPEC = fxm.store_protocol_dict("fill")
 
 
 @pytest.fixture

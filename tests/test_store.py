@@ -46,31 +46,7 @@ SHAPE = (20, 18, 16)
 QUIET = {"echo": lambda *a: None}
 
 
-def protocol_dict() -> dict:
-    """One CT dataset: session 0 teaches class 1 (native 1), session 1 class 2 (native 2)."""
-    return {
-        "name": "store-proto",
-        "seed": 3,
-        "spatial_dims": 3,
-        "in_channels": 1,
-        "classes": [{"id": 0, "name": "background"}, {"id": 1, "name": "liver"}, {"id": 2, "name": "spleen"}],
-        "domains": {"ct": {}},
-        "datasets": {
-            "ct": {
-                "layout": "msd",
-                "domain": "ct",
-                "root": "ct",
-                "labels": {1: "liver", 2: "spleen"},
-                "preprocess": {"intensity": "ct"},
-                "test_fraction": 0.25,
-            }
-        },
-        "sessions": [
-            {"name": "base", "domains": ["ct"], "new_classes": [1], "shots": "all", "sources": ["ct"]},
-            {"name": "inc", "domains": ["ct"], "new_classes": [2], "shots": 1, "sources": ["ct"]},
-        ],
-        "training": {"patch_size": [8, 8, 8]},
-    }
+protocol_dict = fxm.store_protocol_dict
 
 
 @pytest.fixture
