@@ -43,12 +43,15 @@ def _entries(cache: Path) -> list[Path]:
     return sorted((cache / "real" / "store").glob("*/*/entry.json"))
 
 
-def test_a_run_preprocesses_what_it_reads_in_parallel_and_the_entries_equal_first_access(copy, tmp_path, monkeypatch):
+def test_a_run_preprocesses_what_it_reads_in_parallel_and_the_entries_equal_first_access(
+    copy, tmp_path, monkeypatch, capsys
+):
     protocol, roots = copy
     monkeypatch.setattr(prepare, "FILL_MIN_ENTRIES", 2)
     monkeypatch.setattr(prepare, "FILL_MIN_BYTES", 0)
     said: list[str] = []
-    data = load_sessions(protocol, tmp_path / "filled", said.append, roots, prepare_workers=2)
+    data = load_sessions(protocol, tmp_path / "filled", said.append, roots, prepare_workers=2, progress=False)
+    assert "prepare" not in capsys.readouterr().err  # the run's --no-progress reaches the fill's bar
     refs = _read_refs(data)
     assert refs == [f"ct/case_00{i}" for i in range(4)]  # trained on or tested; the imagesTs case is in no split
     assert f"[data] preprocessing {len(refs)} sample(s) this run reads, with 2 worker processes" in said[-2]
@@ -63,6 +66,9 @@ def test_a_run_preprocesses_what_it_reads_in_parallel_and_the_entries_equal_firs
             assert np.array_equal(d_filled.test.images[i], d_lazy.test.images[i])
             assert np.array_equal(d_filled.test.labels[i], d_lazy.test.labels[i])
     assert len(_entries(tmp_path / "lazy")) == len({r for d in lazy for r in d.test.ids})
+
+    load_sessions(protocol, tmp_path / "barred", lambda *a: None, roots, prepare_workers=2, progress=True)
+    assert "prepare: 100%" in capsys.readouterr().err and len(_entries(tmp_path / "barred")) == len(refs)
 
 
 def test_below_the_threshold_or_with_zero_workers_nothing_is_built_ahead(copy, tmp_path):

@@ -34,6 +34,7 @@ def load_sessions(
     roots_file: str | Path | None = None,
     patch_size: Sequence[int] | None = None,
     prepare_workers: int = 0,
+    progress: bool | None = None,
 ) -> list[SessionData]:
     """The protocol's sessions: one :class:`SessionData` per session, unlabelled pools with their noise.
 
@@ -45,7 +46,8 @@ def load_sessions(
 
     ``prepare_workers`` (a run's key of that name; -1: as many as ``jascl data prepare`` would start): preprocess
     the store entries the sessions read and the store lacks in that many processes first
-    (:func:`jascl.data.prepare.fill_store`); 0, and with several processes (torchrun), on first access instead.
+    (:func:`jascl.data.prepare.fill_store`, with a progress bar when ``progress``, None: on a terminal); 0, and with
+    several processes (torchrun), on first access instead.
     """
     if protocol.task == "detection":
         if protocol.uses_datasets:
@@ -63,7 +65,7 @@ def load_sessions(
             from jascl.data.prepare import fill_store
 
             def fill(store, refs):
-                return fill_store(store, refs, prepare_workers, echo)
+                return fill_store(store, refs, prepare_workers, echo, progress)
 
         data, _ = load_real(
             protocol,

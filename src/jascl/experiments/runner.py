@@ -389,6 +389,7 @@ def run_benchmark(
                     roots_file,
                     config.patch_size,
                     config.prepare_workers,
+                    progress=progress,  # --no-progress and log files: no bar for the store's fill either
                 )
         elif len(data) != len(protocol.sessions):
             raise ConfigError(f"{protocol.path}: {len(protocol.sessions)} sessions but data for {len(data)} were given")
