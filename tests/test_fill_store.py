@@ -156,3 +156,20 @@ def test_the_label_index_reads_the_label_without_the_image(tmp_path, monkeypatch
     for record in (r for r in records if r.label is None):
         with pytest.raises(DataError, match="the layout read no label for this sample"):
             reader.read_label(record)
+
+
+def test_a_pool_that_broke_after_a_sample_names_memory_and_the_samples_it_was_preparing():
+    line = prepare.died_message(["ct/case_002", "ct/case_003"], 2, finished=True)
+    assert line == (
+        "a worker process died (killed, or out of memory) while preparing ct/case_002, ct/case_003; the 2 complete "
+        "entries are kept: run the same command again to resume (with fewer --workers if memory ran out)"
+    )
+
+
+def test_a_pool_that_broke_before_any_sample_also_names_an_unguarded_script():
+    line = prepare.died_message(["ct/case_000"], 0, finished=False)
+    assert line.startswith(
+        "a worker process died (killed, or out of memory) while preparing ct/case_000, before any worker finished a "
+        "sample; from a Python script that calls jascl at its top level, the workers re-import the script: put the "
+        """call under 'if __name__ == "__main__":'; the 0 complete entries are kept"""
+    )

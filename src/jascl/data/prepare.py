@@ -314,6 +314,7 @@ def _run_pool(
     bar = tqdm(total=len(todo), unit="sample", desc="prepare", disable=None if progress is None else not progress)
     pending = list(reversed(todo))
     running: dict[Any, str] = {}
+    finished = False  # whether a worker has returned a sample
     try:
         with ProcessPoolExecutor(
             workers,
@@ -327,8 +328,9 @@ def _run_pool(
                     running[pool.submit(_prepare_one, ref, build, sig)] = ref
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
+                    ref, built, presence, problem, rss = future.result()  # raises while the ref is running
                     running.pop(future)
-                    ref, built, presence, problem, rss = future.result()
+                    finished = True
                     report.built += built
                     report.worker_peak_rss_mib = max(report.worker_peak_rss_mib, rss)
                     if problem is not None:
@@ -340,14 +342,32 @@ def _run_pool(
                 if sum(len(v) for v in found.values()) >= 200:
                     flush()
     except BrokenProcessPool:
-        raise DataError(
-            f"a worker process died (killed, or out of memory) while preparing {', '.join(sorted(running.values()))}; "
-            f"the {report.complete + report.built} complete entries are kept: run the same command again to resume "
-            "(with fewer --workers if memory ran out)"
-        ) from None
+        raise DataError(died_message(sorted(running.values()), report.complete + report.built, finished)) from None
     finally:
         flush()
         bar.close()
+
+
+def died_message(preparing: Sequence[str], complete: int, finished: bool) -> str:
+    """The error line when the pool broke: a worker died while ``preparing`` these samples, ``complete`` entries
+    are in the store, ``finished``: whether any worker had returned a sample before.
+
+    A pool that breaks before any worker returns has a second usual cause besides memory: a Python script that
+    calls jascl (``prepare_protocol``, or a run that fills the store) at its top level. Each worker process
+    re-imports the script, which starts a pool of its own, and Python stops that worker (its own message, printed
+    above ours, says "An attempt has been made to start a new process before the current process has finished
+    its bootstrapping phase").
+    """
+    line = f"a worker process died (killed, or out of memory) while preparing {', '.join(preparing)}"
+    if not finished:
+        line += (
+            ", before any worker finished a sample; from a Python script that calls jascl at its top level, the "
+            "workers re-import the script: put the call under 'if __name__ == \"__main__\":'"
+        )
+    return (
+        f"{line}; the {complete} complete entries are kept: run the same command again to resume "
+        "(with fewer --workers if memory ran out)"
+    )
 
 
 def worker_context() -> multiprocessing.context.BaseContext:
