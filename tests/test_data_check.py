@@ -1,5 +1,6 @@
 """``jascl data check``: every kind of problem is one line and exit 2; a sound copy passes with a summary."""
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -76,8 +77,23 @@ def run_check(tmp_path: Path, capsys, data: dict, roots: dict[str, Path]) -> tup
     return code, out, [line for line in out if line.startswith("error: ")]
 
 
-def test_good_copy_passes_with_a_per_session_summary(tmp_path, capsys):
+def test_good_copy_passes_with_a_per_session_summary(tmp_path, capsys, monkeypatch):
+    from jascl.data import check, heap
+
+    # the command checks inside jascl.data.heap's block (each volume reuses the last one's pages), not around it
+    kept, inside = [False], []
+
+    @contextlib.contextmanager
+    def recording():
+        kept[0] = True
+        yield True
+        kept[0] = False
+
+    real_check = check.check_protocol
+    monkeypatch.setattr(heap, "freed_memory_kept", recording)
+    monkeypatch.setattr(check, "check_protocol", lambda *a, **k: inside.append(kept[0]) or real_check(*a, **k))
     code, out, errors = run_check(tmp_path, capsys, protocol_dict(), write_copies(tmp_path))
+    assert inside == [True] and kept == [False]
     assert code == 0 and errors == [], out
     # ct: 4 cases, a fifth (round(0.2 * 4) = 1) held out for testing; mr: 5 cases, 1 test, K=2 shots (every
     # case shows the tumour), the unlabelled pool takes 2 of the 2 remaining training cases + 2 imagesTs cases

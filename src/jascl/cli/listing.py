@@ -244,21 +244,23 @@ def cmd_data_check(args: argparse.Namespace) -> int:
         print(f"{len(problems)} problem(s) found" if problems else "no problems found")
         return 2 if problems else 0
     from jascl.data.check import check_protocol
+    from jascl.data.heap import freed_memory_kept
     from jascl.engine.config import resolve_config
     from jascl.experiments.preflight import backbone_problem
 
     overrides = list(args.set or []) + ([f"backbone={args.backbone}"] if args.backbone else [])
     config = resolve_config(protocol.training, protocol.path, None, overrides)
     print(f"jascl data check: protocol {protocol.name} (seed {protocol.seed}, file {protocol.path})")
-    report = check_protocol(
-        protocol,
-        roots,
-        args.roots,
-        args.cache_dir,
-        echo=print,
-        patch_size=config.patch_size,
-        split_manifest=args.split_manifest,
-    )
+    with freed_memory_kept():  # each volume's arrays reuse the last one's pages (jascl.data.heap)
+        report = check_protocol(
+            protocol,
+            roots,
+            args.roots,
+            args.cache_dir,
+            echo=print,
+            patch_size=config.patch_size,
+            split_manifest=args.split_manifest,
+        )
     if protocol.task == "segmentation":  # what the backbone needs of the patch every volume is padded to
         problem = backbone_problem(protocol, config)
         if problem is not None:

@@ -14,6 +14,8 @@ is memory held between volumes: a worker keeps its largest volume's working set 
 heap may hold some more where freed blocks do not fit the next request (a one-thread worker's peak RSS on those
 volumes: 2,110 MiB before, 2,461 MiB after). It is meant for processes that do nothing else, such as
 ``jascl data prepare``'s worker processes (:mod:`jascl.data.prepare`); a training process is left as it is.
+:func:`freed_memory_kept` does the same for one block of work and then restores glibc's defaults and returns
+the kept memory (``jascl data check``, which decodes every volume in the command's own process).
 
 On other C libraries (macOS, musl) there is no ``mallopt`` with these parameters and nothing changes.
 """
@@ -22,28 +24,66 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 #: glibc's ``mallopt`` parameter numbers (``<malloc.h>``)
 M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
+#: what :func:`freed_memory_kept` restores (``malloc/malloc.c``): at most 65,536 mmapped blocks (the default), and
+#: the largest thresholds glibc's own adaptation reaches (it raises the mmap threshold to each mmapped block of up
+#: to 32 MiB that is freed, and keeps twice that at the heap's top): blocks from 32 MiB on are mmapped
+RESTORED_MMAP_MAX = 65536
+RESTORED_MMAP_THRESHOLD = 32 * 2**20
+RESTORED_TRIM_THRESHOLD = 64 * 2**20
 
 #: free memory at the heap's top that glibc keeps instead of returning it: the largest ``int`` (2 GiB), about
 #: a 512 x 512 x 300 CT's working set; a volume needing more extends the heap and keeps that too
 TRIM_THRESHOLD = 2**31 - 1
 
 
+def _libc() -> Any | None:
+    """The C library's handle when it has glibc's ``mallopt`` (None otherwise)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
 def keep_freed_memory() -> bool:
     """Serve large allocations of this process from glibc's heap and keep freed memory mapped (see the module
     docstring). Returns whether glibc accepted both settings (False on other C libraries: nothing changed)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
+    libc = _libc()
+    if libc is None:
         return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
     # the trim threshold first: once blocks come from the heap, its top must not be returned after each volume
-    return bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and bool(mallopt(M_MMAP_MAX, 0))
+    return bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and bool(libc.mallopt(M_MMAP_MAX, 0))
+
+
+@contextmanager
+def freed_memory_kept() -> Iterator[bool]:
+    """:func:`keep_freed_memory` for the ``with`` block (yields its result); on leaving it, large blocks are
+    mmapped again and the heap's free memory is returned to the kernel (``malloc_trim``). Arrays allocated inside
+    the block and still alive stay where they are.
+
+    glibc stops adapting its thresholds once they are set, so the block leaves them where the adaptation ends
+    (:data:`RESTORED_MMAP_THRESHOLD`, :data:`RESTORED_TRIM_THRESHOLD`) rather than at a fresh process's 128 KiB.
+    """
+    kept = keep_freed_memory()
+    try:
+        yield kept
+    finally:
+        libc = _libc() if kept else None
+        if libc is not None:
+            libc.mallopt(M_MMAP_MAX, RESTORED_MMAP_MAX)
+            libc.mallopt(M_MMAP_THRESHOLD, RESTORED_MMAP_THRESHOLD)
+            libc.mallopt(M_TRIM_THRESHOLD, RESTORED_TRIM_THRESHOLD)
+            libc.malloc_trim(0)
