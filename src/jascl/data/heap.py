@@ -14,7 +14,7 @@ is memory held between volumes: a worker keeps its largest volume's working set 
 heap may hold some more where freed blocks do not fit the next request (a one-thread worker's peak RSS on those
 volumes: 2,110 MiB before, 2,461 MiB after). It is meant for processes that do nothing else, such as
 ``jascl data prepare``'s worker processes (:mod:`jascl.data.prepare`); a training process is left as it is.
-:func:`freed_memory_kept` does the same for one block of work and then restores glibc's defaults and returns
+:func:`freed_memory_kept` does the same for one block of work, then has large blocks mmapped again and returns
 the kept memory (``jascl data check``, which decodes every volume in the command's own process).
 
 On other C libraries (macOS, musl) there is no ``mallopt`` with these parameters and nothing changes.
