@@ -95,7 +95,7 @@ def _start_worker(protocol: Protocol, sources: Mapping[str, DatasetSource], cach
     import torch
 
     torch.set_num_threads(threads)  # the workers share the cores
-    keep_freed_memory()  # the next volume reuses this one's pages (1.8 x faster on 2 cores; jascl.data.heap)
+    keep_freed_memory()  # the next volume reuses this one's pages (1.6 x faster per volume; jascl.data.heap)
     _STORE = SampleStore(protocol, sources, cache)
 
 
@@ -353,10 +353,11 @@ def died_message(preparing: Sequence[str], complete: int, finished: bool) -> str
     are in the store, ``finished``: whether any worker had returned a sample before.
 
     A pool that breaks before any worker returns has a second usual cause besides memory: a Python script that
-    calls jascl (``prepare_protocol``, or a run that fills the store) at its top level. Each worker process
-    re-imports the script, which starts a pool of its own, and Python stops that worker (its own message, printed
-    above ours, says "An attempt has been made to start a new process before the current process has finished
-    its bootstrapping phase").
+    calls jascl (``prepare_protocol``, or a run that fills the store) at its top level. The fork server the
+    workers come from (:func:`worker_context`) imports the script as its main module, which calls jascl again and
+    tries to start a pool of its own; Python stops it there (its message, printed above ours, says "An attempt has
+    been made to start a new process before the current process has finished its bootstrapping phase"), and no
+    worker starts.
     """
     line = f"a worker process died (killed, or out of memory) while preparing {', '.join(preparing)}"
     if not finished:
