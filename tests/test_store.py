@@ -409,12 +409,14 @@ def test_old_format_and_damaged_entries_are_rebuilt_not_misread(copy, tmp_path):
     assert np.array_equal(np.sort(np.unique(np.asarray(nii.dataobj))), np.unique(reference[1]))
 
 
+@pytest.mark.parametrize("earlier_version", [1, 2])
 def test_entries_of_an_earlier_preprocessing_version_are_not_read_and_can_be_removed(
-    copy, tmp_path, monkeypatch, capsys
+    copy, tmp_path, monkeypatch, capsys, earlier_version
 ):
-    """Volume preprocessing version 2 (resampling in float32) is part of every volume entry's key and recorded in
-    the entry; version-1 entries (which do not record it) are not found, are counted by prepare, and removed on
-    request; 2D entries keep version 1."""
+    """Volume preprocessing version 3 (resampling axis by axis, since version 2 resampled in float32) is part of
+    every volume entry's key and recorded in the entry; version-2 entries (which record 2) and version-1 entries
+    (which do not record it) are not found, are counted by prepare, and removed on request; 2D entries keep
+    version 1."""
     from jascl.data import prepare as prepare_module
     from jascl.data.real import storage
 
@@ -424,15 +426,17 @@ def test_entries_of_an_earlier_preprocessing_version_are_not_read_and_can_be_rem
     current = store.entry_path("ct/case_000")
     store.load("ct/case_000")
     made_from = json.loads((current / "entry.json").read_text())["made_from"]
-    assert PREPROCESS_VERSIONS == {2: 1, 3: 2} and made_from["preprocess_version"] == 2
-    monkeypatch.setattr(storage, "PREPROCESS_VERSIONS", {2: 1, 3: 1})
+    assert PREPROCESS_VERSIONS == {2: 1, 3: 3} and made_from["preprocess_version"] == 3
+    monkeypatch.setattr(storage, "PREPROCESS_VERSIONS", {2: 1, 3: earlier_version})
     earlier = _store(protocol, roots, cache)
     old = earlier.entry_path("ct/case_000")
     assert old != current
-    earlier.load("ct/case_000")  # what the earlier version wrote: an entry without the field
+    earlier.load("ct/case_000")
     info = json.loads((old / "entry.json").read_text())
-    del info["made_from"]["preprocess_version"]
-    (old / "entry.json").write_text(json.dumps(info))
+    assert info["made_from"]["preprocess_version"] == earlier_version
+    if earlier_version == 1:  # what version 1 wrote: an entry without the field
+        del info["made_from"]["preprocess_version"]
+        (old / "entry.json").write_text(json.dumps(info))
     monkeypatch.undo()
     assert prepare_module.outdated_entries(cache) == [old]
     lines = []

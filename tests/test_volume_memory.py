@@ -1,6 +1,7 @@
 """What keeps a ``jascl data prepare`` worker's memory down (issue 33): label ids in the smallest integer dtype, one
-channel stacked without a copy, Fortran-ordered volumes copied to C order in slabs, resampling in float32 one volume at a time; and that this computes what MONAI's
-own pipeline computes (exactly in float32, within the documented bound of its float64 default)."""
+channel stacked without a copy, Fortran-ordered volumes copied to C order in slabs, resampling one volume at a time
+without a sampling grid; and that this computes what MONAI's own pipeline computes (within the documented bound of its
+float64 default)."""
 
 import nibabel as nib
 import numpy as np
@@ -177,24 +178,24 @@ def _monai(sample, dtype):
     return data["image"].as_tensor().numpy(), np.rint(data["label"].as_tensor().numpy()[0]), resampled
 
 
-def test_preprocessing_one_volume_at_a_time_equals_monais_joint_float32_pipeline():
+def test_preprocessing_one_volume_at_a_time_matches_monais_joint_float32_pipeline():
     sample = _ct()
     image, label = preprocess_volume(sample, OPTIONS)
     expected_image, expected_label, _ = _monai(sample, np.float32)
     # MONAI keeps the first and last voxel centres: 1 + (n - 1) * old / new, rounded: 1 + 15, 1 + 7.1, 1 + 12.3
     assert image.shape == expected_image.shape == (1, 16, 8, 13)
-    assert np.array_equal(image, expected_image)
+    # resampled axis by axis (jascl.data.resample): 0.001 HU apart at most, through the window's 425 HU to [0, 1]
+    assert np.abs(image - expected_image).max() <= 0.001 / 425
     assert label.dtype == np.uint16 and np.array_equal(label.astype(np.int64), expected_label.astype(np.int64))
 
 
-def test_float32_resampling_stays_within_the_documented_bound_of_monais_float64_default():
+def test_resampling_stays_within_two_float32_steps_of_monais_float64_default():
     sample = _ct(seed=1)
     _, _, float64 = _monai(sample, np.float64)
     _, _, float32 = _monai(sample, np.float32)
     resampled, _ = preprocess_volume(sample, {**OPTIONS, "intensity": "none"})
-    assert np.array_equal(resampled, float32)
-    difference = np.abs(resampled.astype(np.float64) - float64).max()
-    assert 0 < difference <= 0.02  # HU; the docstring of preprocess_volume states this bound
+    ours, monais = (np.abs(r.astype(np.float64) - float64).max() for r in (resampled, float32))
+    assert 0 < ours <= 0.00025 and ours <= monais  # HU; the docstrings of preprocess_volume and resample
 
 
 def test_the_label_is_resampled_before_the_image(monkeypatch):
