@@ -19,9 +19,9 @@ from jascl.errors import ConfigError, DataError
 from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import IGNORE_INDEX, DatasetSpec, Protocol
 
-#: per spatial dims, bumped when the cached preprocessed samples of that kind change meaning: volumes went to 2 on
-#: 2026-11-28 (resampled in float32) and to 3 the next day (resampled axis by axis, ``jascl.data.resample``); 2D
-#: images stay at 1, so their store entries stay valid
+#: per spatial dims, bumped when the cached preprocessed samples of that kind change meaning: volumes went to 2
+#: (resampled in float32) and then to 3 (resampled axis by axis, ``jascl.data.resample``) on 2026-11-28; 2D images
+#: stay at 1, so their store entries stay valid
 PREPROCESS_VERSIONS = {2: 1, 3: 3}
 
 
