@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from jascl.data import medical
-from jascl.data.resample import AXIS_ALIGNED_TOLERANCE, axis_aligned, resample_axes
+from jascl.data.resample import AXIS_ALIGNED_TOLERANCE, axis_aligned, axis_pairing, resample_axes
 
 
 def _map(scales, shifts=(0.0, 0.0, 0.0)):
@@ -43,9 +43,13 @@ def test_nearest_rounds_half_to_even_clamps_and_keeps_the_dtype():
     assert out.ravel().tolist() == [7 * v for v in (0, 0, 1, 2, 2, 2, 3, 4, 4, 4, 4)]
 
 
-def test_identity_returns_the_volume_itself_and_a_bad_mode_is_refused():
-    volume = np.zeros((1, 3, 4, 5), np.float32)
-    assert resample_axes(volume, np.eye(4), (3, 4, 5), "bilinear") is volume
+def test_identity_copies_nothing_and_a_bad_mode_is_refused():
+    volume = np.arange(60, dtype=np.float32).reshape(1, 3, 4, 5)
+    same = resample_axes(volume, np.eye(4), (3, 4, 5), "bilinear")
+    assert np.shares_memory(same, volume) and np.array_equal(same, volume)
+    fortran = np.asfortranarray(volume)  # as nibabel decodes: one copy, to C order
+    copied = resample_axes(fortran, np.eye(4), (3, 4, 5), "bilinear")
+    assert copied.flags.c_contiguous and not np.shares_memory(copied, fortran) and np.array_equal(copied, volume)
     with pytest.raises(ValueError, match="mode 'cubic'"):
         resample_axes(volume, np.eye(4), (3, 4, 5), "cubic")
 
@@ -133,3 +137,31 @@ def test_a_map_that_is_not_axis_aligned_is_resampled_by_monai_itself(monkeypatch
     ids = medical._regrid(label[None], affine, "nearest", **grid)  # on a float32 copy, as MONAI samples
     monai_ids = _monai(label[None].astype(np.float32), affine, grid["spacing"], "nearest", np.float32)
     assert ids.dtype == np.float32 and np.array_equal(ids, monai_ids.as_tensor().numpy())
+
+
+def test_axis_pairing_of_a_reorientation_with_swapped_axes_by_hand():
+    # output axis 0 reads input axis 1 backwards, output axis 1 input axis 0 backwards, axis 2 itself
+    xform = np.array([[0.0, -1.25, 0.0, 49.0], [-1.1, 0.0, 0.0, 39.0], [0.0, 0.0, 1.5, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    assert axis_pairing(xform, (32, 45, 23)) == [1, 0, 2]
+    volume = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    swapped = np.array([[0.0, 1.0, 0.0, 0.0], [-1.0, 0.0, 0.0, 2.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    # output (i, j, k) reads input (j, 2 - i, k): a transpose and a flip, looked up, not interpolated
+    out = resample_axes(volume, swapped, (3, 2, 4), "bilinear")
+    assert out.flags.c_contiguous and np.array_equal(out, volume.transpose(1, 0, 2)[::-1])
+
+
+def test_swapped_axes_on_a_fortran_ordered_volume_match_monai():
+    """A scan stored with its first two axes swapped and reversed, decoded in Fortran order as nibabel does: the
+    same result as from a C-ordered copy, within the bound of MONAI's float64 resampling, and MONAI's labels."""
+    image, label = _smooth_ct((30, 26, 18), seed=5)
+    affine = torch.as_tensor(np.array([[0, -0.8, 0, 10], [-0.9, 0, 0, 5], [0, 0, 1.5, -3], [0, 0, 0, 1.0]]))
+    grid = {"orientation": "RAS", "spacing": [1.0, 1.0, 2.0]}
+    ours = medical._regrid(np.asfortranarray(image), affine, "bilinear", **grid)
+    assert np.array_equal(ours, medical._regrid(image, affine, "bilinear", **grid))
+    float64 = _monai(image, affine, grid["spacing"], "bilinear", np.float64).as_tensor().numpy()
+    float32 = _monai(image, affine, grid["spacing"], "bilinear", np.float32).as_tensor().numpy()
+    assert ours.shape == float64.shape == (1, 21, 27, 14) and ours.flags.c_contiguous
+    assert np.abs(ours - float64).max() <= min(0.00025, np.abs(float32 - float64).max())
+    ids = medical._regrid(np.asfortranarray(label)[None], affine, "nearest", **grid)
+    monai_ids = _monai(label[None].astype(np.float32), affine, grid["spacing"], "nearest", np.float32)
+    assert ids.dtype == np.uint8 and np.array_equal(ids, monai_ids.as_tensor().numpy())

@@ -101,16 +101,26 @@ def test_one_channel_is_stacked_as_a_view_several_are_copied():
     assert np.array_equal(two[1], volume + 1)
 
 
-def test_fortran_ordered_channels_as_nibabel_decodes_them_are_stacked_in_c_order():
-    """nibabel gives Fortran-ordered arrays; stacking gives C order with the same values, one file's 4D array too."""
+def test_fortran_ordered_channels_as_nibabel_decodes_them_stay_where_they_lie_when_one_file_holds_them():
+    """nibabel gives Fortran-ordered arrays: one float32 file (3D, or 4D with its channels) is a view in that order,
+    an int16 one a float32 copy in that order; several files are stacked in C order; the values are the same."""
     volume = np.asfortranarray(np.arange(2 * 3 * 20, dtype=np.int16).reshape(2, 3, 20))
+    four_d = np.asfortranarray(np.stack([volume, -volume], -1).astype(np.float32))
+    one = stack_channels([volume.astype(np.float32, order="F")], ["a.nii.gz"])
+    assert one.base is not None and one[0].flags.f_contiguous
+    channels = stack_channels([four_d], ["a.nii.gz"])
+    assert np.shares_memory(channels, four_d) and channels[1].flags.f_contiguous
+    converted = stack_channels([volume], ["a.nii.gz"])
+    assert converted[0].flags.f_contiguous and not np.shares_memory(converted, volume)
+    several = stack_channels([volume, 2 * volume], ["a.nii.gz", "b.nii.gz"])
+    assert several.flags.c_contiguous
     for stacked, expected in (
-        (stack_channels([volume], ["a.nii.gz"]), volume[None]),
-        (stack_channels([volume, 2 * volume], ["a.nii.gz", "b.nii.gz"]), np.stack([volume, 2 * volume])),
-        (stack_channels([np.asfortranarray(np.stack([volume, -volume], -1))], ["a.nii.gz"]), [volume, -volume]),
+        (one, volume[None]),
+        (converted, volume[None]),
+        (several, np.stack([volume, 2 * volume])),
+        (channels, [volume, -volume]),
     ):
-        assert stacked.dtype == np.float32 and stacked.flags.c_contiguous
-        assert np.array_equal(stacked, np.asarray(expected, np.float32))
+        assert stacked.dtype == np.float32 and np.array_equal(stacked, np.asarray(expected, np.float32))
 
 
 @pytest.mark.parametrize(

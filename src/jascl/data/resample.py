@@ -10,7 +10,8 @@ interpolations, one axis after another, and nearest-neighbour sampling is three 
 
 :func:`resample_axes` does that on the same plan (the caller takes ``xform`` and the output shape from MONAI's
 lazy ``Spacing``), with ``grid_sample``'s conventions of MONAI's defaults: ``padding_mode="border"`` (a coordinate
-outside ``[0, n - 1]`` is clamped to the edge voxel) and, for nearest, rounding half to even (``std::nearbyint``).
+outside ``[0, n - 1]`` is clamped to the edge voxel) and, for nearest, rounding half to even (``std::nearbyint``)
+in the reoriented volume.
 Coordinates are computed in float64; MONAI casts ``xform`` to the image's float32 first, which moves its sample points
 by up to about 1e-5 voxel on a CT-sized grid. On four smooth CT-like volumes (``tests/test_resample.py``, values up to
 1000 HU) the result is within 0.00025 HU (two float32 steps) of MONAI's float64 resampling and never further from it
@@ -33,49 +34,85 @@ from typing import Any
 
 import numpy as np
 
-#: how far (in input voxels) the off-diagonal terms of ``xform`` may move any sample for it to count as axis-aligned
+from jascl.data.types import c_order
+
+#: how far (in input voxels) the terms of ``xform`` outside its axis pairing may move any sample for it to count as
+#: axis-aligned
 AXIS_ALIGNED_TOLERANCE = 1e-4
 
 
-def axis_aligned(xform: Any, out_shape: Sequence[int]) -> bool:
-    """True when the voxel map ``xform`` (4 x 4, output index -> input index) moves every output voxel of a grid of
-    ``out_shape`` by at most :data:`AXIS_ALIGNED_TOLERANCE` input voxels through its off-diagonal terms, so that
-    :func:`resample_axes` may sample it axis by axis; False for oblique maps and for anything not finite."""
+def axis_pairing(xform: Any, out_shape: Sequence[int]) -> list[int] | None:
+    """The input axis each output axis reads along, when the voxel map ``xform`` (4 x 4, output index -> input
+    index) is a scaled, signed permutation (a reorientation, then a change of voxel size): every output voxel of a
+    grid of ``out_shape`` moved by at most :data:`AXIS_ALIGNED_TOLERANCE` input voxels by the other terms. None for
+    oblique maps and for anything not finite."""
     x = np.asarray(xform, dtype=np.float64)
     if x.shape != (4, 4) or not np.isfinite(x).all() or not np.array_equal(x[3], [0.0, 0.0, 0.0, 1.0]):
-        return False
-    part = x[:3, :3]
-    off = np.abs(part - np.diag(np.diag(part)))
-    reach = off @ (np.asarray(out_shape, dtype=np.float64) - 1.0)
-    return bool((np.diag(part) != 0).all() and (reach <= AXIS_ALIGNED_TOLERANCE).all())
+        return None
+    part = np.abs(x[:3, :3])
+    pairing = [int(np.argmax(part[:, k])) for k in range(3)]  # input axis (row) of output axis (column) k
+    if sorted(pairing) != [0, 1, 2]:
+        return None
+    kept = np.zeros_like(part)
+    kept[pairing, [0, 1, 2]] = part[pairing, [0, 1, 2]]
+    reach = (part - kept) @ (np.asarray(out_shape, dtype=np.float64) - 1.0)
+    return pairing if (reach <= AXIS_ALIGNED_TOLERANCE).all() else None
+
+
+def axis_aligned(xform: Any, out_shape: Sequence[int]) -> bool:
+    """True when :func:`axis_pairing` finds one, so that :func:`resample_axes` may sample ``xform`` axis by axis."""
+    return axis_pairing(xform, out_shape) is not None
 
 
 def resample_axes(volume: np.ndarray, xform: Any, out_shape: Sequence[int], mode: str) -> np.ndarray:
-    """``volume`` (``(C, X, Y, Z)`` or ``(X, Y, Z)``) sampled on the grid of ``out_shape`` (three sizes) through the
-    axis-aligned voxel map ``xform`` (see :func:`axis_aligned`; its off-diagonal terms are ignored).
+    """``volume`` (``(C, X, Y, Z)`` or ``(X, Y, Z)``, any memory order) sampled on the grid of ``out_shape`` (three
+    sizes) through the axis-aligned voxel map ``xform`` (see :func:`axis_pairing`; other terms are ignored), as a new
+    C-contiguous array.
 
     ``mode``: "bilinear" (trilinear, for images: ``volume`` float32, returned float32) or "nearest" (for labels: any
-    dtype, returned in that dtype). An axis whose map is the identity is left as it is; when all three are,
-    ``volume`` itself is returned. Each interpolated axis costs two gathers of the output's size.
+    dtype, returned in that dtype). Each input axis is sampled where it is in memory (a Fortran-ordered volume, as
+    nibabel decodes one, is read as the C-ordered transpose it is), the axis that shrinks most first, and the result is
+    copied once into the output's axis order and direction: a reorientation costs no copy of the input. An axis whose
+    coordinates are all whole numbers (a flip, a permutation) is looked up, not interpolated.
     """
     if mode not in ("bilinear", "nearest"):
         raise ValueError(f"resample_axes: mode {mode!r}; choose bilinear or nearest")
     x = np.asarray(xform, dtype=np.float64)
+    pairing = axis_pairing(x, out_shape)
+    if pairing is None:
+        raise ValueError("resample_axes: the voxel map is not axis-aligned (an oblique map); resample it with MONAI")
     lead = volume.ndim - 3
-    out = volume
-    for k, size in enumerate(out_shape):
-        axis = lead + k
-        n_in = out.shape[axis]
-        scale, shift = x[k, k], x[k, 3]
-        if size == n_in and scale == 1.0 and shift == 0.0:
-            continue
-        source = scale * np.arange(int(size), dtype=np.float64) + shift
+    order = _memory_order(volume)  # array axes, slowest-varying first
+    work = volume.transpose(order)  # C-contiguous, or the copy np.take would make anyway
+    where = {axis: position for position, axis in enumerate(order)}
+    # the axis that shrinks most first; of two that shrink alike, the one slower in memory (whole rows move at once)
+    shrink = sorted(range(3), key=lambda k: (out_shape[k] / volume.shape[lead + pairing[k]], where[lead + pairing[k]]))
+    for k in shrink:
+        axis = where[lead + pairing[k]]
+        n_in = work.shape[axis]
+        source = x[pairing[k], k] * np.arange(int(out_shape[k]), dtype=np.float64) + x[pairing[k], 3]
         source = np.clip(source, 0.0, n_in - 1.0)  # grid_sample's padding_mode="border"
-        if mode == "nearest" or n_in == 1:
-            out = np.take(out, np.rint(source).astype(np.intp), axis=axis)  # rint: half to even, as nearbyint
+        if mode == "nearest" or n_in == 1 or np.array_equal(source, np.rint(source)):
+            if not np.array_equal(source, np.arange(n_in)):
+                work = np.take(work, _nearest(source, n_in, x[pairing[k], k] < 0), axis=axis)
         else:
-            out = _linear(out, axis, source)
-    return out
+            work = _linear(work, axis, source)
+    back = [where[a] for a in range(lead)] + [where[lead + pairing[k]] for k in range(3)]
+    return c_order(work.transpose(back))
+
+
+def _nearest(source: np.ndarray, n_in: int, reversed_axis: bool) -> np.ndarray:
+    """The voxels nearest ``source``, a half-way coordinate rounded to the even neighbour as ``grid_sample`` rounds
+    it (``std::nearbyint``) in the reoriented volume MONAI samples: along an axis the reorientation reverses, that
+    is the even neighbour counted from the other end."""
+    if reversed_axis:
+        return ((n_in - 1) - np.rint((n_in - 1) - source)).astype(np.intp)
+    return np.rint(source).astype(np.intp)
+
+
+def _memory_order(volume: np.ndarray) -> list[int]:
+    """The array's axes from the slowest-varying in memory to the fastest (ties: the array's own order)."""
+    return sorted(range(volume.ndim), key=lambda a: -abs(volume.strides[a]) if volume.shape[a] > 1 else 0)
 
 
 def _linear(volume: np.ndarray, axis: int, source: np.ndarray) -> np.ndarray:
