@@ -258,15 +258,16 @@ def preprocess_volume(sample: Sample, options: dict | None = None) -> tuple[np.n
 
     The default ``intensity`` follows ``sample.meta["modality"]``: "ct" for CT, "mri" otherwise.
 
-    MONAI's ``Spacing`` plans the resampling (output grid and voxel map). It changes the voxel size along the scan's
-    own axes, so the map is a scale and a shift per axis, and :mod:`jascl.data.resample` samples it one axis at a
-    time in float32 with float64 coordinates, instead of MONAI's sampling grid: within 0.00025 HU (two float32
+    MONAI's ``Orientation`` and ``Spacing`` plan the resampling (output grid and voxel map). They permute and flip
+    the axes and change the voxel size along the scan's own axes, so the map is a scale and a shift per axis, and
+    :mod:`jascl.data.resample` samples it one axis at a time in float32 with float64 coordinates, instead of MONAI's sampling grid: within 0.00025 HU (two float32
     steps at 1000 HU) of MONAI's float64 resampling in the tests, where MONAI's own float32 resampling
     (preprocessing version 2), whose voxel map is float32, was up to 0.02 HU off on a 512 x 512 x 300 CT; labels
     are looked up in their integer dtype, with no float copy, and equal MONAI's except at a voxel whose centre
-    falls exactly half-way between two source voxels. A 512 x 512 x 300 CT to 1.5 mm: 3.2 -> 0.34 s of resampling on one thread. Version 3 of the volume
-    preprocessing (:data:`~jascl.data.real.sources.PREPROCESS_VERSIONS`) marks the change, so store entries made
-    before it are rebuilt, and ``jascl data prepare --remove-outdated`` deletes the old ones.
+    falls exactly half-way between two source voxels. A 512 x 512 x 300 CT to 1.5 mm: 3.2 -> 0.34 s of resampling
+    on one thread. Version 3 of the volume preprocessing (:data:`~jascl.data.real.sources.PREPROCESS_VERSIONS`)
+    marks the change, so store entries made before it are rebuilt, and ``jascl data prepare --remove-outdated``
+    deletes the old ones.
 
     Args:
         sample: image ``(C, X, Y, Z)`` float32, label ``(X, Y, Z)`` integer ids or None, affine ``(4, 4)``.

@@ -42,11 +42,12 @@ from jascl.errors import ConfigError, DataError
 from jascl.fileio import stale_temporary_dirs
 from jascl.protocols.schema import Protocol
 
-#: memory a worker may need for one large CT (decoded int16 -> float32, MONAI resampling): the default
-#: number of workers keeps (workers x this) within the machine's memory. Measured: 1.8 GiB peak RSS for a
-#: 512 x 512 x 300 CT resampled to 1.5 mm, of which 0.8 GiB is torch's and MONAI's libraries
-#: (``benchmarks/data_pipeline.py``; 3.9 GiB before resampling moved to float32, docs/performance.md);
-#: 2.1-2.5 GiB since a worker keeps its freed memory between volumes (:mod:`jascl.data.heap`)
+#: memory a worker may need for one large CT (decoded int16 -> float32, resampling): the default number of
+#: workers keeps (workers x this) within the machine's memory. Measured peak RSS for a 512 x 512 x 300 CT resampled
+#: to 1.5 mm, of which 0.8 GiB is torch's and MONAI's libraries (``benchmarks/data_pipeline.py``,
+#: docs/performance.md): 3.9 GiB with MONAI's float64 resampling, 1.8 GiB in float32, 2.1-2.5 GiB once a worker
+#: kept its freed memory between volumes (:mod:`jascl.data.heap`), 1.3 GiB resampled axis by axis
+#: (:mod:`jascl.data.resample`); the rest is headroom for larger CTs
 WORKER_MEMORY_GIB = 3.0
 
 

@@ -1,30 +1,33 @@
 """Resampling an axis-aligned voxel grid one axis at a time: what MONAI's ``Spacing`` computes, without its grid.
 
-MONAI's ``Spacing`` (``preprocess.spacing``) plans the output grid and the voxel-to-voxel map ``xform`` (4 x 4:
-output voxel index -> input voxel index, voxel centres at integers) and then samples the input through
+MONAI's ``Orientation`` and ``Spacing`` (``preprocess.orientation``, ``preprocess.spacing``) plan the output grid and
+a voxel-to-voxel map ``xform`` (4 x 4: output voxel index -> input voxel index, voxel centres at integers); run
+eagerly, ``Orientation`` copies the volume flipped and permuted and ``Spacing`` samples it through
 ``torch.nn.functional.affine_grid`` and ``grid_sample``: a float32 grid of three coordinates per output voxel (270 MB
-for a 512 x 512 x 300 CT resampled to 274 x 274 x 300) and an eight-voxel gather per output voxel. When ``xform``'s
-3 x 3 part is diagonal (below: always, for ``Spacing``), output voxel ``i`` along axis ``k`` reads the
-input at ``xform[k, k] * i + xform[k, 3]`` whatever its other indices, so trilinear interpolation is three linear
-interpolations, one axis after another, and nearest-neighbour sampling is three index lookups.
+for a 512 x 512 x 300 CT resampled to 274 x 274 x 300) and an eight-voxel gather per output voxel. The two together
+permute and flip the axes and change the voxel size along each, so ``xform`` is a scaled, signed permutation: output
+voxel ``i`` along axis ``k`` reads input axis ``p(k)`` at ``xform[p(k), k] * i + xform[p(k), 3]`` whatever its other
+indices. Trilinear interpolation is then three linear interpolations, one axis after another, and nearest-neighbour
+sampling three index lookups.
 
-:func:`resample_axes` does that on the same plan (the caller takes ``xform`` and the output shape from MONAI's
-lazy ``Spacing``), with ``grid_sample``'s conventions of MONAI's defaults: ``padding_mode="border"`` (a coordinate
-outside ``[0, n - 1]`` is clamped to the edge voxel) and, for nearest, rounding half to even (``std::nearbyint``)
-in the reoriented volume.
+:func:`resample_axes` does that on MONAI's plan (the caller runs both transforms lazily,
+``jascl.data.medical._regrid``), with ``grid_sample``'s conventions of MONAI's defaults: ``padding_mode="border"`` (a
+coordinate outside ``[0, n - 1]`` is clamped to the edge voxel) and, for nearest, rounding half to even
+(``std::nearbyint``) in the reoriented volume.
+
 Coordinates are computed in float64; MONAI casts ``xform`` to the image's float32 first, which moves its sample points
-by up to about 1e-5 voxel on a CT-sized grid. On four smooth CT-like volumes (``tests/test_resample.py``, values up to
+by up to about 1e-5 voxel on a CT-sized grid. On five smooth CT-like volumes (``tests/test_resample.py``, values up to
 1000 HU) the result is within 0.00025 HU (two float32 steps) of MONAI's float64 resampling and never further from it
 than MONAI's own float32 resampling (0.0002-0.0006 HU there, 0.0023 HU at 512 x 512 x 300); labels are identical.
 A label can differ only at a voxel whose centre falls exactly half-way between two source voxels, where MONAI's
 float32 rounding picks a neighbour and this rounds half to even.
 
-MONAI's ``Spacing`` keeps the scan's axis directions and changes the voxel size along them, so its voxel map is
-diagonal for oblique scans too; :func:`axis_aligned` checks it all the same, and the caller falls back to MONAI's own
-sampling when it is not (``jascl.data.medical._regrid``).
+``Spacing`` keeps the scan's axis directions and changes the voxel size along them, so the map is a scaled
+permutation for oblique scans too; :func:`axis_pairing` checks it all the same, and the caller falls back to MONAI's
+own sampling when it is not.
 
-Time, one thread, one 512 x 512 x 300 CT to 1.5 mm (``docs/performance.md``): image 1.80 -> 0.27 s, label 1.37 ->
-0.07 s; and no grid in memory (the label is looked up in its own integer dtype, not as a float copy).
+Time, one thread, a reoriented 512 x 512 x 300 CT to 1.5 mm (``docs/performance.md``): image 1.80 -> 0.27 s, label
+1.37 -> 0.07 s; no grid in memory, no reoriented copy, and the label is looked up in its own integer dtype.
 """
 
 from __future__ import annotations
