@@ -17,6 +17,9 @@ volumes: 2,110 MiB before, 2,461 MiB after). It is meant for processes that do n
 :func:`freed_memory_kept` does the same for one block of work, then has large blocks mmapped again and returns
 the kept memory (``jascl data check``, which decodes every volume in the command's own process).
 
+Since volumes are resampled axis by axis (:mod:`jascl.data.resample`) a volume allocates less, and keeping it still
+pays: 2.67-2.72 -> 2.29-2.38 s per volume (231,600 -> 20-6,500 faults), the peak RSS up by 0.03-0.2 GiB (same probe).
+
 On other C libraries (macOS, musl) there is no ``mallopt`` with these parameters and nothing changes.
 """
 
