@@ -255,6 +255,8 @@ def main() -> None:
         return
     load_start, cpu_start = os.getloadavg(), resource.getrusage(resource.RUSAGE_SELF)
     t_start = time.perf_counter()
+    if args.dir is not None:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)  # a folder to write into, made if missing
     base = Path(tempfile.mkdtemp(prefix="jascl-data-bench-", dir=args.dir))
     try:
         root = base / "ct"
