@@ -208,6 +208,24 @@ def test_totalsegmentator_ids_follow_sorted_structures_and_meta_split(tmp_path):
     assert all(layout.check(r) == [] for r in records)
 
 
+def test_totalsegmentator_label_index_reads_the_masks_without_decoding_the_ct(tmp_path, monkeypatch):
+    from jascl.data import medical
+    from jascl.data.real.sources import present_values, read_native_label
+
+    root = write_totalsegmentator(tmp_path / "ts", subjects=2, structures=("liver", "spleen", "kidney_left"))
+    layout = _layout("totalsegmentator", root)
+    records = layout.scan()
+    expected = [layout.read(r).label for r in records]
+    monkeypatch.setattr(medical, "load_volume", lambda path: pytest.fail(f"decoded {path}"))
+    for record, label in zip(records, expected):
+        only = read_native_label(layout, record)  # the index's reader takes the layout's read_label
+        assert only.dtype == label.dtype == np.uint8 and np.array_equal(only, label)
+        assert present_values(only) == [0, 1, 2, 3]
+    write_wrong_shape(root / "s0001" / "ct.nii.gz")  # the CT's header no longer matches the masks
+    with pytest.raises(DataError, match=r"kidney_left\.nii\.gz: label shape \(16, 16, 12\) differs from its image's"):
+        layout.read_label(records[1])
+
+
 def test_totalsegmentator_check(tmp_path):
     root = write_totalsegmentator(tmp_path / "ts", subjects=2)
     layout = _layout("totalsegmentator", root)

@@ -26,7 +26,7 @@ import numpy as np
 
 from jascl.data.geometry import header_size_problem, planned_shape_problem
 from jascl.data.layouts.base import Sample
-from jascl.data.nifti import REDOWNLOAD, _nib, _reason, missing_reason
+from jascl.data.nifti import REDOWNLOAD, _nib, _reason, missing_reason, volume_shape
 from jascl.data.resample import axis_aligned, resample_axes
 from jascl.data.types import c_order, compact_dtype
 from jascl.errors import ConfigError, DataError
@@ -191,12 +191,23 @@ def voxel_spacing(affine: np.ndarray) -> tuple[float, ...]:
 
 def check_label_shape(label: np.ndarray, image: np.ndarray, label_path: Path) -> None:
     """Raise DataError when a ``(X, Y, Z)`` label does not fit a ``(C, X, Y, Z)`` image."""
-    if label.shape != image.shape[1:]:
+    check_label_grid(label.shape, image.shape[1:], label_path)
+
+
+def check_label_grid(shape: Sequence[int], grid: Sequence[int], label_path: Path) -> None:
+    """Raise DataError when a label of ``shape`` is not on the image's voxel ``grid`` ``(X, Y, Z)``."""
+    if tuple(shape) != tuple(grid):
         raise DataError(
-            f"{label_path}: label shape {label.shape} differs from its image's {image.shape[1:]}; "
+            f"{label_path}: label shape {tuple(shape)} differs from its image's {tuple(grid)}; "
             "the label must be on the image's voxel grid (re-export it, or resample it with nearest "
             "neighbour to the image)"
         )
+
+
+def grid_shape(path: str | Path) -> tuple[int, ...]:
+    """The ``(X, Y, Z)`` voxel grid of an image file, from its header (nothing decoded); DataError as
+    :func:`load_volume` for a missing or unreadable file."""
+    return volume_shape(_open(Path(path)).shape)[:3]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -161,17 +161,28 @@ class TotalSegmentatorLayout(DatasetLayout):
             record.images, None, ["ct"], tolerance=self.tolerance, extra_labels=masks, channels=["CT"]
         )
 
+    def read_label(self, record: Record) -> np.ndarray:
+        """The label :meth:`read` gives, without decoding the CT (its shape comes from the header): what the K-shot
+        label index reads (:func:`jascl.data.real.sources.read_native_label`)."""
+        if record.label is None:
+            raise DataError(f"{record.id}: the layout read no label for this sample")
+        return self._combined_masks(record.label, medical.grid_shape(record.images[0]))
+
+    def _combined_masks(self, folder: Path, shape: tuple[int, ...]) -> np.ndarray:
+        """The structures' masks in ``folder`` as one id map of ``shape``, in nibabel's Fortran order, as the masks
+        are decoded (so each mask is merged in memory order); later structures win where masks overlap."""
+        label = np.zeros(shape, compact_dtype(np.array([len(self.structures)])), order="F")
+        for index, structure in enumerate(self.structures, start=1):
+            path = self._mask_path(folder, structure)
+            mask, _ = medical.load_label(path)
+            medical.check_label_grid(mask.shape, shape, path)
+            label[mask > 0] = index
+        return label
+
     def read(self, record: Record) -> Sample:
         ct, affine = medical.load_volume(record.images[0])
         image = medical.stack_channels([ct], record.images)
-        label = None
-        if record.label is not None:
-            label = np.zeros(image.shape[1:], compact_dtype(np.array([len(self.structures)])))
-            for index, structure in enumerate(self.structures, start=1):
-                path = self._mask_path(record.label, structure)
-                mask, _ = medical.load_label(path)
-                medical.check_label_shape(mask, image, path)
-                label[mask > 0] = index  # later structures win where masks overlap
+        label = None if record.label is None else self._combined_masks(record.label, image.shape[1:])
         return Sample(
             image,
             label,
