@@ -224,9 +224,11 @@ def test_label_lut_follows_the_taught_from_rule(fake_root, tmp_path):
     src = open_source(protocol, protocol.datasets["fake"], fake_root)
     # native: 0 "background", 1 -> class 1 (base), 2 -> class 2 and "c3" (a name) -> class 3 (session 1),
     # 4 unmapped (declared) -> background, 5 -> ignore, 9 undeclared -> ignore, 255 -> ignore
-    native = np.array([0, 1, 2, 3, 4, 5, 9, 255])
-    assert label_lut(protocol, src, 0)(native).tolist() == [0, 1, 255, 255, 0, 255, 255, 255]
-    assert label_lut(protocol, src, 1)(native).tolist() == [0, 1, 2, 3, 0, 255, 255, 255]
+    # int64 ids, and uint8 ones (the store's labels: looked up two voxels at a time), odd and even in number
+    for native in (np.array([0, 1, 2, 3, 4, 5, 9, 255]), np.array([0, 1, 2, 3, 4, 5, 9, 255], np.uint8)):
+        assert label_lut(protocol, src, 0)(native).tolist() == [0, 1, 255, 255, 0, 255, 255, 255]
+        assert label_lut(protocol, src, 1)(native).tolist() == [0, 1, 2, 3, 0, 255, 255, 255]
+        assert label_lut(protocol, src, 1)(native[1:]).tolist() == [1, 2, 3, 0, 255, 255, 255]
     ignore = dataclasses.replace(protocol.datasets["fake"], unmapped="ignore")
     src_i = open_source(protocol, ignore, fake_root)
     assert label_lut(protocol, src_i, 1)(native).tolist() == [0, 1, 2, 3, 255, 255, 255, 255]

@@ -103,6 +103,9 @@ def test_crop_reads_equal_the_same_crop_of_the_whole_sample(copy, tmp_path):
             inside[pad:-pad, pad:-pad, pad:-pad] = True
             expected[inside[box] & (expected == IGNORE_INDEX)] = 0
             assert np.array_equal(hidden, expected)
+    # the fixture's labels are uint8: their crops were mapped two voxels at a time (odd sizes included: 5 x 5 x 5)
+    tables = list(reader._tables.values())
+    assert tables and all(table.pairs is not None for table in tables)
 
 
 def test_flipped_crop_reads_and_training_items_equal_the_flipped_crop(copy, tmp_path):

@@ -14,7 +14,7 @@ from jascl.data.layouts import Sample
 from jascl.data.layouts.base import image_value_problems
 from jascl.data.medical import load_label, preprocess_volume, stack_channels
 from jascl.data.real.sources import present_values
-from jascl.data.types import c_order, compact_dtype, id_counts
+from jascl.data.types import ValueTable, c_order, compact_dtype, id_counts
 from jascl.errors import DataError
 
 
@@ -62,6 +62,48 @@ def test_id_counts_across_slabs_of_a_million_voxels():
     label[-1] = 200
     ids, counts = id_counts(label)
     assert ids.tolist() == [0, 4, 200] and counts.tolist() == [label.size - 3, 2, 1]
+
+
+def _reversed_ids() -> np.ndarray:
+    return (255 - np.arange(256)).astype(np.uint8)  # id v -> 255 - v
+
+
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        (np.array([0, 1, 2, 255], np.uint8), [255, 254, 253, 0]),  # two pairs
+        (np.array([[7, 0, 9]], np.uint8), [[248, 255, 246]]),  # odd: the last voxel on its own
+        (np.array([4], np.uint8), [251]),
+        (np.array([[1, 2], [3, 4]], np.uint8)[:, ::-1], [[253, 254], [251, 252]]),  # a reversed view
+        (np.zeros((0, 2), np.uint8), np.zeros((0, 2))),
+        (np.array([3, 300], np.uint16), None),  # not uint8: np.take, which refuses an id past the table
+    ],
+)
+def test_value_table_looks_up_uint8_ids_two_at_a_time_with_the_tables_values(values, expected):
+    table = ValueTable(_reversed_ids())
+    assert table.pairs is not None and table.pairs.dtype == np.uint16 and table.pairs.shape == (65536,)
+    if expected is None:
+        with pytest.raises(IndexError):
+            table(values)
+        return
+    got = table(values)
+    assert got.dtype == np.uint8 and got.flags.c_contiguous and got.shape == values.shape
+    fortran = np.asfortranarray(values)  # nibabel's order: read where it lies, the result in the same order
+    assert np.array_equal(table(fortran), got) and (table(fortran).flags.f_contiguous or fortran.ndim < 2)
+    assert got.tolist() == np.asarray(expected).tolist()
+
+
+def test_value_table_equals_np_take_on_strided_crops_and_short_tables_keep_take():
+    rng = np.random.default_rng(0)
+    table = rng.integers(0, 256, 256).astype(np.uint8)
+    volume = rng.integers(0, 256, (11, 13, 17)).astype(np.uint8)
+    fortran = np.asfortranarray(volume)
+    for crop in [volume, volume[1:8, 2:9, 3:14], volume[::2, ::-1, 1:6], fortran, fortran[2:5], fortran[..., 1:4]]:
+        assert np.array_equal(ValueTable(table)(crop), np.take(table, crop))
+    short = ValueTable(np.array([0, 5, 6], np.uint8))  # the ids up to an entry's largest: no pairs
+    assert short.pairs is None and short(np.array([2, 1, 0], np.uint8)).tolist() == [6, 5, 0]
+    with pytest.raises(IndexError):
+        short(np.array([3], np.uint8))
 
 
 def _save(tmp_path, name, array):

@@ -56,6 +56,46 @@ def id_counts(label: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ids.astype(np.int64), counts.astype(np.int64)
 
 
+class ValueTable:
+    """A value map of non-negative integer ids to uint8, applied by table lookup: ``self(values)[i] ==
+    table[values[i]]`` (``np.take``, which raises on an id the table does not cover).
+
+    ``np.take`` costs about 2 ns per index on a 2-core machine whatever the table's size, so on uint8 ids with a
+    table of all 256 values the lookup goes two voxels at a time: the input's bytes read as uint16 index a
+    65,536-entry table of value pairs (built once, 128 KiB). The result is the same, in half the time or less
+    (best of 20, one thread, a 2-core machine; ``docs/performance.md``): a training crop's label (128 x 120 x 120
+    voxels from the store's memory map) 2.0 ms instead of 3.8-4.1 ms; a whole 274 x 274 x 300 label 24 ms instead
+    of 77-81 ms by fancy indexing.
+    """
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = np.ascontiguousarray(table, dtype=np.uint8).reshape(-1)
+        self.pairs: np.ndarray | None = None
+        if len(self.table) == 256:
+            # the two bytes of every uint16 as they lie in memory (either byte order), each mapped by the table
+            both = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+            self.pairs = np.ascontiguousarray(self.table[both]).view(np.uint16).reshape(-1)
+
+    def __call__(self, values: np.ndarray) -> np.ndarray:
+        values = np.asarray(values)
+        if self.pairs is None or values.dtype != np.uint8:
+            return np.take(self.table, values)
+        # a C- or Fortran-ordered input is read where it lies, and the result has its order; others are copied
+        ids = values if values.flags.c_contiguous or values.flags.f_contiguous else np.ascontiguousarray(values)
+        out = np.empty_like(ids)
+        flat, result = np.ravel(ids, order="K"), np.ravel(out, order="K")  # views, in memory order
+        even = flat.size - flat.size % 2
+        pairs, into = flat[:even].view(np.uint16), result[:even].view(np.uint16)
+        # in slabs of 64 Ki pairs: take widens its indices to int64, 512 KiB per slab, which stays in cache (a
+        # whole 274 x 274 x 300 label: 24 ms against 53 ms in one call). Every uint16 is a valid index of
+        # ``pairs``: "clip" never clips, and spares the buffered copy of ``out`` that take's default mode makes
+        for start in range(0, pairs.size, 1 << 16):
+            np.take(self.pairs, pairs[start : start + (1 << 16)], out=into[start : start + (1 << 16)], mode="clip")
+        if even < flat.size:
+            result[-1] = self.table[flat[-1]]
+        return out
+
+
 def c_order(array: np.ndarray, dtype: DTypeLike | None = None) -> np.ndarray:
     """``array`` as a C-contiguous array of ``dtype`` (default its own); ``array`` itself when it is one already.
 

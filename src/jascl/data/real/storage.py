@@ -15,7 +15,7 @@ from jascl.data.cache import cache_key
 from jascl.data.real.selection import split_ref
 from jascl.data.real.sources import PREPROCESS_VERSIONS, DatasetSource
 from jascl.data.real.store import STORE_VERSION, Entry, entry_dir, open_entry, write_entry
-from jascl.data.types import LazySequence, Split, compact_dtype
+from jascl.data.types import LazySequence, Split, ValueTable, compact_dtype
 from jascl.errors import DataError
 from jascl.protocols.schema import IGNORE_INDEX, Protocol
 
@@ -36,10 +36,16 @@ def label_lut(protocol: Protocol, source: DatasetSource, session: int) -> Callab
             return IGNORE_INDEX
         return unmapped
 
+    byte_table: list[ValueTable] = []  # all 256 ids' values, built at the first uint8 label
+
     def apply(label: np.ndarray) -> np.ndarray:
         label = np.asarray(label)
         if label.size == 0:
             return label.astype(np.uint8)
+        if label.dtype == np.uint8:  # the store's labels, as a rule: two voxels per lookup
+            if not byte_table:
+                byte_table.append(ValueTable(np.fromiter((value_of(v) for v in range(256)), np.uint8, count=256)))
+            return byte_table[0](label)
         lo, hi = int(label.min()), int(label.max())
         if lo >= 0 and hi < 1 << 16:
             table = np.fromiter((value_of(v) for v in range(hi + 1)), dtype=np.uint8, count=hi + 1)
@@ -219,7 +225,7 @@ class SplitBackend:
         self.rng = np.random.default_rng([seed, 31337])
 
         self._last: tuple[int, tuple[np.ndarray, np.ndarray], set[str]] | None = None
-        self._tables: dict[tuple, np.ndarray] = {}
+        self._tables: dict[tuple, ValueTable] = {}
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -290,18 +296,21 @@ class SplitBackend:
         self, dataset: str, entry: Entry, label_fn: Callable[[np.ndarray], np.ndarray] | None
     ) -> Callable[[np.ndarray], np.ndarray]:
         """The session's label map of ``dataset`` followed by ``label_fn`` (a value map), as one table lookup
-        over the native ids the entry holds when they are small non-negative integers (one pass over the crop)."""
+        over the native ids the entry holds when they are small non-negative integers (one pass over the crop):
+        a :class:`jascl.data.types.ValueTable` of all 256 ids for a uint8 label (looked up two voxels at a
+        time), else of the ids up to the entry's largest."""
         lut = self.luts[dataset]
         natives = entry.natives
         if not len(natives) or int(natives[0]) < 0 or int(natives[-1]) >= 1 << 16:
             return lut if label_fn is None else (lambda native: label_fn(lut(native)))
-        key = (dataset, label_fn, int(natives[-1]))
+        size = 256 if np.dtype(entry.layouts["label.npy"][1]) == np.uint8 else int(natives[-1]) + 1
+        key = (dataset, label_fn, size)
         table = self._tables.get(key)
         if table is None:
-            table = lut(np.arange(int(natives[-1]) + 1))
-            table = np.ascontiguousarray(table if label_fn is None else label_fn(table), dtype=np.uint8)
+            values = lut(np.arange(size))
+            table = ValueTable(values if label_fn is None else label_fn(values))
             self._tables[key] = table
-        return lambda native: np.take(table, native)
+        return table
 
     def foreground(self, index: int, classes: Iterable[int]) -> tuple[np.ndarray, list[np.ndarray]]:
         """Where sample ``index`` shows ``classes`` (global ids), from its store entry's foreground index.
