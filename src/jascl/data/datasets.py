@@ -14,6 +14,7 @@ from monai.transforms import Compose, MapTransform, RandFlipd, Randomizable, Ran
 from monai.utils import MAX_SEED
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
+from jascl.data.batch_memory import BatchSlots, batch_bytes, batch_views, leased_batch, remember_lease, take_lease
 from jascl.data.sampling import SeededBatchSampler, derive_seed, split_key
 from jascl.data.types import CropReader, Split
 from jascl.protocols.schema import IGNORE_INDEX
@@ -379,6 +380,9 @@ class LabelledDataset(Dataset):
             transforms += [RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=axis) for axis in range(dims)]
         self.seed = seed
         self.transform = Compose(transforms) if transforms else None
+        # the batches :meth:`__getitems__` reads in a loader worker: memory the worker reuses (module
+        # jascl.data.batch_memory); made here, in the main process, before any worker starts
+        self.slots = BatchSlots() if self.cropper is not None and label_dtype == torch.uint8 else None
 
     def __len__(self) -> int:
         return len(self.split)
@@ -387,15 +391,20 @@ class LabelledDataset(Dataset):
         """The items of ``keys`` (torch's DataLoader asks for a batch's items at once).
 
         On the store path with uint8 labels (the training loader) the patches are read straight into one
-        batch, allocated in shared memory inside a loader worker as torch's collate would, and the items are
-        its slots: :func:`collate_items` hands that batch on without another copy. The items are those of
-        ``self[key]``, value for value.
+        batch and the items are its slots: :func:`collate_items` hands that batch on without another copy.
+        Inside a loader worker the batch lies in shared memory the worker reuses once the main process has let
+        go of it (:mod:`jascl.data.batch_memory`). The items are those of ``self[key]``, value for value.
         """
-        if self.cropper is None or self.label_dtype != torch.uint8 or not len(keys):
+        if self.cropper is None or self.slots is None or not len(keys):
             return [self[key] for key in keys]
         size = (len(keys), *self.cropper.roi_size)
-        image = _batch_tensor((size[0], self.split.images.shape[1], *size[1:]), torch.float32)
-        label = _batch_tensor(size, torch.uint8)
+        shape = (size[0], self.split.images.shape[1], *size[1:])
+        if get_worker_info() is None:
+            image, label = torch.empty(shape, dtype=torch.float32), torch.empty(size, dtype=torch.uint8)
+        else:
+            storage, lease = self.slots.lease(batch_bytes(shape, size))
+            image, label = batch_views(storage, shape, size)
+            remember_lease(storage, lease)
         images, labels = image.numpy(), label.numpy()
         items = []
         for slot, key in enumerate(keys):
@@ -469,14 +478,5 @@ def collate_items(items: list[dict]) -> dict:
             rest = {
                 key: default_collate([item[key] for item in items]) for key in first if key not in ("image", "label")
             }
-            return {"image": images, "label": labels, **rest}
+            return leased_batch({"image": images, "label": labels, **rest}, take_lease(images))
     return default_collate(items)
-
-
-def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor, in new shared memory inside a loader worker (as torch's collate allocates)."""
-    if get_worker_info() is None:
-        return torch.empty(shape, dtype=dtype)
-    proto = torch.empty(0, dtype=dtype)
-    storage = proto._typed_storage()._new_shared(int(np.prod(shape)), device=proto.device)
-    return proto.new(storage).resize_(shape)
