@@ -42,6 +42,9 @@ def test_compact_dtype_is_the_smallest_integer_type_holding_the_ids(ids, dtype):
         (np.array([[0, 0, 3], [3, 3, 7]], np.uint8), [0, 3, 7], [2, 3, 1]),
         (np.asfortranarray(np.array([[0, 0, 3], [3, 3, 7]], np.uint8)), [0, 3, 7], [2, 3, 1]),  # nibabel's order
         (np.array([[5, 5], [1, 5]], np.int16)[:, ::-1], [1, 5], [1, 3]),  # neither order: counted all the same
+        (np.array([[9, 9, 0], [255, 9, 0]], np.uint8)[:, ::-1], [0, 9, 255], [2, 3, 1]),  # uint8: counted in pairs
+        (np.array([4, 1, 4, 4, 7], np.uint8)[::2], [4, 7], [2, 1]),  # an odd count of voxels, strided
+        (np.array([3, 3], np.uint8), [3], [2]),  # one pair holding the id twice
         (np.array([True, False, True]), [0, 1], [1, 2]),
         (np.array([-1, 0, 0, 9], np.int32), [-1, 0, 9], [1, 2, 1]),  # a negative id: np.unique
         (np.array([2.0, 2.0, 0.0]), [0, 2], [1, 2]),
