@@ -18,18 +18,10 @@ from jascl.data.real import load_real
 from jascl.engine.config import resolve_config
 from jascl.experiments.runner import run_benchmark
 from jascl.protocols import parse_protocol
+from test_real_protocols import TINY
 
-#: a tiny 3D U-Net, two epochs a session, flips on (the loader's draws matter)
-TINY_3D = {
-    "backbone": "unet",
-    "backbone_args": {"features": [4, 4, 8, 8, 8, 8]},
-    "epochs_base": 2,
-    "epochs_incremental": 2,
-    "batch_size": 2,
-    "augment": True,
-    "device": "cpu",
-    "patch_size": [32, 32, 32],
-}
+#: the end-to-end tests' tiny 3D U-Net, with two epochs a session and flips on (the loader's draws matter)
+TINY_3D = {**TINY, "epochs_base": 2, "epochs_incremental": 2, "augment": True, "patch_size": [32, 32, 32]}
 
 
 @pytest.fixture
