@@ -9,11 +9,19 @@ import json
 import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from jascl.errors import ConfigError
+from jascl.engine.loop import ContinualTrainer
+from jascl.errors import ConfigError, TrainingError
+from jascl.experiments import bases
 from jascl.experiments.compare import run_compare
 from jascl.experiments.launcher import Launcher, parse_launcher
 from jascl.methods import METHODS
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the calling process of a launcher trained a session")
 
 
 def test_launcher_options_parse_and_refuse_bad_keys():
@@ -49,18 +57,33 @@ def _scores(folder):
 
 
 @pytest.mark.slow
-def test_local_launcher_gives_the_sequential_results_and_reruns_only_missing_cells(toy_protocol, toy_config, tmp_path):
+def test_local_launcher_gives_the_sequential_results_and_reruns_only_missing_cells(
+    toy_protocol, toy_config, tmp_path, monkeypatch
+):
     config = dataclasses.replace(toy_config, threads=1)
     methods = ["vanilla", "jascl-no-unlabelled"]
     kw = {"cache_dir": tmp_path / "cache", "progress": False, "echo": lambda *a: None}
     sequential = run_compare(toy_protocol, config, methods, [3], tmp_path / "seq", **kw)
     messages: list[str] = []
-    launched = run_compare(
-        toy_protocol, config, methods, [3], tmp_path / "jobs", launcher=Launcher("local", parallel=2, poll_s=0.2),
-        **{**kw, "echo": messages.append},
-    )  # fmt: skip
-    assert sum(m.startswith("[launcher] submitted") for m in messages) == 2
+    with monkeypatch.context() as m:  # this process trains nothing: the two bases and the two cells are jobs
+        m.setattr(ContinualTrainer, "run_session", _refuse)
+        launched = run_compare(
+            toy_protocol, config, methods, [3], tmp_path / "jobs", launcher=Launcher("local", parallel=2, poll_s=0.2),
+            **{**kw, "echo": messages.append},
+        )  # fmt: skip
+    submitted = [m.split(":")[0] for m in messages if m.startswith("[launcher] submitted")]
+    assert submitted == [
+        "[launcher] submitted base seed 3",
+        "[launcher] submitted base-stochastic-classifier seed 3",
+        "[launcher] submitted vanilla seed 3",
+        "[launcher] submitted jascl-no-unlabelled seed 3",
+    ]
+    assert "[launcher] 2 base models as local jobs, at most 2 at once" in messages
     assert _scores(tmp_path / "seq" / "seed-3") == _scores(tmp_path / "jobs" / "seed-3")
+    for base in ("base", "base-stochastic-classifier"):  # the jobs' bases are the sequential run's, bit for bit
+        a = load_file(tmp_path / "seq" / "seed-3" / base / "model.safetensors")
+        b = load_file(tmp_path / "jobs" / "seed-3" / base / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert launched["methods"] == sequential["methods"]
     assert (tmp_path / "jobs" / "launcher").is_dir()  # submitit's job logs
     # delete one cell's last session: the rerun submits that cell only and gives the same table
@@ -74,6 +97,108 @@ def test_local_launcher_gives_the_sequential_results_and_reruns_only_missing_cel
         next(m for m in messages if m.startswith("[launcher] submitted vanilla seed 3"))
     ]
     assert again["methods"] == sequential["methods"]
+
+
+class _Finished:
+    """A submitit job that has already run (in this process): its outcome, and where its log would be."""
+
+    def __init__(self, job_id: int, folder, exc: BaseException | None) -> None:
+        self.job_id, self.exc = str(job_id), exc
+        self.paths = type("Paths", (), {"stderr": folder / f"{job_id}_log.err"})()
+
+    def done(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return self.exc
+
+    def cancel(self, check: bool = False) -> None:
+        pass
+
+
+class _InProcess:
+    """submitit's executor as the launcher uses it, running each job at once in this process."""
+
+    def __init__(self, folder) -> None:
+        self.folder, self.submitted = folder, 0
+
+    def submit(self, fn, *args):
+        self.submitted += 1
+        try:
+            fn(*args)
+        except Exception as exc:  # the job failed; the launcher reads it from the job, as from submitit's
+            return _Finished(self.submitted, self.folder, exc)
+        return _Finished(self.submitted, self.folder, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _InProcessLauncher(Launcher):
+    def executor(self, folder):
+        return _InProcess(folder)
+
+
+def test_a_failed_base_holds_back_its_cells_only_and_a_rerun_submits_what_is_missing(
+    toy_protocol, toy_config, tmp_path, monkeypatch
+):
+    config = dataclasses.replace(toy_config, threads=1)
+    methods = ["vanilla", "jascl-no-unlabelled"]
+    kw = {"cache_dir": tmp_path / "cache", "progress": False}
+    ensure = bases.ensure_base
+
+    def keyed_fails(protocol, config, data, base_dir, *args, **kwargs):
+        if base_dir.name != "base":
+            raise RuntimeError("out of memory")
+        return ensure(protocol, config, data, base_dir, *args, **kwargs)
+
+    messages: list[str] = []
+    launcher = _InProcessLauncher("local", parallel=2, poll_s=0)
+    with monkeypatch.context() as m:
+        m.setattr(bases, "ensure_base", keyed_fails)
+        with pytest.raises(TrainingError) as err:
+            run_compare(
+                toy_protocol, config, methods, [3], tmp_path / "jobs", echo=messages.append, launcher=launcher, **kw
+            )
+    log = tmp_path / "jobs" / "launcher" / "2_log.err"
+    assert str(err.value) == (
+        f"1 of 2 base models failed (base-stochastic-classifier seed 3); the first's log: {log}; 1 cells were not "
+        "submitted, their base model missing; rerun the same command to resubmit only what is missing"
+    )
+    assert f"[launcher] base-stochastic-classifier seed 3: failed (out of memory); log {log}" in messages
+    # the vanilla cell ran on its base; the JASCL cell was not submitted
+    assert [m for m in messages if m.startswith("[launcher] submitted")] == [
+        "[launcher] submitted base seed 3: job 1",
+        "[launcher] submitted base-stochastic-classifier seed 3: job 2",
+        "[launcher] submitted vanilla seed 3: job 1",
+    ]
+    folder = tmp_path / "jobs" / "seed-3"
+    assert (folder / "vanilla" / "s1-inc" / "metrics.json").exists()
+    assert not (folder / "base-stochastic-classifier" / "metrics.json").exists()
+    assert not list((folder / "jascl-no-unlabelled").glob("s*"))  # (its options.json only)
+
+    messages.clear()
+    summary = run_compare(
+        toy_protocol, config, methods, [3], tmp_path / "jobs", echo=messages.append, launcher=launcher, **kw
+    )
+    assert [m for m in messages if m.startswith("[launcher] submitted")] == [
+        "[launcher] submitted base-stochastic-classifier seed 3: job 1",
+        "[launcher] submitted jascl-no-unlabelled seed 3: job 1",
+    ]
+    assert set(summary["methods"]) == set(methods)
+
+
+def test_a_base_job_refuses_a_base_its_methods_do_not_start_from(toy_protocol, toy_config, tmp_path):
+    from jascl.experiments.runner import run_benchmark
+
+    kw = {"cache_dir": tmp_path / "cache", "progress": False, "echo": lambda *a: None}
+    out = tmp_path / "run"
+    assert run_benchmark(toy_protocol, toy_config, ["vanilla", "jascl", "ewc"], out, stage="files", **kw) == {
+        "bases": {"base": ["vanilla", "ewc"], "base-stochastic-classifier": ["jascl"]}
+    }
+    with pytest.raises(ConfigError, match=f"{out}: base-stochastic-classifier is not a shared base of the methods "
+                       "vanilla \\(theirs: base\\)"):  # fmt: skip
+        run_benchmark(
+            toy_protocol, toy_config, ["vanilla"], out, stage="bases", bases=["base-stochastic-classifier"], **kw
+        )
 
 
 def test_slurm_executor_gets_the_options(tmp_path, monkeypatch):
@@ -106,6 +231,8 @@ from jascl.methods import METHODS, Method, Plugin
 
 class WorldProbe(Plugin):
     name = "world-probe"
+    changes_base_session = True  # so that its session 0 is a keyed base (base-probe), trained as a job of its own
+    base_key = "probe"
 
     def before_session(self, state):
         path = os.path.join(os.environ["JASCL_PROBE_DIR"], f"rank{distributed.rank()}-s{state.session.index}.json")
@@ -124,7 +251,7 @@ def test_local_launcher_trains_each_cell_with_n_processes(toy_protocol, toy_conf
     probe = tmp_path / "probe_method.py"
     probe.write_text(PROBE)
     spec = importlib.util.spec_from_file_location("probe_method", probe)
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # this process trains the shared base
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # this process plans the jobs
     request.addfinalizer(lambda: METHODS.unregister("world-probe"))  # the probe is forgotten afterwards
     (tmp_path / "probe").mkdir()
     monkeypatch.setenv("JASCL_PROBE_DIR", str(tmp_path / "probe"))
@@ -135,9 +262,11 @@ def test_local_launcher_trains_each_cell_with_n_processes(toy_protocol, toy_conf
         progress=False, echo=messages.append, imports=[str(probe)],
         launcher=Launcher("local", devices=2, poll_s=0.2),
     )  # fmt: skip
+    assert any(m.endswith(", 2 processes") and "submitted base-probe seed 3" in m for m in messages)
     assert any(m.endswith(", 2 processes") and "submitted world-probe seed 3" in m for m in messages)
-    # session 0 is the shared base, trained once in this process; session 1 ran in a group of two gloo ranks
-    assert sorted(f.name for f in (tmp_path / "probe").iterdir()) == ["rank0-s1.json", "rank1-s1.json"]
-    for rank in (0, 1):
-        assert json.loads((tmp_path / "probe" / f"rank{rank}-s1.json").read_text()) == {"world": 2, "device": "cpu"}
+    # session 0 (the keyed base, its own job) and session 1 (the cell) each ran in a group of two gloo ranks
+    files = ["rank0-s0.json", "rank0-s1.json", "rank1-s0.json", "rank1-s1.json"]
+    assert sorted(f.name for f in (tmp_path / "probe").iterdir()) == files
+    for name in files:
+        assert json.loads((tmp_path / "probe" / name).read_text()) == {"world": 2, "device": "cpu"}
     assert len(summary["methods"]["world-probe"]["sessions"]) == 2

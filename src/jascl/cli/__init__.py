@@ -31,8 +31,8 @@ def add_launcher_arguments(p: argparse.ArgumentParser) -> None:
         "--launcher",
         default=None,
         choices=["local", "slurm"],
-        help="run every (method, seed) cell as its own job through submitit: local processes or SLURM jobs "
-        "(the shared base trains first; a rerun submits only missing cells)",
+        help="run every shared session-0 base, then every (method, seed) cell, as its own job through submitit: "
+        "local processes or SLURM jobs (a rerun submits only what is missing)",
     )
     p.add_argument(
         "--launcher-opt",
@@ -47,8 +47,8 @@ def add_launcher_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="with --launcher: train every cell with N processes (DistributedDataParallel; one GPU each, or gloo "
-        "processes on CPU); the shared base trains once with one",
+        help="with --launcher: train every base and every cell with N processes (DistributedDataParallel; one GPU "
+        "each, or gloo processes on CPU)",
     )
 
 

@@ -217,9 +217,9 @@ def run_compare(
 
     The protocol's seed is replaced by each seed in turn (it drives data
     generation / K-shot selection and training); ``config.seed`` must be unset
-    so that the training seed follows. With a ``launcher`` every (method, seed) cell that is not finished
-    runs as its own job first (:mod:`jascl.experiments.launcher`); the tables are then written from the
-    same folders as without one.
+    so that the training seed follows. With a ``launcher`` every missing shared session-0 base, then every
+    (method, seed) cell that is not finished, runs as its own job first (:mod:`jascl.experiments.launcher`);
+    the tables are then written from the same folders as without one.
     """
     from jascl.experiments.runner import run_benchmark
 
@@ -227,19 +227,11 @@ def run_compare(
         raise ConfigError("compare: do not set 'seed' in the configuration; give the seeds with --seeds")
     out = Path(out)
     if launcher is not None:
-        from jascl.experiments.launcher import cell_finished, run_cells
+        from jascl.experiments.launcher import run_grid
 
-        cells = []
-        for seed in seeds:
-            seeded = dataclasses.replace(protocol, seed=seed)
-            folder = out / f"seed-{seed}"
-            echo(f"[compare] seed {seed}: preparing the run folder and the shared base model")
-            run_benchmark(
-                seeded, config, methods, folder, cache_dir=cache_dir, progress=progress, echo=echo, stage="base",
-                **run_kwargs,
-            )  # fmt: skip
-            cells += [(seeded, m, folder) for m in methods if not cell_finished(folder, m, seeded)]
-        run_cells(launcher, cells, config, out, {"cache_dir": cache_dir, **run_kwargs}, echo=echo)
+        run_grid(
+            launcher, protocol, config, methods, seeds, out, {"cache_dir": cache_dir, **run_kwargs}, progress, echo
+        )
     per_seed: dict[int, dict] = {}
     for i, seed in enumerate(seeds):
         echo(f"[compare] seed {seed} ({i + 1}/{len(seeds)})")

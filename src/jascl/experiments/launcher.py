@@ -1,29 +1,33 @@
-"""Compare grids fanned out as jobs: one job per (method, seed) cell, through submitit (local processes or SLURM).
+"""Compare grids fanned out as jobs, through submitit (local processes or SLURM).
 
-:func:`jascl.experiments.compare.run_compare` with a :class:`Launcher` runs in three steps:
+:func:`jascl.experiments.compare.run_compare` with a :class:`Launcher` runs in four steps (:func:`run_grid`):
 
-1. for every seed, the run folder is prepared here (run files, split manifest) and the shared
-   session-0 base model is trained, once, in this process (``run_benchmark(stage="base")``);
-2. every (method, seed) cell whose last session is not finished becomes one job
+1. for every seed, the run folder is prepared here (run files, split manifest:
+   ``run_benchmark(stage="files")``), which also says which shared session-0 bases are missing
+   (:mod:`jascl.experiments.bases`: the vanilla base, and one per family of methods that change session 0 alike);
+2. every missing base of every seed becomes one job (``run_benchmark(stage="bases")``), all of them side by side;
+3. every (method, seed) cell whose last session is not finished becomes one job
    (``run_benchmark(stage="cell")``) that trains that method's sessions into the seed's folder;
    at most ``parallel`` jobs run at a time (locally; on SLURM the scheduler decides, and
    ``parallel`` is the array's parallelism);
-3. when every job has ended, the ordinary sequential compare runs over the same folders: every
+4. when every job has ended, the ordinary sequential compare runs over the same folders: every
    session is reused, so the tables are written by the same code, from the same files, as a
    compare without a launcher (identical numbers).
 
-A cell that fails leaves its finished sessions and its last checkpoint; the error names the cell
-and its log, and rerunning the command submits only the cells that are still missing. Job logs go to
-``<out>/launcher/`` (submitit's folder). SLURM options: ``partition``, ``time_min``, ``gpus_per_job``,
-``cpus_per_job``, ``mem_gb``, ``account``, ``qos``, ``constraint`` (see ``docs/distributed.md``).
+This process trains nothing: on SLURM it can run in a small job of its own while the bases, the largest
+trainings of a grid, get the resources of a job like every cell. A job that fails leaves its finished sessions
+and its last checkpoint; the error names it and its log, the cells whose base failed are not submitted, and
+rerunning the command submits only what is still missing. Job logs go to ``<out>/launcher/`` (submitit's folder).
+SLURM options: ``partition``, ``time_min``, ``gpus_per_job``, ``cpus_per_job``, ``mem_gb``, ``account``, ``qos``,
+``constraint`` (see ``docs/distributed.md``).
 
-``devices`` > 1 (``--devices N``) trains every cell with N processes and DistributedDataParallel, as
-``jascl run --devices N`` does: the job has N tasks (submitit's ``tasks_per_node``), each task exports
+``devices`` > 1 (``--devices N``) trains every base and every cell with N processes and DistributedDataParallel,
+as ``jascl run --devices N`` does: the job has N tasks (submitit's ``tasks_per_node``), each task exports
 the torch.distributed environment submitit describes (``submitit.helpers.TorchDistributedEnvironment``:
 rank, world size, master address and port) and joins the process group through
 :func:`jascl.distributed.init` (NCCL on GPUs, gloo on CPU). Locally each job takes N GPUs of ``gpus``
 (or runs N CPU processes when none are given); on SLURM it asks for N GPUs unless ``gpus_per_job`` says
-otherwise. The shared base still trains once, in this process, with one device.
+otherwise.
 """
 
 from __future__ import annotations
@@ -173,16 +177,10 @@ def cell_finished(folder: Path, method: str, protocol: Protocol) -> bool:
     return (folder / method / f"s{len(protocol.sessions) - 1}-{last.name}" / "metrics.json").exists()
 
 
-def _train_cell(
-    protocol: Protocol,
-    config: RunConfig,
-    method: str,
-    folder: str,
-    kwargs: Mapping[str, Any],
-    gpus: Sequence[int] = (),
-    devices: int = 1,
-) -> str:
-    """One job (each of its ``devices`` tasks): ``method``'s sessions on ``protocol`` into the prepared run folder.
+def _job(protocol: Protocol, config: RunConfig, methods: Sequence[str], folder: str, kwargs: Mapping[str, Any],
+         gpus: Sequence[int], devices: int, stage: str, bases: Sequence[str] | None = None) -> str:  # fmt: skip
+    """One job (each of its ``devices`` tasks): ``run_benchmark(stage=stage)`` into the prepared run folder, a
+    cell (``stage="cell"``: one method's sessions) or a shared base (``stage="bases"``: the named base).
 
     ``gpus``: the local launcher's share of the GPUs (CUDA_VISIBLE_DEVICES; rank r takes the r-th).
     """
@@ -205,9 +203,10 @@ def _train_cell(
             importlib.import_module(name)
     if gpus:  # the local launcher's share of the GPUs
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    options = {**kwargs, "progress": False, "stage": stage, "bases": bases}
     if devices == 1:
-        run_benchmark(protocol, config, [method], folder, progress=False, stage="cell", **kwargs)
-        return method
+        run_benchmark(protocol, config, list(methods), folder, **options)
+        return folder
     from submitit.helpers import TorchDistributedEnvironment
 
     from jascl import distributed
@@ -215,74 +214,154 @@ def _train_cell(
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)  # RANK, WORLD_SIZE, MASTER_*, LOCAL_RANK
     config = dataclasses.replace(config, device=distributed.init(config.device))
     try:
-        run_benchmark(protocol, config, [method], folder, progress=False, stage="cell", **kwargs)
+        run_benchmark(protocol, config, list(methods), folder, **options)
     finally:
         distributed.shutdown()
-    return method
+    return folder
 
 
-def run_cells(
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """One job of a launcher: what it trains (``stage`` "cell" or "bases", see :func:`_job`) and its label."""
+
+    protocol: Protocol
+    methods: tuple[str, ...]
+    folder: Path
+    stage: str
+    label: str
+    bases: tuple[str, ...] | None = None
+
+
+def cell_jobs(cells: Sequence[tuple[Protocol, str, Path]]) -> list[JobSpec]:
+    """A job per (protocol of a seed, method, run folder) cell: the method's sessions after session 0."""
+    return [JobSpec(p, (m,), folder, "cell", f"{m} seed {p.seed}") for p, m, folder in cells]
+
+
+def base_jobs(
+    protocol: Protocol, methods: Sequence[str], folder: Path, missing: Mapping[str, Sequence[str]]
+) -> list[JobSpec]:
+    """A job per missing shared base of a seed's run folder (``missing``: base folder -> the methods starting
+    from it, :func:`jascl.experiments.bases.missing_bases`)."""
+    return [
+        JobSpec(protocol, tuple(methods), folder, "bases", f"{name} seed {protocol.seed}", (name,)) for name in missing
+    ]
+
+
+def run_jobs(
     launcher: Launcher,
-    cells: Sequence[tuple[Protocol, str, Path]],
+    jobs: Sequence[JobSpec],
     config: RunConfig,
     out: Path,
     kwargs: Mapping[str, Any],
     echo: Callable[[str], None] = print,
-) -> None:
-    """Run every (protocol of a seed, method, run folder) cell as a job; wait for all; raise on failures.
+    what: str = "cells",
+) -> list[tuple[JobSpec, str]]:
+    """Run every job, at most ``launcher.slots`` at once; wait for all; return the failed jobs with their logs
+    (each also named in ``echo``'s lines).
 
-    Raises:
-        TrainingError: one line naming the failed cells and the log of the first; the others' results stay.
+    ``what``: how the lines name the jobs ("cells", "base models"). Ctrl-C or SIGTERM cancels the running jobs.
     """
-    if not cells:
-        return
+    if not jobs:
+        return []
     folder = out / "launcher"
     folder.mkdir(parents=True, exist_ok=True)
     executor = launcher.executor(folder)
-    pending = list(cells)
-    running: list[tuple[Any, str, list[int]]] = []
-    failed: list[str] = []
-    first_log = ""
-    free_gpus = list(launcher.gpus)
+    pending = list(jobs)
+    running: list[tuple[Any, JobSpec, list[int]]] = []
+    failed: list[tuple[JobSpec, str]] = []
+    free_gpus = list(launcher.gpus) if launcher.kind == "local" else []  # SLURM: the scheduler assigns them
     done = 0
-    echo(f"[launcher] {len(cells)} cells as {launcher.kind} jobs, at most {min(launcher.slots, len(cells))} at once")
+    echo(f"[launcher] {len(jobs)} {what} as {launcher.kind} jobs, at most {min(launcher.slots, len(jobs))} at once")
     try:
         while pending or running:
             while pending and len(running) < launcher.slots:
-                protocol, method, run_dir = pending.pop(0)
-                share = free_gpus[: launcher.devices] if launcher.kind == "local" else []
+                spec = pending.pop(0)
+                share = free_gpus[: launcher.devices]
                 del free_gpus[: len(share)]
                 job = executor.submit(
-                    _train_cell, protocol, config, method, str(run_dir), dict(kwargs), share, launcher.devices
-                )
-                label = f"{method} seed {protocol.seed}"
+                    _job, spec.protocol, config, spec.methods, str(spec.folder), dict(kwargs), share,
+                    launcher.devices, spec.stage, spec.bases,
+                )  # fmt: skip
                 processes = f", {launcher.devices} processes" if launcher.devices > 1 else ""
-                echo(f"[launcher] submitted {label}: job {job.job_id}{processes}")
-                running.append((job, label, share))
+                echo(f"[launcher] submitted {spec.label}: job {job.job_id}{processes}")
+                running.append((job, spec, share))
             time.sleep(launcher.poll_s if running else 0)
             still = []
-            for job, label, share in running:
+            for job, spec, share in running:
                 if not job.done():
-                    still.append((job, label, share))
+                    still.append((job, spec, share))
                     continue
                 free_gpus.extend(share)
                 done += 1
                 exc = job.exception()
                 if exc is None:
-                    echo(f"[launcher] {label}: finished ({done}/{len(cells)})")
+                    echo(f"[launcher] {spec.label}: finished ({done}/{len(jobs)})")
                 else:
                     message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-                    failed.append(label)
-                    log = str(job.paths.stderr)
-                    first_log = first_log or log
-                    echo(f"[launcher] {label}: failed ({message}); log {log}")
+                    failed.append((spec, str(job.paths.stderr)))
+                    echo(f"[launcher] {spec.label}: failed ({message}); log {job.paths.stderr}")
             running = still
     except BaseException:  # Ctrl-C, SIGTERM: do not leave orphaned jobs running
         for job, _, _ in running:
             job.cancel(check=False)
         raise
-    if failed:
-        raise TrainingError(
-            f"{len(failed)} of {len(cells)} cells failed ({', '.join(failed)}); the first's log: {first_log}; "
-            "rerun the same command to resubmit only the missing cells"
-        )
+    return failed
+
+
+def failure(failed: Sequence[tuple[JobSpec, str]], total: int, what: str, skipped: int = 0) -> TrainingError:
+    """One line naming the failed jobs (of ``total`` ``what``) and the log of the first; ``skipped``: the cells
+    not submitted because a base model they start from failed."""
+    labels = ", ".join(spec.label for spec, _ in failed)
+    waiting = f"; {skipped} cells were not submitted, their base model missing" if skipped else ""
+    return TrainingError(
+        f"{len(failed)} of {total} {what} failed ({labels}); the first's log: {failed[0][1]}{waiting}; "
+        "rerun the same command to resubmit only what is missing"
+    )
+
+
+def run_grid(
+    launcher: Launcher,
+    protocol: Protocol,
+    config: RunConfig,
+    methods: Sequence[str],
+    seeds: Sequence[int],
+    out: Path,
+    kwargs: Mapping[str, Any],
+    progress: bool = True,
+    echo: Callable[[str], None] = print,
+) -> None:
+    """The module docstring's steps 1 and 2 for a compare grid: every seed's run folder is prepared here, then
+    every missing shared base is a job, then every unfinished (method, seed) cell whose bases are complete.
+
+    ``kwargs``: :func:`jascl.experiments.runner.run_benchmark`'s keywords (``cache_dir``, data options, imports).
+
+    Raises:
+        TrainingError: one line naming the failed jobs and the first's log; everything finished stays.
+    """
+    from jascl.experiments.runner import run_benchmark
+
+    bases: list[JobSpec] = []
+    waiting: dict[tuple[Path, str], list[str]] = {}  # (folder, base) -> the methods starting from it
+    seeded = {seed: dataclasses.replace(protocol, seed=seed) for seed in seeds}
+    for seed, p in seeded.items():
+        folder = out / f"seed-{seed}"
+        echo(f"[compare] seed {seed}: preparing the run folder")
+        missing = run_benchmark(p, config, methods, folder, progress=progress, echo=echo, stage="files", **kwargs)
+        bases += base_jobs(p, methods, folder, missing["bases"])
+        waiting.update({(folder, name): members for name, members in missing["bases"].items()})
+    failed_bases = run_jobs(launcher, bases, config, out, kwargs, echo, "base models")
+    lost = {
+        (spec.folder, m) for spec, _ in failed_bases for name in spec.bases or () for m in waiting[(spec.folder, name)]
+    }
+    cells = [
+        (p, m, out / f"seed-{seed}")
+        for seed, p in seeded.items()
+        for m in methods
+        if not cell_finished(out / f"seed-{seed}", m, p)
+    ]
+    runnable = [c for c in cells if (c[2], c[1]) not in lost]
+    failed_cells = run_jobs(launcher, cell_jobs(runnable), config, out, kwargs, echo)
+    if failed_bases:
+        raise failure(failed_bases, len(bases), "base models", len(cells) - len(runnable))
+    if failed_cells:
+        raise failure(failed_cells, len(runnable), "cells")

@@ -49,6 +49,7 @@ from jascl.engine.plugin import Method, Plugin
 from jascl.engine.prototypes import PrototypeStore
 from jascl.errors import ConfigError, JasclError
 from jascl.evaluation.metrics import per_class_forgetting, total_drop
+from jascl.experiments.bases import ensure_base, missing_bases, train_bases
 from jascl.experiments.preflight import RunFolder, preflight
 from jascl.experiments.provenance import environment
 from jascl.fileio import atomic_write_text
@@ -59,6 +60,9 @@ from jascl.protocols.schema import Protocol, SessionSpec
 from jascl.results.report import write_all
 
 log = logging.getLogger("jascl")
+
+#: what :func:`run_benchmark` does: everything, or a launcher's share of it
+STAGES = ("all", "files", "bases", "base", "cell")
 
 
 def _method_summary(protocol: Protocol, records: list[dict]) -> dict:
@@ -86,30 +90,6 @@ def _setup_logging(out: Path) -> logging.Handler:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     return handler
-
-
-def ensure_base(
-    protocol: Protocol,
-    config: RunConfig,
-    data: Sequence[SessionData],
-    base_dir: Path,
-    progress: bool = True,
-    echo=print,
-    method: Method | None = None,
-    plugins: Sequence[Plugin] = (),
-) -> None:
-    """Train the shared session-0 model into ``base_dir`` unless it is already complete there.
-
-    ``method``: the plugins that train a keyed shared base (:meth:`Method.base_method`); default none
-    (the vanilla base every method that leaves session 0 alone shares). ``plugins``: added after the
-    method's (the run's progress display)."""
-    if distributed.broadcast_object((base_dir / "metrics.json").exists()):
-        return
-    method = method or Method("base")
-    echo(f"session 0 ({protocol.sessions[0].name}): training the shared base model {base_dir.name}")
-    trainer = ContinualTrainer(protocol, config, method, list(data), progress=progress, extra_plugins=plugins)
-    trainer.run_session(0, trainer.initial_model(len(protocol.seen_classes(0))), PrototypeStore(), base_dir)
-    distributed.barrier()  # rank 0 has written it before anyone reads it
 
 
 #: configuration keys that may differ between a run folder's runs without changing results
@@ -318,6 +298,7 @@ def run_benchmark(
     extra_plugins: Sequence[Plugin | Callable[[], Plugin]] = (),
     imports: Sequence[str] = (),
     stage: str = "all",
+    bases: Sequence[str] | None = None,
 ) -> dict:
     """Run ``methods`` on ``protocol`` and write the run folder; returns the results dict.
 
@@ -337,13 +318,18 @@ def run_benchmark(
         split_manifest: a ``manifest.json`` whose samples are reused instead of a new selection.
         imports: the modules that registered your own methods or backbones (``jascl run --import``), recorded
             in ``run.json`` so that ``jascl run --resume`` imports them again.
-        stage: ``"all"`` (default); ``"base"``: write the run files and train the shared base model, then
-            return ``{}`` (what a launcher does before it fans the methods out); ``"cell"``: train the methods'
-            sessions into a folder ``"base"`` prepared, writing neither the run files nor the results (one
-            job of a launcher, beside others in the same folder; a final ``"all"`` pass collects them).
+        stage: ``"all"`` (default); ``"files"``: write the run files and return ``{"bases": {folder: [methods]}}``,
+            the shared session-0 bases not yet complete (:func:`jascl.experiments.bases.missing_bases`: what a
+            launcher does before it fans the work out); ``"bases"``: train the shared bases named in ``bases``
+            (None: all) into a folder ``"files"`` prepared, then return ``{}`` (a launcher's base job);
+            ``"base"``: ``"files"`` and ``"bases"`` in one call; ``"cell"``: train the methods' sessions into a
+            folder whose bases are complete. ``"bases"`` and ``"cell"`` write neither the run files nor the
+            results and do not hold the folder's lock (a launcher's jobs, beside others in the same folder; a
+            final ``"all"`` pass collects them).
+        bases: with ``stage="bases"``, the shared bases to train (``base``, ``base-<key>``).
     """
-    if stage not in ("all", "base", "cell"):
-        raise ValueError(f"stage must be all, base or cell (got {stage!r})")
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {', '.join(STAGES)} (got {stage!r})")
     if not methods:
         raise ConfigError("--methods: give at least one method (see 'jascl methods')")
     check_method_args(config)
@@ -353,7 +339,8 @@ def run_benchmark(
         raise ConfigError(f"--methods: a method is listed twice ({','.join(methods)})")
     out = Path(out)
     main = distributed.is_main()
-    hold = main and stage != "cell"  # a launcher's cell jobs share the folder the "base" stage prepared
+    files = stage in ("all", "files", "base")  # a launcher's jobs share the folder the "files" stage prepared
+    hold = main and files
     if hold:
         preflight(out, protocol, config)
     run_folder = RunFolder(out, hold)
@@ -397,7 +384,7 @@ def run_benchmark(
             data = apply_unlabelled_noise(protocol, data)
         check_same_samples(protocol, data)
         check_reusable(out, config, protocol)
-        if main and stage != "cell":
+        if main and files:
             write_run_files(out, protocol, config, methods, data, cache_dir, roots, roots_file, split_manifest, imports)
         started = True  # from here a failure is written into the folder's log; before, the folder is left as it was
         log.info("run %s: protocol %s seed %d methods %s", out, protocol.name, protocol.seed, ",".join(methods))
@@ -418,14 +405,10 @@ def run_benchmark(
         }
         for method in built:  # every method's folder is checked before anything trains
             check_method_options(out / method.name, method.name, config)
-        if stage == "base":
-            if any(not m.changes_base_session for m in built):
-                ensure_base(protocol, config, data, out / "base", progress, echo, plugins=shown)
-            for m in built:  # keyed bases too, so that the jobs sharing one do not train it side by side
-                if m.base_key is not None:
-                    ensure_base(
-                        protocol, config, data, out / f"base-{m.base_key}", progress, echo, m.base_method(), shown
-                    )
+        if stage == "files":
+            return {"bases": missing_bases(out, built)}
+        if stage in ("bases", "base"):  # every shared base ("base"), or the ones a launcher's base job names
+            train_bases(protocol, config, data, out, built, bases if stage == "bases" else None, progress, echo, shown)
             return {}
         bar = tqdm(
             total=len(built) * len(protocol.sessions), desc="sessions", unit="session", disable=not (progress and main)
@@ -479,7 +462,7 @@ def run_benchmark(
                 bar.update(1)
             results["methods"][method.name] = _method_summary(protocol, records)
         bar.close()
-        if main and stage != "cell":
+        if main and stage == "all":
             write_all(results, out)
         return results
     except BaseException as exc:  # the folder's log says why the run stopped (input refused earlier: untouched)

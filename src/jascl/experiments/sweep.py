@@ -34,7 +34,8 @@ from typing import cast
 from jascl.data.sessions import load_sessions
 from jascl.engine.config import resolve_config
 from jascl.errors import ConfigError
-from jascl.experiments.runner import ensure_base, run_benchmark
+from jascl.experiments.bases import ensure_base
+from jascl.experiments.runner import run_benchmark
 from jascl.fileio import atomic_write_text
 from jascl.protocols.schema import Protocol
 from jascl.results.records import RunResults
