@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +17,13 @@ from jascl.engine.loop import ContinualTrainer
 from jascl.errors import ConfigError, TrainingError
 from jascl.experiments import bases
 from jascl.experiments.compare import run_compare
-from jascl.experiments.launcher import Launcher, parse_launcher
+from jascl.experiments.launcher import JobSpec, Launcher, parse_launcher, run_jobs
 from jascl.methods import METHODS
+
+
+def _at(messages: list[str], start: str) -> int:
+    """The index of the first message that starts with ``start``."""
+    return next(i for i, m in enumerate(messages) if m.startswith(start))
 
 
 def _refuse(*args, **kwargs):
@@ -71,14 +77,13 @@ def test_local_launcher_gives_the_sequential_results_and_reruns_only_missing_cel
             toy_protocol, config, methods, [3], tmp_path / "jobs", launcher=Launcher("local", parallel=2, poll_s=0.2),
             **{**kw, "echo": messages.append},
         )  # fmt: skip
-    submitted = [m.split(":")[0] for m in messages if m.startswith("[launcher] submitted")]
-    assert submitted == [
-        "[launcher] submitted base seed 3",
-        "[launcher] submitted base-stochastic-classifier seed 3",
-        "[launcher] submitted vanilla seed 3",
-        "[launcher] submitted jascl-no-unlabelled seed 3",
-    ]
-    assert "[launcher] 2 base models as local jobs, at most 2 at once" in messages
+    submitted = [m.split(":")[0].removeprefix("[launcher] submitted ") for m in messages if "submitted" in m]
+    # the bases first; each cell once its base has finished (which base finishes first varies)
+    assert submitted[:2] == ["base seed 3", "base-stochastic-classifier seed 3"]
+    assert sorted(submitted[2:]) == ["jascl-no-unlabelled seed 3", "vanilla seed 3"]
+    for cell, base in (("vanilla", "base"), ("jascl-no-unlabelled", "base-stochastic-classifier")):
+        assert _at(messages, f"[launcher] {base} seed 3: finished") < _at(messages, f"[launcher] submitted {cell} seed")
+    assert "[launcher] 2 base models and 2 cells as local jobs, at most 2 at once" in messages
     assert _scores(tmp_path / "seq" / "seed-3") == _scores(tmp_path / "jobs" / "seed-3")
     for base in ("base", "base-stochastic-classifier"):  # the jobs' bases are the sequential run's, bit for bit
         a = load_file(tmp_path / "seq" / "seed-3" / base / "model.safetensors")
@@ -160,7 +165,7 @@ def test_a_failed_base_holds_back_its_cells_only_and_a_rerun_submits_what_is_mis
             )
     log = tmp_path / "jobs" / "launcher" / "2_log.err"
     assert str(err.value) == (
-        f"1 of 2 base models failed (base-stochastic-classifier seed 3); the first's log: {log}; 1 cells were not "
+        f"1 of 4 jobs failed (base-stochastic-classifier seed 3); the first's log: {log}; 1 cells were not "
         "submitted, their base model missing; rerun the same command to resubmit only what is missing"
     )
     assert f"[launcher] base-stochastic-classifier seed 3: failed (out of memory); log {log}" in messages
@@ -168,7 +173,7 @@ def test_a_failed_base_holds_back_its_cells_only_and_a_rerun_submits_what_is_mis
     assert [m for m in messages if m.startswith("[launcher] submitted")] == [
         "[launcher] submitted base seed 3: job 1",
         "[launcher] submitted base-stochastic-classifier seed 3: job 2",
-        "[launcher] submitted vanilla seed 3: job 1",
+        "[launcher] submitted vanilla seed 3: job 3",
     ]
     folder = tmp_path / "jobs" / "seed-3"
     assert (folder / "vanilla" / "s1-inc" / "metrics.json").exists()
@@ -181,9 +186,71 @@ def test_a_failed_base_holds_back_its_cells_only_and_a_rerun_submits_what_is_mis
     )
     assert [m for m in messages if m.startswith("[launcher] submitted")] == [
         "[launcher] submitted base-stochastic-classifier seed 3: job 1",
-        "[launcher] submitted jascl-no-unlabelled seed 3: job 1",
+        "[launcher] submitted jascl-no-unlabelled seed 3: job 2",
     ]
     assert set(summary["methods"]) == set(methods)
+
+
+class _Slow:
+    """A submitted job that does nothing and has finished after ``polls`` looks."""
+
+    def __init__(self, job_id: str, polls: int) -> None:
+        self.job_id, self.polls = job_id, polls
+
+    def done(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def exception(self) -> None:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlowLauncher(Launcher):
+    """Jobs named by what they train (a base's name, else the method) and the seed folder, each finished after
+    its number of polls in ``polls``."""
+
+    polls: tuple[tuple[str, int], ...] = ()
+
+    def executor(self, folder):
+        polls = dict(self.polls)
+
+        class Executor:
+            def submit(self, fn, protocol, config, methods, folder, kwargs, share, devices, stage, bases):
+                name = f"{(bases or methods)[0]}@{Path(folder).name}"
+                return _Slow(name, polls[name])
+
+        return Executor()
+
+
+def test_a_cell_starts_when_its_own_bases_are_complete_not_every_seeds(toy_protocol, toy_config, tmp_path):
+    def spec(what: str, seed: int, stage: str, after: tuple[str, ...] = ()) -> JobSpec:
+        p = dataclasses.replace(toy_protocol, seed=seed)
+        bases = (what,) if stage == "bases" else None
+        return JobSpec(p, ("jascl",), tmp_path / f"seed-{seed}", stage, f"{what} seed {seed}", bases, after)
+
+    jobs = [
+        spec("base-x", 1, "bases"),
+        spec("base-x", 2, "bases"),
+        spec("jascl", 1, "cell", ("base-x seed 1",)),
+        spec("jascl", 2, "cell", ("base-x seed 2",)),
+        spec("ewc", 2, "cell", ("never seed 2",)),  # waits for a job that is not in the list: not submitted
+    ]
+    polls = (("base-x@seed-1", 1), ("base-x@seed-2", 6), ("jascl@seed-1", 1), ("jascl@seed-2", 1))
+    messages: list[str] = []
+    launcher = _SlowLauncher("local", parallel=3, poll_s=0, polls=polls)
+    failed, skipped = run_jobs(launcher, jobs, toy_config, tmp_path, {}, messages.append)
+    assert (failed, skipped) == ([], [jobs[4]])
+    assert [m for m in messages if "submitted" in m or "finished" in m] == [
+        "[launcher] submitted base-x seed 1: job base-x@seed-1",
+        "[launcher] submitted base-x seed 2: job base-x@seed-2",
+        "[launcher] base-x seed 1: finished (1/5)",
+        "[launcher] submitted jascl seed 1: job jascl@seed-1",  # seed 2's base still trains
+        "[launcher] jascl seed 1: finished (2/5)",
+        "[launcher] base-x seed 2: finished (3/5)",
+        "[launcher] submitted jascl seed 2: job jascl@seed-2",
+        "[launcher] jascl seed 2: finished (4/5)",
+    ]
 
 
 def test_a_base_job_refuses_a_base_its_methods_do_not_start_from(toy_protocol, toy_config, tmp_path):

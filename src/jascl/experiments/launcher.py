@@ -5,9 +5,10 @@
 1. for every seed, the run folder is prepared here (run files, split manifest:
    ``run_benchmark(stage="files")``), which also says which shared session-0 bases are missing
    (:mod:`jascl.experiments.bases`: the vanilla base, and one per family of methods that change session 0 alike);
-2. every missing base of every seed becomes one job (``run_benchmark(stage="bases")``), all of them side by side;
+2. every missing base of every seed becomes one job (``run_benchmark(stage="bases")``), submitted first;
 3. every (method, seed) cell whose last session is not finished becomes one job
-   (``run_benchmark(stage="cell")``) that trains that method's sessions into the seed's folder;
+   (``run_benchmark(stage="cell")``) that trains that method's sessions into the seed's folder, submitted
+   once the bases its method starts from are complete (:func:`run_jobs`);
    at most ``parallel`` jobs run at a time (locally; on SLURM the scheduler decides, and
    ``parallel`` is the array's parallelism);
 4. when every job has ended, the ordinary sequential compare runs over the same folders: every
@@ -222,7 +223,8 @@ def _job(protocol: Protocol, config: RunConfig, methods: Sequence[str], folder: 
 
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
-    """One job of a launcher: what it trains (``stage`` "cell" or "bases", see :func:`_job`) and its label."""
+    """One job of a launcher: what it trains (``stage`` "cell" or "bases", see :func:`_job`), its label, and the
+    labels of the jobs it starts after (a cell after the base jobs of the bases its method starts from)."""
 
     protocol: Protocol
     methods: tuple[str, ...]
@@ -230,21 +232,7 @@ class JobSpec:
     stage: str
     label: str
     bases: tuple[str, ...] | None = None
-
-
-def cell_jobs(cells: Sequence[tuple[Protocol, str, Path]]) -> list[JobSpec]:
-    """A job per (protocol of a seed, method, run folder) cell: the method's sessions after session 0."""
-    return [JobSpec(p, (m,), folder, "cell", f"{m} seed {p.seed}") for p, m, folder in cells]
-
-
-def base_jobs(
-    protocol: Protocol, methods: Sequence[str], folder: Path, missing: Mapping[str, Sequence[str]]
-) -> list[JobSpec]:
-    """A job per missing shared base of a seed's run folder (``missing``: base folder -> the methods starting
-    from it, :func:`jascl.experiments.bases.missing_bases`)."""
-    return [
-        JobSpec(protocol, tuple(methods), folder, "bases", f"{name} seed {protocol.seed}", (name,)) for name in missing
-    ]
+    after: tuple[str, ...] = ()
 
 
 def run_jobs(
@@ -254,28 +242,41 @@ def run_jobs(
     out: Path,
     kwargs: Mapping[str, Any],
     echo: Callable[[str], None] = print,
-    what: str = "cells",
-) -> list[tuple[JobSpec, str]]:
-    """Run every job, at most ``launcher.slots`` at once; wait for all; return the failed jobs with their logs
-    (each also named in ``echo``'s lines).
+) -> tuple[list[tuple[JobSpec, str]], list[JobSpec]]:
+    """Run every job, at most ``launcher.slots`` at once, each once the jobs it starts after have finished;
+    wait for all. Returns the failed jobs with their logs (each also named in ``echo``'s lines) and the jobs not
+    submitted because one they start after failed.
 
-    ``what``: how the lines name the jobs ("cells", "base models"). Ctrl-C or SIGTERM cancels the running jobs.
+    Jobs are submitted in the order given among those ready. Ctrl-C or SIGTERM cancels the running jobs.
     """
     if not jobs:
-        return []
+        return [], []
     folder = out / "launcher"
     folder.mkdir(parents=True, exist_ok=True)
     executor = launcher.executor(folder)
     pending = list(jobs)
     running: list[tuple[Any, JobSpec, list[int]]] = []
     failed: list[tuple[JobSpec, str]] = []
+    finished: set[str] = set()
     free_gpus = list(launcher.gpus) if launcher.kind == "local" else []  # SLURM: the scheduler assigns them
-    done = 0
-    echo(f"[launcher] {len(jobs)} {what} as {launcher.kind} jobs, at most {min(launcher.slots, len(jobs))} at once")
+    n_bases = sum(spec.stage == "bases" for spec in jobs)
+    what = f"{n_bases} base models and {len(jobs) - n_bases} cells" if n_bases else f"{len(jobs)} cells"
+    echo(f"[launcher] {what} as {launcher.kind} jobs, at most {min(launcher.slots, len(jobs))} at once")
+    skipped: list[JobSpec] = []
     try:
-        while pending or running:
-            while pending and len(running) < launcher.slots:
-                spec = pending.pop(0)
+        while True:
+            lost = {spec.label for spec, _ in failed} | {spec.label for spec in skipped}
+            drop = [spec for spec in pending if lost & set(spec.after)]
+            while drop:  # what waits for a failed job, and what waits for that
+                skipped += drop
+                pending = [spec for spec in pending if spec not in drop]
+                lost |= {spec.label for spec in drop}
+                drop = [spec for spec in pending if lost & set(spec.after)]
+            ready = [spec for spec in pending if set(spec.after) <= finished]
+            if not ready and not running:
+                break
+            for spec in ready[: max(0, launcher.slots - len(running))]:
+                pending.remove(spec)
                 share = free_gpus[: launcher.devices]
                 del free_gpus[: len(share)]
                 job = executor.submit(
@@ -292,10 +293,10 @@ def run_jobs(
                     still.append((job, spec, share))
                     continue
                 free_gpus.extend(share)
-                done += 1
                 exc = job.exception()
                 if exc is None:
-                    echo(f"[launcher] {spec.label}: finished ({done}/{len(jobs)})")
+                    finished.add(spec.label)
+                    echo(f"[launcher] {spec.label}: finished ({len(finished) + len(failed)}/{len(jobs)})")
                 else:
                     message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
                     failed.append((spec, str(job.paths.stderr)))
@@ -305,16 +306,16 @@ def run_jobs(
         for job, _, _ in running:
             job.cancel(check=False)
         raise
-    return failed
+    return failed, skipped + pending  # (pending: waiting for a job that is not in the list)
 
 
-def failure(failed: Sequence[tuple[JobSpec, str]], total: int, what: str, skipped: int = 0) -> TrainingError:
-    """One line naming the failed jobs (of ``total`` ``what``) and the log of the first; ``skipped``: the cells
-    not submitted because a base model they start from failed."""
+def failure(failed: Sequence[tuple[JobSpec, str]], total: int, skipped: int = 0) -> TrainingError:
+    """One line naming the failed jobs (of ``total``) and the log of the first; ``skipped``: the cells not
+    submitted because a base model they start from failed."""
     labels = ", ".join(spec.label for spec, _ in failed)
     waiting = f"; {skipped} cells were not submitted, their base model missing" if skipped else ""
     return TrainingError(
-        f"{len(failed)} of {total} {what} failed ({labels}); the first's log: {failed[0][1]}{waiting}; "
+        f"{len(failed)} of {total} jobs failed ({labels}); the first's log: {failed[0][1]}{waiting}; "
         "rerun the same command to resubmit only what is missing"
     )
 
@@ -330,8 +331,9 @@ def run_grid(
     progress: bool = True,
     echo: Callable[[str], None] = print,
 ) -> None:
-    """The module docstring's steps 1 and 2 for a compare grid: every seed's run folder is prepared here, then
-    every missing shared base is a job, then every unfinished (method, seed) cell whose bases are complete.
+    """The module docstring's steps 1 to 3 for a compare grid: every seed's run folder is prepared here; every
+    missing shared base is a job, and every unfinished (method, seed) cell a job that starts when the bases its
+    method starts from are complete (other seeds' bases may still be training).
 
     ``kwargs``: :func:`jascl.experiments.runner.run_benchmark`'s keywords (``cache_dir``, data options, imports).
 
@@ -341,27 +343,23 @@ def run_grid(
     from jascl.experiments.runner import run_benchmark
 
     bases: list[JobSpec] = []
-    waiting: dict[tuple[Path, str], list[str]] = {}  # (folder, base) -> the methods starting from it
-    seeded = {seed: dataclasses.replace(protocol, seed=seed) for seed in seeds}
-    for seed, p in seeded.items():
+    cells: list[JobSpec] = []
+    for seed in seeds:
+        p = dataclasses.replace(protocol, seed=seed)
         folder = out / f"seed-{seed}"
         echo(f"[compare] seed {seed}: preparing the run folder")
         missing = run_benchmark(p, config, methods, folder, progress=progress, echo=echo, stage="files", **kwargs)
-        bases += base_jobs(p, methods, folder, missing["bases"])
-        waiting.update({(folder, name): members for name, members in missing["bases"].items()})
-    failed_bases = run_jobs(launcher, bases, config, out, kwargs, echo, "base models")
-    lost = {
-        (spec.folder, m) for spec, _ in failed_bases for name in spec.bases or () for m in waiting[(spec.folder, name)]
-    }
-    cells = [
-        (p, m, out / f"seed-{seed}")
-        for seed, p in seeded.items()
-        for m in methods
-        if not cell_finished(out / f"seed-{seed}", m, p)
-    ]
-    runnable = [c for c in cells if (c[2], c[1]) not in lost]
-    failed_cells = run_jobs(launcher, cell_jobs(runnable), config, out, kwargs, echo)
-    if failed_bases:
-        raise failure(failed_bases, len(bases), "base models", len(cells) - len(runnable))
-    if failed_cells:
-        raise failure(failed_cells, len(runnable), "cells")
+        after: dict[str, list[str]] = {}  # method -> the labels of the base jobs it waits for
+        for name, members in missing["bases"].items():
+            label = f"{name} seed {seed}"
+            bases.append(JobSpec(p, tuple(methods), folder, "bases", label, (name,)))
+            for m in members:
+                after.setdefault(m, []).append(label)
+        cells += [
+            JobSpec(p, (m,), folder, "cell", f"{m} seed {seed}", after=tuple(after.get(m, ())))
+            for m in methods
+            if not cell_finished(folder, m, p)
+        ]
+    failed, skipped = run_jobs(launcher, bases + cells, config, out, kwargs, echo)
+    if failed:
+        raise failure(failed, len(bases) + len(cells), len(skipped))
