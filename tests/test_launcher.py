@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from jascl.engine.loop import ContinualTrainer
 from jascl.errors import ConfigError, TrainingError
-from jascl.experiments import bases
+from jascl.experiments import launcher as launcher_module
 from jascl.experiments.compare import run_compare
 from jascl.experiments.launcher import JobSpec, Launcher, parse_launcher, run_jobs
 from jascl.methods import METHODS
@@ -148,17 +148,17 @@ def test_a_failed_base_holds_back_its_cells_only_and_a_rerun_submits_what_is_mis
     config = dataclasses.replace(toy_config, threads=1)
     methods = ["vanilla", "jascl-no-unlabelled"]
     kw = {"cache_dir": tmp_path / "cache", "progress": False}
-    ensure = bases.ensure_base
+    run_session = ContinualTrainer.run_session
 
-    def keyed_fails(protocol, config, data, base_dir, *args, **kwargs):
-        if base_dir.name != "base":
+    def keyed_fails(self, *args, **kwargs):  # the keyed base's training (its method is named after the base)
+        if self.method.name == "base-stochastic-classifier":
             raise RuntimeError("out of memory")
-        return ensure(protocol, config, data, base_dir, *args, **kwargs)
+        return run_session(self, *args, **kwargs)
 
     messages: list[str] = []
     launcher = _InProcessLauncher("local", parallel=2, poll_s=0)
     with monkeypatch.context() as m:
-        m.setattr(bases, "ensure_base", keyed_fails)
+        m.setattr(ContinualTrainer, "run_session", keyed_fails)
         with pytest.raises(TrainingError) as err:
             run_compare(
                 toy_protocol, config, methods, [3], tmp_path / "jobs", echo=messages.append, launcher=launcher, **kw
@@ -205,6 +205,10 @@ class _Slow:
         return None
 
 
+#: the ``threads`` of every configuration a :class:`_SlowLauncher` job was given
+THREADS: list[int] = []
+
+
 @dataclasses.dataclass(frozen=True)
 class _SlowLauncher(Launcher):
     """Jobs named by what they train (a base's name, else the method) and the seed folder, each finished after
@@ -218,12 +222,16 @@ class _SlowLauncher(Launcher):
         class Executor:
             def submit(self, fn, protocol, config, methods, folder, kwargs, share, devices, stage, bases):
                 name = f"{(bases or methods)[0]}@{Path(folder).name}"
+                THREADS.append(config.threads)
                 return _Slow(name, polls[name])
 
         return Executor()
 
 
-def test_a_cell_starts_when_its_own_bases_are_complete_not_every_seeds(toy_protocol, toy_config, tmp_path):
+def test_a_cell_starts_when_its_own_bases_are_complete_not_every_seeds(toy_protocol, toy_config, tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher_module.os, "sched_getaffinity", lambda pid: set(range(6)))  # a 6-core machine
+    THREADS.clear()
+
     def spec(what: str, seed: int, stage: str, after: tuple[str, ...] = ()) -> JobSpec:
         p = dataclasses.replace(toy_protocol, seed=seed)
         bases = (what,) if stage == "bases" else None
@@ -241,6 +249,12 @@ def test_a_cell_starts_when_its_own_bases_are_complete_not_every_seeds(toy_proto
     launcher = _SlowLauncher("local", parallel=3, poll_s=0, polls=polls)
     failed, skipped = run_jobs(launcher, jobs, toy_config, tmp_path, {}, messages.append)
     assert (failed, skipped) == ([], [jobs[4]])
+    # 3 jobs at a time on 6 cores: 2 threads each (torch's default would give each all 6)
+    assert (
+        messages[0]
+        == "[launcher] 2 base models and 3 cells as local jobs, at most 3 at once, 2 CPU threads per process"
+    )
+    assert THREADS == [2, 2, 2, 2]
     assert [m for m in messages if "submitted" in m or "finished" in m] == [
         "[launcher] submitted base-x seed 1: job base-x@seed-1",
         "[launcher] submitted base-x seed 2: job base-x@seed-2",
@@ -251,6 +265,20 @@ def test_a_cell_starts_when_its_own_bases_are_complete_not_every_seeds(toy_proto
         "[launcher] submitted jascl seed 2: job jascl@seed-2",
         "[launcher] jascl seed 2: finished (4/5)",
     ]
+
+
+def test_local_jobs_share_the_cores_unless_threads_is_set(toy_config, monkeypatch):
+    monkeypatch.setattr(launcher_module.os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert toy_config.threads == 0
+    assert Launcher("local", parallel=2).job_config(toy_config, 5).threads == 4  # 2 jobs at once on 8 cores
+    assert Launcher("local", parallel=2).job_config(toy_config, 1).threads == 8  # one job: every core
+    assert Launcher("local", parallel=3).job_config(toy_config, 5).threads == 2  # 8 // 3
+    assert Launcher("local", parallel=2, devices=2).job_config(toy_config, 5).threads == 2  # 4 processes at once
+    assert Launcher("local", parallel=16).job_config(toy_config, 20).threads == 1
+    assert Launcher("local", gpus=(0, 1, 2, 3)).job_config(toy_config, 9).threads == 2  # one job per GPU
+    given = dataclasses.replace(toy_config, threads=3)
+    assert Launcher("local", parallel=2).job_config(given, 5) is given  # threads set: the user's
+    assert Launcher("slurm", parallel=2).job_config(toy_config, 5) is toy_config  # SLURM: cpus_per_job
 
 
 def test_a_base_job_refuses_a_base_its_methods_do_not_start_from(toy_protocol, toy_config, tmp_path):

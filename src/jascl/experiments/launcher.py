@@ -34,6 +34,7 @@ otherwise.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -96,6 +97,17 @@ class Launcher:
             return 10**9 if self.parallel == 0 else self.parallel
         return self.parallel or max(1, len(self.gpus) // self.devices)
 
+    def job_config(self, config: RunConfig, n_jobs: int) -> RunConfig:
+        """The configuration each of ``n_jobs`` jobs trains with: locally, unless ``threads`` is set, this machine's
+        cores shared between the processes that run at once (:meth:`slots` jobs of ``devices`` processes), as
+        ``jascl run --devices N`` shares them between its ranks. Torch's default, every core for every process,
+        made two jobs on a 2-core CPU 7x slower than one thread each (docs/distributed.md). SLURM: unchanged (a
+        job's processes get ``cpus_per_job`` cores each)."""
+        if self.kind != "local" or config.threads > 0:
+            return config
+        processes = min(self.slots, n_jobs) * self.devices
+        return dataclasses.replace(config, threads=max(1, usable_cores() // processes))
+
     def executor(self, folder: Path) -> Any:
         """A submitit executor for this launcher, logging into ``folder``."""
         try:
@@ -127,6 +139,14 @@ class Launcher:
             params["mem_gb"] = self.mem_gb
         ex.update_parameters(**params)
         return ex
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, e.g. a container's or ``taskset``'s share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS and Windows have no affinity mask
+        return os.cpu_count() or 1
 
 
 _INT_KEYS = {"parallel", "time_min", "gpus_per_job", "cpus_per_job", "mem_gb"}
@@ -187,7 +207,6 @@ def _job(protocol: Protocol, config: RunConfig, methods: Sequence[str], folder: 
     """
     import importlib
     import importlib.util
-    import os
     import sys
 
     from jascl.experiments.runner import run_benchmark
@@ -261,7 +280,9 @@ def run_jobs(
     free_gpus = list(launcher.gpus) if launcher.kind == "local" else []  # SLURM: the scheduler assigns them
     n_bases = sum(spec.stage == "bases" for spec in jobs)
     what = f"{n_bases} base models and {len(jobs) - n_bases} cells" if n_bases else f"{len(jobs)} cells"
-    echo(f"[launcher] {what} as {launcher.kind} jobs, at most {min(launcher.slots, len(jobs))} at once")
+    job_config = launcher.job_config(config, len(jobs))
+    threads = f", {job_config.threads} CPU threads per process" if job_config.threads != config.threads else ""
+    echo(f"[launcher] {what} as {launcher.kind} jobs, at most {min(launcher.slots, len(jobs))} at once{threads}")
     skipped: list[JobSpec] = []
     try:
         while True:
@@ -280,7 +301,7 @@ def run_jobs(
                 share = free_gpus[: launcher.devices]
                 del free_gpus[: len(share)]
                 job = executor.submit(
-                    _job, spec.protocol, config, spec.methods, str(spec.folder), dict(kwargs), share,
+                    _job, spec.protocol, job_config, spec.methods, str(spec.folder), dict(kwargs), share,
                     launcher.devices, spec.stage, spec.bases,
                 )  # fmt: skip
                 processes = f", {launcher.devices} processes" if launcher.devices > 1 else ""
