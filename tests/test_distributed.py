@@ -389,3 +389,20 @@ def test_the_newer_methods_keep_every_process_identical_under_ddp(tmp_path, monk
     for method in ISSUE17:
         rank0 = (digests / f"{method}.s1.rank0").read_text()
         assert rank0 == (digests / f"{method}.s1.rank1").read_text(), f"{method}: the two processes drifted apart"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity mask on this platform")
+def test_usable_cores_follow_the_affinity_mask_not_the_machine():
+    """What torchrun's ranks, local launcher jobs and prepare workers divide: a container's or ``taskset``'s cores,
+    not ``os.cpu_count()`` (the machine's)."""
+    from jascl.distributed import usable_cores
+
+    mask = os.sched_getaffinity(0)
+    if len(mask) < 2:
+        pytest.skip("one core: the mask and the machine agree")
+    try:
+        os.sched_setaffinity(0, {min(mask)})  # this thread only, restored below
+        assert usable_cores() == 1
+    finally:
+        os.sched_setaffinity(0, mask)
+    assert usable_cores() == len(mask)

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from jascl import distributed
 from jascl.engine.loop import ContinualTrainer
 from jascl.errors import ConfigError, TrainingError
-from jascl.experiments import launcher as launcher_module
 from jascl.experiments.compare import run_compare
 from jascl.experiments.launcher import JobSpec, Launcher, parse_launcher, run_jobs
 from jascl.methods import METHODS
@@ -229,7 +229,7 @@ class _SlowLauncher(Launcher):
 
 
 def test_a_cell_starts_when_its_own_bases_are_complete_not_every_seeds(toy_protocol, toy_config, tmp_path, monkeypatch):
-    monkeypatch.setattr(launcher_module.os, "sched_getaffinity", lambda pid: set(range(6)))  # a 6-core machine
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda pid: set(range(6)))  # a 6-core machine
     THREADS.clear()
 
     def spec(what: str, seed: int, stage: str, after: tuple[str, ...] = ()) -> JobSpec:
@@ -268,7 +268,7 @@ def test_a_cell_starts_when_its_own_bases_are_complete_not_every_seeds(toy_proto
 
 
 def test_local_jobs_share_the_cores_unless_threads_is_set(toy_config, monkeypatch):
-    monkeypatch.setattr(launcher_module.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda pid: set(range(8)))
     assert toy_config.threads == 0
     assert Launcher("local", parallel=2).job_config(toy_config, 5).threads == 4  # 2 jobs at once on 8 cores
     assert Launcher("local", parallel=2).job_config(toy_config, 1).threads == 8  # one job: every core

@@ -28,6 +28,15 @@ import torch.distributed as dist
 from jascl.errors import ConfigError
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity mask (a container's cpuset, ``taskset``, a SLURM
+    allocation), not the machine's count, which ``os.cpu_count()`` gives."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS and Windows have no affinity mask
+        return os.cpu_count() or 1
+
+
 def launched() -> bool:
     """True in a process started by torchrun with more than one process."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -215,7 +224,7 @@ def launch(argv: Sequence[str], nproc: int) -> int:
         *argv,
     ]
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // nproc, 1)))
+    env.setdefault("OMP_NUM_THREADS", str(max(usable_cores() // nproc, 1)))
     env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     interrupts = {"n": 0}
     received: dict[str, int] = {}

@@ -38,6 +38,7 @@ from jascl.data.real import DatasetSource, SampleStore, open_source, resolve_roo
 from jascl.data.real.sources import PREPROCESS_VERSIONS, present_values, read_native_label
 from jascl.data.real.store import open_entry, store_folder
 from jascl.data.synthetic import default_cache_dir
+from jascl.distributed import usable_cores
 from jascl.errors import ConfigError, DataError
 from jascl.fileio import stale_temporary_dirs
 from jascl.protocols.schema import Protocol
@@ -78,7 +79,7 @@ class PrepareReport:
 
 def default_workers() -> int:
     """One worker per core, at most one per :data:`WORKER_MEMORY_GIB` of the machine's memory."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = usable_cores()
     try:
         memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
     except (ValueError, OSError, AttributeError):
@@ -302,7 +303,7 @@ def _run_pool(
 ) -> None:
     from tqdm import tqdm
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = usable_cores()
     threads = max(1, cpus // workers)
     found: dict[str, dict[str, tuple[str, list[int]]]] = {}
 

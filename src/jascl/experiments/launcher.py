@@ -34,12 +34,12 @@ otherwise.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jascl.distributed import usable_cores
 from jascl.engine.config import RunConfig
 from jascl.errors import ConfigError, TrainingError
 from jascl.protocols.schema import Protocol
@@ -141,14 +141,6 @@ class Launcher:
         return ex
 
 
-def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask, e.g. a container's or ``taskset``'s share)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS and Windows have no affinity mask
-        return os.cpu_count() or 1
-
-
 _INT_KEYS = {"parallel", "time_min", "gpus_per_job", "cpus_per_job", "mem_gb"}
 _STR_KEYS = {"partition", "account", "qos", "constraint"}
 
@@ -207,6 +199,7 @@ def _job(protocol: Protocol, config: RunConfig, methods: Sequence[str], folder: 
     """
     import importlib
     import importlib.util
+    import os
     import sys
 
     from jascl.experiments.runner import run_benchmark
