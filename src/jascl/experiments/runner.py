@@ -62,7 +62,7 @@ from jascl.results.report import write_all
 log = logging.getLogger("jascl")
 
 #: what :func:`run_benchmark` does: everything, or a launcher's share of it
-STAGES = ("all", "files", "bases", "base", "cell")
+STAGES = ("all", "files", "bases", "cell")
 
 
 def _method_summary(protocol: Protocol, records: list[dict]) -> dict:
@@ -322,10 +322,9 @@ def run_benchmark(
             the shared session-0 bases not yet complete (:func:`jascl.experiments.bases.missing_bases`: what a
             launcher does before it fans the work out); ``"bases"``: train the shared bases named in ``bases``
             (None: all) into a folder ``"files"`` prepared, then return ``{}`` (a launcher's base job);
-            ``"base"``: ``"files"`` and ``"bases"`` in one call; ``"cell"``: train the methods' sessions into a
-            folder whose bases are complete. ``"bases"`` and ``"cell"`` write neither the run files nor the
-            results and do not hold the folder's lock (a launcher's jobs, beside others in the same folder; a
-            final ``"all"`` pass collects them).
+            ``"cell"``: train the methods' sessions into a folder whose bases are complete. ``"bases"`` and
+            ``"cell"`` write neither the run files nor the results and do not hold the folder's lock (a
+            launcher's jobs, beside others in the same folder; a final ``"all"`` pass collects them).
         bases: with ``stage="bases"``, the shared bases to train (``base``, ``base-<key>``).
     """
     if stage not in STAGES:
@@ -339,7 +338,7 @@ def run_benchmark(
         raise ConfigError(f"--methods: a method is listed twice ({','.join(methods)})")
     out = Path(out)
     main = distributed.is_main()
-    files = stage in ("all", "files", "base")  # a launcher's jobs share the folder the "files" stage prepared
+    files = stage in ("all", "files")  # a launcher's jobs share the folder the "files" stage prepared
     hold = main and files
     if hold:
         preflight(out, protocol, config)
@@ -407,8 +406,8 @@ def run_benchmark(
             check_method_options(out / method.name, method.name, config)
         if stage == "files":
             return {"bases": missing_bases(out, built)}
-        if stage in ("bases", "base"):  # every shared base ("base"), or the ones a launcher's base job names
-            train_bases(protocol, config, data, out, built, bases if stage == "bases" else None, progress, echo, shown)
+        if stage == "bases":  # a launcher's base job
+            train_bases(protocol, config, data, out, built, bases, progress, echo, shown)
             return {}
         bar = tqdm(
             total=len(built) * len(protocol.sessions), desc="sessions", unit="session", disable=not (progress and main)
