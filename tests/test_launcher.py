@@ -281,7 +281,9 @@ def test_local_jobs_share_the_cores_unless_threads_is_set(toy_config, monkeypatc
     assert Launcher("slurm", parallel=2).job_config(toy_config, 5) is toy_config  # SLURM: cpus_per_job
 
 
-def test_a_base_job_refuses_a_base_its_methods_do_not_start_from(toy_protocol, toy_config, tmp_path):
+def test_the_files_stage_lists_the_missing_bases_and_a_base_job_trains_only_its_methods_bases(
+    toy_protocol, toy_config, tmp_path
+):
     from jascl.experiments.runner import run_benchmark
 
     kw = {"cache_dir": tmp_path / "cache", "progress": False, "echo": lambda *a: None}
@@ -294,6 +296,13 @@ def test_a_base_job_refuses_a_base_its_methods_do_not_start_from(toy_protocol, t
         run_benchmark(
             toy_protocol, toy_config, ["vanilla"], out, stage="bases", bases=["base-stochastic-classifier"], **kw
         )
+    # bases=None: every base the methods start from; then none is missing, and the folder has no session else
+    assert run_benchmark(toy_protocol, toy_config, ["vanilla", "jascl", "ewc"], out, stage="bases", **kw) == {}
+    assert run_benchmark(toy_protocol, toy_config, ["vanilla", "jascl", "ewc"], out, stage="files", **kw) == {
+        "bases": {}
+    }
+    assert sorted(p.parent.name for p in out.glob("*/metrics.json")) == ["base", "base-stochastic-classifier"]
+    assert not list(out.glob("*/s*/metrics.json")) and not (out / "results.json").exists()
 
 
 def test_slurm_executor_gets_the_options(tmp_path, monkeypatch):
