@@ -8,9 +8,9 @@ A run folder holds at most these shared bases (:func:`base_folders`):
   plugins that change it (:meth:`jascl.engine.plugin.Method.base_method`).
 
 A method that changes session 0 in a way of its own has no shared base; its session 0 is one of its sessions.
-A base is complete when its ``metrics.json`` exists (:func:`missing_bases`). ``jascl run`` trains the bases a run
-needs in its process, before the methods' sessions; a launcher (:mod:`jascl.experiments.launcher`) trains every
-missing base of every seed as a job of its own first, then the methods' cells.
+A base is complete when its ``metrics.json`` exists (:func:`missing_bases`). ``jascl run`` trains each base in its
+process when the first method that starts from it comes; a launcher (:mod:`jascl.experiments.launcher`) trains
+every missing base of every seed as a job of its own, and starts a method's cell once its base is complete.
 """
 
 from __future__ import annotations
