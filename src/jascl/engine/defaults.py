@@ -36,6 +36,7 @@ from jascl.data.types import SessionData, dense
 from jascl.engine.checkpoint import save_model, save_tensors
 from jascl.engine.losses import SegmentationLoss
 from jascl.engine.plugin import Method, Plugin
+from jascl.engine.prototypes import PrototypeRequest
 from jascl.evaluation.evaluator import EvalResult, evaluate
 from jascl.evaluation.metrics import harmonic_mean, summarise
 from jascl.fileio import atomic_write_text
@@ -130,6 +131,9 @@ class StorePrototypes(Plugin):
     """
 
     name = "prototypes"
+
+    def prototype_requests(self, state: LoopState) -> list[PrototypeRequest]:
+        return [PrototypeRequest((0, *state.session.classes))]
 
     def before_eval(self, state: LoopState) -> None:
         state.prototypes.add(state.session.index, state.compute_prototypes([0, *state.session.classes]))

@@ -30,7 +30,7 @@ from jascl.engine.defaults import PROGRESS
 from jascl.engine.optim import apply_cudnn_benchmark, make_optimizer, resolve_device, resolve_precision, schedule_lr
 from jascl.engine.plugin import EVENTS, Method, Plugin
 from jascl.engine.progress import SessionProgress
-from jascl.engine.prototypes import PrototypeStore
+from jascl.engine.prototypes import PrototypeRequest, PrototypeStore
 from jascl.engine.state import LoopState
 from jascl.engine.stop import REQUEST
 from jascl.engine.tasks import TaskContext, create_task
@@ -110,6 +110,10 @@ class ContinualTrainer:
         self.plugins = self.method.compose(defaults)
         #: the defaults in use (their in-session state is checkpointed beside the method's plugins')
         self.defaults = [d for d in defaults if any(d is p for p in self.plugins)]
+        #: the plugins that declare their ``before_eval`` prototype calls, and those calls' prefetched results
+        self._requesters = [p for p in self.plugins if type(p).prototype_requests is not Plugin.prototype_requests]
+        self._prefetched: dict[PrototypeRequest, dict[int, torch.Tensor]] = {}
+        self._prefetched_for: nn.Module | None = None
         # per event, only the plugins that handle it: a step fires 8 events, most plugins handle few of them
         self._handlers = {
             event: [getattr(p, event) for p in self.plugins if getattr(type(p), event) is not getattr(Plugin, event)]
@@ -183,7 +187,21 @@ class ContinualTrainer:
         The train/eval mode of every module is restored afterwards. The task computes them
         (:meth:`jascl.engine.tasks.Task.compute_prototypes`: pixel features, or RoI features of boxes).
         """
+        request = PrototypeRequest(tuple(classes), normalize_pixels, per_sample, complement, form)
+        if model is self._prefetched_for and request in self._prefetched:
+            return self._prefetched.pop(request)
         return self.task.compute_prototypes(model, t, classes, normalize_pixels, per_sample, complement, form)
+
+    def _before_eval(self, state: LoopState) -> None:
+        """Fire ``before_eval``, the plugins' declared prototype calls computed first in one pass."""
+        requests = list(dict.fromkeys(r for p in self._requesters for r in p.prototype_requests(state)))
+        if requests:
+            results = self.task.compute_prototype_requests(state.model, state.session.index, requests)
+            self._prefetched, self._prefetched_for = dict(zip(requests, results)), state.model
+        try:
+            self.fire("before_eval", state)
+        finally:
+            self._prefetched, self._prefetched_for = {}, None
 
     def setup_model(self, model: Segmenter, t: int) -> None:
         """Fire ``setup_model`` of session ``t`` on ``model`` alone (the classifier grows to its classes)."""
@@ -232,7 +250,7 @@ class ContinualTrainer:
         self.fire("before_session", state)
         self._train(state, out_dir, on_epoch)
         self.fire("after_training", state)
-        self.fire("before_eval", state)
+        self._before_eval(state)
         self.fire("evaluate", state)
         self.fire("after_eval", state)
         self.fire("after_session", state)

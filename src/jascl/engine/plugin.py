@@ -11,7 +11,8 @@ for every session::
         -> after_backward -> before_update -> after_update
       after_epoch
     after_training
-    before_eval      (the session's prototypes are stored first)
+    before_eval      (the session's prototypes are stored first; every plugin's declared
+                      prototype calls, Plugin.prototype_requests, were computed in one pass)
     evaluate         (before_eval_split once per test split, ``state.eval_session`` = its session)
     after_eval -> after_session
     save_session     (the session's checkpoint and metrics are written)
@@ -61,8 +62,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
+    from jascl.engine.prototypes import PrototypeRequest
     from jascl.engine.state import LoopState
 
 EVENTS = (
@@ -158,6 +162,15 @@ class Plugin:
         from jascl.engine.snapshot import restore_object
 
         restore_object(self, state)
+
+    def prototype_requests(self, state: LoopState) -> Sequence[PrototypeRequest]:
+        """The ``state.compute_prototypes`` calls this plugin's ``before_eval`` will make (default: none declared).
+
+        The loop serves every plugin's declared calls with one pass over the session's data, just before
+        ``before_eval`` fires (a pass over whole samples is what a call costs; a 3D base set's is large). They
+        are computed from the model as training left it; a declared call is answered once, and any other call
+        is computed as usual."""
+        return ()
 
     def epoch_iterations(self, state: LoopState) -> int | None:
         """Iterations the plugin needs in the coming epoch (None = the labelled loader's length)."""

@@ -180,6 +180,30 @@ class PrototypeAccumulator:
         return {c: torch.stack(v) for c, v in self.vectors.items() if v}
 
 
+@dataclass(frozen=True)
+class PrototypeRequest:
+    """One ``compute_prototypes`` call as a value (:meth:`jascl.engine.loop.ContinualTrainer.compute_prototypes`):
+    the classes and options. Several requests can be served by one pass over a session's data
+    (:meth:`jascl.engine.tasks.Task.compute_prototype_requests`), each with its own accumulator."""
+
+    classes: tuple[int, ...]
+    normalize_pixels: bool = False
+    per_sample: bool = False
+    complement: bool = False
+    form: str = "eq2"
+
+    def accumulator(self) -> PrototypeAccumulator:
+        """A fresh accumulator for this request."""
+        return PrototypeAccumulator(
+            list(self.classes), self.normalize_pixels, self.per_sample, self.complement, self.form
+        )
+
+    def result(self, acc: PrototypeAccumulator) -> dict[int, torch.Tensor]:
+        """What ``compute_prototypes`` returns for this request once ``acc`` has seen every sample: per-sample
+        prototypes (N_c, D) with ``per_sample``, else the class prototypes (D,)."""
+        return acc.samples() if self.per_sample else acc.compute()
+
+
 @dataclass
 class PrototypeStore:
     """All prototypes collected so far, keyed by (session, class id)."""

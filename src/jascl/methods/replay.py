@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from jascl.engine.plugin import Plugin
+from jascl.engine.prototypes import PrototypeRequest
 
 if TYPE_CHECKING:
     from jascl.engine.state import LoopState
@@ -159,18 +160,38 @@ class PrototypeReplayPlugin(Plugin):
 
     # -------------------------------------------------- the prototypes this plugin computes itself
 
+    def _wanted(self, state: LoopState) -> list[int]:
+        """The session's classes whose prototypes this plugin has not computed yet (``values="authors"``: class
+        prototypes, with background under ``background="session"``; else the ``per-class`` complements)."""
+        t = state.session.index
+        if self.values == "authors":
+            classes = [0, *state.session.classes] if self.background == "session" else list(state.session.classes)
+            return [c for c in classes if (t, c) not in self.own]
+        if self.background != "per-class":
+            return []
+        return [c for c in state.session.classes if (t, c) not in self.complements]
+
+    def prototype_requests(self, state: LoopState) -> list[PrototypeRequest]:
+        """What :meth:`_add_own` will ask for in ``before_eval`` (served with the store's in one pass)."""
+        wanted = tuple(self._wanted(state))
+        if not wanted:
+            return []
+        if self.values != "authors":
+            return [PrototypeRequest(wanted, complement=True)]
+        requests = [PrototypeRequest(wanted, per_sample=True, form="authors")]
+        if self.background == "per-class":
+            requests.append(PrototypeRequest(wanted, per_sample=True, complement=True, form="authors"))
+        return requests
+
     def _add_own(self, state: LoopState) -> None:
         """After session t's training: the complements (``per-class``) and, with ``values="authors"``, the
         class prototypes, of the session's classes not computed yet."""
         t = state.session.index
-        if self.values == "authors":
-            classes = [0, *state.session.classes] if self.background == "session" else list(state.session.classes)
-            wanted = [c for c in classes if (t, c) not in self.own]
-            if wanted:
-                self._add_authors(state, wanted)
+        wanted = self._wanted(state)
+        if not wanted:
             return
-        wanted = [c for c in state.session.classes if (t, c) not in self.complements]
-        if self.background != "per-class" or not wanted:
+        if self.values == "authors":
+            self._add_authors(state, wanted)
             return
         for c, vector in state.compute_prototypes(wanted, complement=True).items():
             self.complements[(t, int(c))] = vector.detach().float().cpu()

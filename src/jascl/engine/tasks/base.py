@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from jascl.data.types import SessionData
     from jascl.engine.config import RunConfig
     from jascl.engine.plugin import Method, Plugin
+    from jascl.engine.prototypes import PrototypeRequest
     from jascl.engine.state import LoopState
     from jascl.protocols.schema import Protocol
 
@@ -63,7 +64,7 @@ class Task:
     * the default plugins (:meth:`default_plugins`): classifier growth, the supervised loss, model selection,
       prototypes, evaluation and the checkpoint, by the same names whatever the task, so that a method replaces
       "supervised-loss" alike;
-    * eq. 2 prototypes (:meth:`compute_prototypes`).
+    * eq. 2 prototypes (:meth:`compute_prototypes`; several in one pass: :meth:`compute_prototype_requests`).
 
     Args:
         context: the run the task serves (:class:`TaskContext`: protocol, configuration, data, device, precision).
@@ -130,3 +131,14 @@ class Task:
         """Eq. 2 prototypes of ``classes`` from session ``t``'s labelled data (see
         :meth:`jascl.engine.loop.ContinualTrainer.compute_prototypes`)."""
         raise NotImplementedError
+
+    def compute_prototype_requests(
+        self, model: nn.Module, t: int, requests: Sequence[PrototypeRequest]
+    ) -> list[dict[int, torch.Tensor]]:
+        """Several :meth:`compute_prototypes` on the same model and session, in the order given. A task may
+        serve them in one pass over the data (segmentation does: the model's features feed every request's
+        accumulator); by default each is its own call."""
+        return [
+            self.compute_prototypes(model, t, list(r.classes), r.normalize_pixels, r.per_sample, r.complement, r.form)
+            for r in requests
+        ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +21,7 @@ from jascl.engine.defaults import (
     StorePrototypes,
     SupervisedLoss,
 )
-from jascl.engine.prototypes import PrototypeAccumulator
+from jascl.engine.prototypes import PrototypeRequest
 from jascl.engine.tasks.base import Task
 from jascl.errors import ConfigError
 from jascl.networks.base import Segmenter, SegmenterOutput, create_segmenter, encoder_modules, eval_mode
@@ -173,9 +173,18 @@ class SegmentationTask(Task):
         complement: bool = False,
         form: str = "eq2",
     ) -> dict[int, torch.Tensor]:
+        request = PrototypeRequest(tuple(classes), normalize_pixels, per_sample, complement, form)
+        return self.compute_prototype_requests(model, t, [request])[0]
+
+    @torch.no_grad()
+    def compute_prototype_requests(
+        self, model: nn.Module, t: int, requests: Sequence[PrototypeRequest]
+    ) -> list[dict[int, torch.Tensor]]:
+        """One pass over session ``t``'s labelled samples (whole, eval mode) for every request: each batch's
+        features go to every request's accumulator, so each result is the one its own pass would give."""
         assert isinstance(model, Segmenter)
         run = self.context
-        acc = PrototypeAccumulator(classes, normalize_pixels, keep_samples=per_sample, complement=complement, form=form)
+        accs = [r.accumulator() for r in requests]
         dataset = self.labelled_dataset(t, augment=False, crop=False)
         # whole samples: batch them only when they all have one size (real datasets vary)
         uniform = getattr(run.data[t].train.images, "uniform", True)
@@ -185,6 +194,9 @@ class SegmentationTask(Task):
         with eval_mode(model), run.autocast():
             for batch in loader:
                 out = model.forward_features(batch["image"].to(run.device))
-                acc.update(out.features, batch["label"].to(run.device))
-        acc.all_reduce(model.backbone.feature_channels)
-        return acc.samples() if per_sample else acc.compute()
+                labels = batch["label"].to(run.device)
+                for acc in accs:
+                    acc.update(out.features, labels)
+        for acc in accs:
+            acc.all_reduce(model.backbone.feature_channels)
+        return [r.result(acc) for r, acc in zip(requests, accs)]
