@@ -177,11 +177,22 @@ def test_replay_values_authors_replays_its_own_prototypes():
         calls.append((tuple(classes), per_sample, complement, form))
         return {c: (complements if complement else samples)[c] for c in classes}
 
+    passes = []
+
+    def compute_requests(requests):  # the loop's: several calls in one pass over the data
+        passes.append(len(requests))
+        return [compute(r.classes, r.per_sample, r.complement, r.form) for r in requests]
+
     samples, complements = per_sample, complement
-    state = SimpleNamespace(session=SimpleNamespace(index=0, classes=[1, 2]), seed=1024, compute_prototypes=compute)
+    state = SimpleNamespace(
+        session=SimpleNamespace(index=0, classes=[1, 2]),
+        seed=1024,
+        compute_prototypes=compute,
+        compute_prototype_requests=compute_requests,
+    )
     plugin = PrototypeReplayPlugin(values="authors", base_samples=10)
     plugin.before_eval(state)
-    assert calls == [((1, 2), True, False, "authors"), ((1, 2), True, True, "authors")]
+    assert calls == [((1, 2), True, False, "authors"), ((1, 2), True, True, "authors")] and passes == [2]
     chosen = base_sample_indices(12, 10, 1024, 0, 1)
     assert torch.allclose(plugin.own[(0, 1)], per_sample[1][chosen].mean(0))
     assert torch.allclose(plugin.complements[(0, 1)], complement[1][chosen].mean(0))

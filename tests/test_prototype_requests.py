@@ -115,3 +115,21 @@ def test_a_declared_call_gets_the_model_as_training_left_it_once(toy_protocol, t
     assert torch.equal(first[1], asks.trained[1])
     assert torch.equal(second[1], trainer.task.compute_prototypes(model, 0, [1])[1])
     assert not torch.allclose(second[1], first[1])  # (the scaling changed the features)
+
+
+def test_a_reused_session_takes_one_pass_for_the_authors_values(toy_protocol, toy_config, tmp_path, monkeypatch):
+    """values=authors at ``session_restored`` (a JASCL variant starting from the shared base): the per-sample
+    prototypes and their complements in one pass, as separate calls would give them."""
+    base = _trainer(toy_protocol, toy_config, tmp_path)
+    model, store = base.initial_model(3), PrototypeStore()
+    base.run_session(0, model, store, tmp_path / "s0")
+    plugin = PrototypeReplayPlugin(values="authors")
+    trainer = _trainer(toy_protocol, toy_config, tmp_path, plugin)
+    passes = _count_passes(trainer, monkeypatch)
+    trainer.restore_session(0, tmp_path / "s0", model, store)
+    assert passes[0] == 1
+    samples = trainer.compute_prototypes(model, 0, [1, 2], per_sample=True, form="authors")
+    complements = trainer.compute_prototypes(model, 0, [1, 2], per_sample=True, complement=True, form="authors")
+    for c in (1, 2):  # base_samples=0: every sample
+        assert torch.equal(plugin.own[(0, c)], samples[c].mean(0))
+        assert torch.equal(plugin.complements[(0, c)], complements[c].mean(0))

@@ -188,9 +188,22 @@ class ContinualTrainer:
         (:meth:`jascl.engine.tasks.Task.compute_prototypes`: pixel features, or RoI features of boxes).
         """
         request = PrototypeRequest(tuple(classes), normalize_pixels, per_sample, complement, form)
-        if model is self._prefetched_for and request in self._prefetched:
-            return self._prefetched.pop(request)
-        return self.task.compute_prototypes(model, t, classes, normalize_pixels, per_sample, complement, form)
+        return self.compute_prototype_requests(model, t, [request])[0]
+
+    @torch.no_grad()
+    def compute_prototype_requests(
+        self, model: nn.Module, t: int, requests: Sequence[PrototypeRequest]
+    ) -> list[dict[int, torch.Tensor]]:
+        """Several :meth:`compute_prototypes` calls, their results in the order given: those declared for
+        ``before_eval`` (:meth:`_before_eval`) come from its pass, once each; the others take one pass together
+        (:meth:`jascl.engine.tasks.Task.compute_prototype_requests`)."""
+        unique = list(dict.fromkeys(requests))
+        served = model is self._prefetched_for
+        ready = {r: self._prefetched.pop(r) for r in unique if served and r in self._prefetched}
+        missing = [r for r in unique if r not in ready]
+        if missing:
+            ready.update(zip(missing, self.task.compute_prototype_requests(model, t, missing)))
+        return [ready[r] for r in requests]
 
     def _before_eval(self, state: LoopState) -> None:
         """Fire ``before_eval``, the plugins' declared prototype calls computed first in one pass."""
@@ -413,6 +426,7 @@ class ContinualTrainer:
             freeze_incremental=self.method.freeze_policy(self.config.freeze_incremental),
             new_model=self.new_model,
             compute_prototypes=lambda classes, **kw: self.compute_prototypes(model, t, classes, **kw),
+            compute_prototype_requests=lambda requests: self.compute_prototype_requests(model, t, requests),
             previous_seen=protocol.seen_classes(t - 1) if t > 0 else [],
             forward=self.task.training_forward(model),
             autocast=self.autocast,

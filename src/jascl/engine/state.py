@@ -39,6 +39,9 @@ class LoopState:
         compute_prototypes: eq. 2 prototypes of the given classes from the session's labelled
             data with the current model (training modes are restored afterwards); keyword
             ``normalize_pixels`` and ``complement`` as in :func:`jascl.engine.prototypes.per_sample_prototypes`.
+        compute_prototype_requests: several such calls at once (a list of
+            :class:`~jascl.engine.prototypes.PrototypeRequest`, their results in that order), in one pass over the
+            data for those not already served (:meth:`jascl.engine.plugin.Plugin.prototype_requests`).
         losses: named loss terms of the current iteration; the loop sums them.
         output: the model output of the current training iteration.
         batch: the current batch (``image`` (B, C, *spatial), ``label`` (B, *spatial) int64 global ids; a
@@ -80,6 +83,9 @@ class LoopState:
     freeze_incremental: str = "none"
     frozen: list[torch.nn.Module] = field(default_factory=list)
     new_model: Callable[[int], Segmenter] = field(default_factory=lambda: _unset("new_model"))
+    compute_prototype_requests: Callable[..., list[dict[int, torch.Tensor]]] = field(
+        default_factory=lambda: _unset("compute_prototype_requests")
+    )
     compute_prototypes: Callable[..., dict[int, torch.Tensor]] = field(
         default_factory=lambda: _unset("compute_prototypes")
     )

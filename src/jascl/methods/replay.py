@@ -184,26 +184,23 @@ class PrototypeReplayPlugin(Plugin):
         return requests
 
     def _add_own(self, state: LoopState) -> None:
-        """After session t's training: the complements (``per-class``) and, with ``values="authors"``, the
-        class prototypes, of the session's classes not computed yet."""
+        """After session t's training (or when it is reused): the complements (``per-class``) and, with
+        ``values="authors"``, the class prototypes, of the session's classes not computed yet; the calls of
+        :meth:`prototype_requests`, in one pass (in ``before_eval``, the loop's)."""
         t = state.session.index
-        wanted = self._wanted(state)
-        if not wanted:
+        requests = self.prototype_requests(state)
+        if not requests:
             return
+        results = state.compute_prototype_requests(requests)
         if self.values == "authors":
-            self._add_authors(state, wanted)
+            self._add_authors(state, results[0], results[1] if len(results) > 1 else {})
             return
-        for c, vector in state.compute_prototypes(wanted, complement=True).items():
+        for c, vector in results[0].items():
             self.complements[(t, int(c))] = vector.detach().float().cpu()
 
-    def _add_authors(self, state: LoopState, classes: list[int]) -> None:
+    def _add_authors(self, state: LoopState, samples: dict, complements: dict) -> None:
+        """The plugin's own class prototypes (and complements) from the per-sample ones, base samples drawn."""
         t = state.session.index
-        samples = state.compute_prototypes(classes, per_sample=True, form="authors")
-        complements = (
-            state.compute_prototypes(classes, per_sample=True, complement=True, form="authors")
-            if self.background == "per-class"
-            else {}
-        )
         for c, vectors in samples.items():
             chosen = base_sample_indices(len(vectors), self.base_samples if t == 0 else 0, state.seed, t, int(c))
             self.own[(t, int(c))] = vectors[chosen].mean(0).detach().float().cpu()
