@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ from jascl.errors import ConfigError, TrainingError
 from jascl.experiments.compare import run_compare
 from jascl.experiments.launcher import JobSpec, Launcher, parse_launcher, run_jobs
 from jascl.methods import METHODS
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _at(messages: list[str], start: str) -> int:
@@ -320,6 +324,8 @@ def test_slurm_executor_gets_the_options(tmp_path, monkeypatch):
     assert params["partition"] == "gpu" and params["time"] == 600 and params["array_parallelism"] == 8
     assert params["gpus_per_node"] == 2 and params["mem"] == "64GB" and params["cpus_per_task"] == 8
     assert params["ntasks_per_node"] == 1
+    assert lau.executor(tmp_path / "logs")._executor.max_num_timeout == 3  # requeues at the time limit
+    assert parse_launcher("slurm", ["requeues=0"]).executor(tmp_path / "logs")._executor.max_num_timeout == 0
     # --devices 4: four tasks (processes) per job and, unless gpus_per_job says otherwise, four GPUs
     params = parse_launcher("slurm", [], 4).executor(tmp_path / "logs")._executor.parameters
     assert params["ntasks_per_node"] == 4 and params["gpus_per_node"] == 4
@@ -374,3 +380,79 @@ def test_local_launcher_trains_each_cell_with_n_processes(toy_protocol, toy_conf
     for name in files:
         assert json.loads((tmp_path / "probe" / name).read_text()) == {"world": 2, "device": "cpu"}
     assert len(summary["methods"]["world-probe"]["sessions"]) == 2
+
+
+#: makes the first task of a local submitit job send itself submitit's time-limit signal (USR2) right after its
+#: first optimiser step, once per test (the marker file), as SLURM does ``signal_delay_s`` before the limit
+TIME_LIMIT = """
+import os
+if os.environ.get("SUBMITIT_LOCAL_GLOBALID") == "0" and os.environ.get("JASCL_TIME_LIMIT_MARK"):
+    import signal
+    from jascl.engine.loop import ContinualTrainer
+    fire = ContinualTrainer.fire
+
+    def fire_and_signal(self, event, state):
+        fire(self, event, state)
+        mark = os.environ["JASCL_TIME_LIMIT_MARK"]
+        if event == "after_update" and not os.path.exists(mark):
+            with open(mark, "w") as f:
+                f.write(f"session {state.session.index} iteration {state.iteration}")
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+    ContinualTrainer.fire = fire_and_signal
+"""
+
+
+@pytest.mark.slow
+def test_a_job_at_its_time_limit_stops_after_the_step_and_is_requeued_to_the_same_model(
+    toy_protocol, toy_config, tmp_path, monkeypatch
+):
+    from jascl.experiments.runner import run_benchmark
+
+    config = dataclasses.replace(toy_config, threads=1, epochs_base=2)  # 8 images, batch 4: 2 steps per epoch
+    kw = {"cache_dir": tmp_path / "cache", "progress": False, "echo": lambda *a: None}
+    run_benchmark(toy_protocol, config, ["vanilla"], tmp_path / "seq", stage="bases", **kw)  # uninterrupted
+    jobs = tmp_path / "jobs"
+    assert run_benchmark(toy_protocol, config, ["vanilla"], jobs, stage="files", **kw) == {
+        "bases": {"base": ["vanilla"]}
+    }
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(TIME_LIMIT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), str(ROOT / "src")]))
+    monkeypatch.setenv("JASCL_TIME_LIMIT_MARK", str(tmp_path / "signalled"))
+    # time_min=1: submitit counts any signal as the time limit (a job that is not checkpointable is then not
+    # requeued: "timed-out and not checkpointable"), and its local executor ends an attempt after a minute
+    launcher = Launcher("local", time_min=1, poll_s=0.2)
+    spec = JobSpec(toy_protocol, ("vanilla",), jobs, "bases", "base seed 3", ("base",))
+    messages: list[str] = []
+    failed, skipped = run_jobs(launcher, [spec], config, jobs, {"cache_dir": tmp_path / "cache"}, messages.append)
+    logs = "\n".join(p.read_text() for p in sorted((jobs / "launcher").glob("*_0_log.*")))
+    assert (failed, skipped) == ([], []), logs[-3000:]
+    assert (tmp_path / "signalled").read_text() == "session 0 iteration 0"  # after the first of 4 steps
+    # the job stopped there with a checkpoint, submitit requeued it, and the requeued job resumed and finished
+    assert (
+        "[launcher] stopped on SIGUSR2 in base session 0 (base): its training state inside epoch 0, after step 1"
+        in logs
+    )
+    assert "Job has timed out" in logs and "Requeued job" in logs
+    a = load_file(tmp_path / "seq" / "base" / "model.safetensors")
+    b = load_file(jobs / "base" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (
+        json.loads((jobs / "base" / "metrics.json").read_text())["per_class"]
+        == json.loads((tmp_path / "seq" / "base" / "metrics.json").read_text())["per_class"]
+    )
+
+
+def test_a_job_is_what_submitit_requeues_the_same_call(toy_protocol, toy_config):
+    from submitit.helpers import DelayedSubmission
+
+    from jascl.experiments.launcher import SessionsJob, _job, timeout_signal
+
+    args = (toy_protocol, toy_config, ("vanilla",), "/runs/x", {}, (), 1, "cell", None)
+    again = _job.checkpoint(*args)
+    assert isinstance(again, DelayedSubmission) and again.function is _job and again.args == args
+    assert isinstance(_job, SessionsJob) and timeout_signal() == signal.SIGUSR2
+    assert parse_launcher("slurm", ["requeues=5"]).requeues == 5 and Launcher("local").requeues == 3
+    with pytest.raises(ConfigError, match="requeues >= 0"):
+        Launcher("local", requeues=-1)

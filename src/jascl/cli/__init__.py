@@ -39,8 +39,8 @@ def add_launcher_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="launcher option, repeatable: parallel, gpus (local, e.g. 0,1,2,3), time_min, partition, account, "
-        "qos, constraint, gpus_per_job, cpus_per_job, mem_gb",
+        help="launcher option, repeatable: parallel, gpus (local, e.g. 0,1,2,3), time_min, requeues, partition, "
+        "account, qos, constraint, gpus_per_job, cpus_per_job, mem_gb",
     )
     p.add_argument(
         "--devices",

@@ -18,9 +18,10 @@
 This process trains nothing: on SLURM it can run in a small job of its own while the bases, the largest
 trainings of a grid, get the resources of a job like every cell. A job that fails leaves its finished sessions
 and its last checkpoint; the error names it and its log, the cells whose base failed are not submitted, and
-rerunning the command submits only what is still missing. Job logs go to ``<out>/launcher/`` (submitit's folder).
-SLURM options: ``partition``, ``time_min``, ``gpus_per_job``, ``cpus_per_job``, ``mem_gb``, ``account``, ``qos``,
-``constraint`` (see ``docs/distributed.md``).
+rerunning the command submits only what is still missing. A job that reaches its time limit stops at a step
+with a checkpoint and is requeued from there (:class:`SessionsJob`). Job logs go to ``<out>/launcher/``
+(submitit's folder). Options: ``parallel``, ``gpus``, ``time_min``, ``requeues``; for SLURM also ``partition``,
+``gpus_per_job``, ``cpus_per_job``, ``mem_gb``, ``account``, ``qos``, ``constraint`` (see ``docs/distributed.md``).
 
 ``devices`` > 1 (``--devices N``) trains every base and every cell with N processes and DistributedDataParallel,
 as ``jascl run --devices N`` does: the job has N tasks (submitit's ``tasks_per_node``), each task exports
@@ -34,6 +35,11 @@ otherwise.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
+import os
+import signal
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -58,6 +64,8 @@ class Launcher:
         gpus: local only: the GPU ids to spread the jobs over, ``devices`` GPUs per job (empty: no GPU).
         devices: processes per cell job (DistributedDataParallel when > 1; one GPU each where there are GPUs).
         time_min: a job's time limit in minutes.
+        requeues: how many times a job that reaches its time limit is requeued where it stopped
+            (:class:`SessionsJob`; submitit's ``max_num_timeout``).
         partition, account, qos, constraint, gpus_per_job, cpus_per_job, mem_gb: SLURM resources
             (``gpus_per_job`` None: ``devices``; ``cpus_per_job`` per process).
         poll_s: seconds between checks of the running jobs.
@@ -68,6 +76,7 @@ class Launcher:
     gpus: tuple[int, ...] = ()
     devices: int = 1
     time_min: int = 24 * 60
+    requeues: int = 3
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -80,8 +89,16 @@ class Launcher:
     def __post_init__(self) -> None:
         if self.kind not in LAUNCHERS:
             raise ConfigError(f"--launcher {self.kind}: choose local or slurm")
-        if self.parallel < 0 or self.time_min < 1 or (self.gpus_per_job or 0) < 0 or self.cpus_per_job < 1:
-            raise ConfigError("--launcher-opt: parallel >= 0, time_min >= 1, gpus_per_job >= 0, cpus_per_job >= 1")
+        if (
+            self.parallel < 0
+            or self.time_min < 1
+            or self.requeues < 0
+            or (self.gpus_per_job or 0) < 0
+            or self.cpus_per_job < 1
+        ):
+            raise ConfigError(
+                "--launcher-opt: parallel >= 0, time_min >= 1, requeues >= 0, gpus_per_job >= 0, cpus_per_job >= 1"
+            )
         if self.devices < 1:
             raise ConfigError(f"--devices {self.devices}: must be >= 1")
         if self.kind == "local" and self.gpus and len(self.gpus) < self.devices:
@@ -115,11 +132,11 @@ class Launcher:
         except ImportError:  # pragma: no cover - submitit is a dependency
             raise ConfigError("--launcher needs submitit: pip install submitit") from None
         if self.kind == "local":
-            local = submitit.LocalExecutor(folder=str(folder))
+            local = submitit.LocalExecutor(folder=str(folder), max_num_timeout=self.requeues)
             local.update_parameters(timeout_min=self.time_min, tasks_per_node=self.devices)
             return local
         try:
-            ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
+            ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm", slurm_max_num_timeout=self.requeues)
         except RuntimeError as exc:  # submitit: 'Could not detect "srun"'
             raise ConfigError(
                 f"--launcher slurm: {exc} (run it on a SLURM login node, or use --launcher local)"
@@ -141,7 +158,7 @@ class Launcher:
         return ex
 
 
-_INT_KEYS = {"parallel", "time_min", "gpus_per_job", "cpus_per_job", "mem_gb"}
+_INT_KEYS = {"parallel", "time_min", "requeues", "gpus_per_job", "cpus_per_job", "mem_gb"}
 _STR_KEYS = {"partition", "account", "qos", "constraint"}
 
 
@@ -149,7 +166,7 @@ def parse_launcher(kind: str | None, options: Sequence[str] = (), devices: int |
     """``--launcher KIND``, ``--launcher-opt KEY=VALUE`` (repeatable) and ``--devices N`` as a :class:`Launcher`;
     None without one.
 
-    Keys: ``parallel``, ``gpus`` (comma-separated ids, local), ``time_min``, and for SLURM ``partition``,
+    Keys: ``parallel``, ``gpus`` (comma-separated ids, local), ``time_min``, ``requeues``, and for SLURM ``partition``,
     ``account``, ``qos``, ``constraint``, ``gpus_per_job``, ``cpus_per_job``, ``mem_gb``.
     """
     if kind is None:
@@ -190,47 +207,89 @@ def cell_finished(folder: Path, method: str, protocol: Protocol) -> bool:
     return (folder / method / f"s{len(protocol.sessions) - 1}-{last.name}" / "metrics.json").exists()
 
 
-def _job(protocol: Protocol, config: RunConfig, methods: Sequence[str], folder: str, kwargs: Mapping[str, Any],
-         gpus: Sequence[int], devices: int, stage: str, bases: Sequence[str] | None = None) -> str:  # fmt: skip
+def timeout_signal() -> int:
+    """The signal submitit's jobs take as "the time limit is near" (its ``SUBMITIT_PREEMPT_SIGNAL``, USR2 by
+    default): SLURM sends it ``signal_delay_s`` (90 s) before a job's limit, the local executor 30 s before."""
+    return int(getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")))
+
+
+class SessionsJob:
     """One job (each of its ``devices`` tasks): ``run_benchmark(stage=stage)`` into the prepared run folder, a
     cell (``stage="cell"``: one method's sessions) or a shared base (``stage="bases"``: the named base).
 
-    ``gpus``: the local launcher's share of the GPUs (CUDA_VISIBLE_DEVICES; rank r takes the r-th).
+    Near its time limit the job is requeued where it stopped. submitit sends :func:`timeout_signal`; the job takes
+    it as a stop request (:mod:`jascl.engine.stop`): the loop finishes its step, writes the session's checkpoint
+    and stops. The job then hands the signal to the handler submitit installed, which calls :meth:`checkpoint` (a
+    callable with that method is what submitit requeues after a timeout, ``submitit.helpers.Checkpointable``) and
+    requeues the job, at most ``requeues`` times. The requeued job is the same call: ``run_benchmark`` resumes the
+    session from its checkpoint, to the results of an uninterrupted job. Without this, a job at its limit died
+    with "timed-out and not checkpointable", and its work since the last epoch's checkpoint was lost.
+    With several processes the ranks stop together at the next ``checkpoint_steps`` checkpoint or epoch end,
+    which must come before the signal's lead time runs out (docs/distributed.md).
     """
-    import importlib
-    import importlib.util
-    import os
-    import sys
 
-    from jascl.experiments.runner import run_benchmark
+    def __call__(self, protocol: Protocol, config: RunConfig, methods: Sequence[str], folder: str,
+                 kwargs: Mapping[str, Any], gpus: Sequence[int], devices: int, stage: str,
+                 bases: Sequence[str] | None = None) -> str:  # fmt: skip
+        """Train the job. ``gpus``: the local launcher's share of the GPUs (CUDA_VISIBLE_DEVICES; rank r takes the
+        r-th)."""
+        from jascl.engine.stop import REQUEST, Stopped
 
-    for name in kwargs.get("imports", ()):  # the user's modules register their methods in this process too
-        if name.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(Path(name).stem, name)
-            if spec is None or spec.loader is None:
-                raise ConfigError(f"--import {name}: not a Python module")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[Path(name).stem] = module
-            spec.loader.exec_module(module)
-        else:
-            importlib.import_module(name)
-    if gpus:  # the local launcher's share of the GPUs
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-    options = {**kwargs, "progress": False, "stage": stage, "bases": bases}
-    if devices == 1:
-        run_benchmark(protocol, config, list(methods), folder, **options)
+        for name in kwargs.get("imports", ()):  # the user's modules register their methods in this process too
+            if name.endswith(".py"):
+                spec = importlib.util.spec_from_file_location(Path(name).stem, name)
+                if spec is None or spec.loader is None:
+                    raise ConfigError(f"--import {name}: not a Python module")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[Path(name).stem] = module
+                spec.loader.exec_module(module)
+            else:
+                importlib.import_module(name)
+        if gpus:  # the local launcher's share of the GPUs
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        limit = timeout_signal()
+        submitits = signal.getsignal(limit)  # submitit's checkpoint-and-requeue handler (inside a job)
+        try:
+            with REQUEST.installed((signal.Signals(limit).name,)):
+                self._train(protocol, config, methods, folder, {**kwargs, "stage": stage, "bases": bases}, devices)
+        except Stopped as exc:
+            if not callable(submitits):  # (not a submitit job)
+                raise
+            print(f"[launcher] {exc}; requeueing the job through submitit", file=sys.stderr, flush=True)
+            submitits(limit, None)  # requeues and exits (rank 0); returns (the other ranks)
+            raise
         return folder
-    from submitit.helpers import TorchDistributedEnvironment
 
-    from jascl import distributed
+    @staticmethod
+    def _train(protocol: Protocol, config: RunConfig, methods: Sequence[str], folder: str,
+               options: Mapping[str, Any], devices: int) -> None:  # fmt: skip
+        from jascl.experiments.runner import run_benchmark
 
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)  # RANK, WORLD_SIZE, MASTER_*, LOCAL_RANK
-    config = dataclasses.replace(config, device=distributed.init(config.device))
-    try:
-        run_benchmark(protocol, config, list(methods), folder, **options)
-    finally:
-        distributed.shutdown()
-    return folder
+        options = {**options, "progress": False}
+        if devices == 1:
+            run_benchmark(protocol, config, list(methods), folder, **options)
+            return
+        from submitit.helpers import TorchDistributedEnvironment
+
+        from jascl import distributed
+
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)  # RANK, WORLD_SIZE, MASTER_*, LOCAL_RANK
+        config = dataclasses.replace(config, device=distributed.init(config.device))
+        try:
+            run_benchmark(protocol, config, list(methods), folder, **options)
+        finally:
+            distributed.shutdown()
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """What submitit requeues: the same call (``submitit.helpers.DelayedSubmission``); the run folder holds
+        the state it resumes from."""
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self, *args, **kwargs)
+
+
+#: the callable every job runs
+_job = SessionsJob()
 
 
 @dataclasses.dataclass(frozen=True)
