@@ -110,6 +110,7 @@ def test_a_worker_reuses_batches_let_go_of_and_never_one_still_held(tmp_path):
     assert [int(b["allocations"]) for b in held] == list(range(1, len(keys) + 1))
 
 
+@pytest.mark.slow
 def test_a_run_on_the_store_gives_the_same_scores_with_loader_workers(tmp_path):
     """The training loop's loader on the store (crops read into reused batch memory in two persistent workers, with
     prefetch) gives the scores of the loader without workers, to the last digit. This checks the loop's path through

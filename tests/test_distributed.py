@@ -315,6 +315,7 @@ def test_sync_batchnorm_converts_in_place_only_with_several_gpu_processes(monkey
     assert torch.equal(m.eval()(x), reference(x))  # evaluation (no synchronisation) is unchanged
 
 
+@pytest.mark.slow
 def test_a_method_that_leaves_parameters_without_gradient_trains_with_two_processes(tmp_path, monkeypatch, capfd):
     """C-FSCIL's meta-learning epochs leave the pixel classifier without a gradient; the trainer must ask
     DistributedDataParallel to find such parameters (``Plugin.unused_parameters``), else the second

@@ -107,6 +107,7 @@ def _fit(images, shape, steps, seed=0):
     return prior, first, last
 
 
+@pytest.mark.slow
 def test_trained_prior_draws_its_sessions_pattern_and_an_untrained_one_does_not():
     # every training image: a bright left half (0.9) and a dark right half (0.1), with a little noise
     g = torch.Generator().manual_seed(0)
@@ -128,6 +129,7 @@ def test_trained_prior_draws_its_sessions_pattern_and_an_untrained_one_does_not(
     assert abs(contrast(untrained)) < 0.2
 
 
+@pytest.mark.slow
 def test_slicewise_prior_learns_a_depth_dependent_pattern_through_its_position_channel():
     # slices 0-1 of every volume: bright left half; slices 2-3: bright right half. Only the position channel tells
     # the slices apart (the slices of a sampled volume share their starting noise).

@@ -77,6 +77,7 @@ def test_methods_sharing_an_options_block_share_its_class():
     assert classes["jascl"] == {"jascl.methods.presets.JasclOptions"}
 
 
+@pytest.mark.slow
 def test_importing_the_module_an_entry_names_registers_it():
     """In a fresh interpreter, module by module: what :meth:`Registry.get` imports on first use registers it."""
     code = textwrap.dedent(

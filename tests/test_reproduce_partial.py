@@ -62,6 +62,7 @@ except Stopped as exc:  # as jascl reproduce does
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
 def test_a_killed_reproduction_shows_its_finished_cells(tmp_path, how):
     data, proto = _two_job_table(tmp_path)

@@ -98,6 +98,7 @@ def in_pty(args: list[str], columns: int = 100) -> tuple[int, str]:
     return process.wait(), out.decode(errors="replace")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses a pseudo-terminal")
 def test_a_second_run_and_a_report_are_refused_a_killed_runs_lock_is_not_and_resume_shows_where(tmp_path, capsys):
     """A real run stops itself (SIGSTOP) after its 2nd step, holding the folder: a second ``jascl run`` into it and a

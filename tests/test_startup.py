@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 HEAVY = ("torch", "monai", "torchvision", "matplotlib", "segmentation_models_pytorch", "open_clip", "scipy")
 
 
@@ -63,6 +65,7 @@ def test_help_the_listing_commands_and_input_errors_import_no_heavy_library():
     assert found == {command: [code, [], True] for command, code in commands.items()}
 
 
+@pytest.mark.slow
 def test_the_nifti_modules_import_first_in_a_fresh_interpreter():
     # jascl.data.medical -> layouts.base -> layouts/__init__ -> msd -> volume_checks: a name volume_checks took
     # from medical (not yet defined while medical was importing) once broke `import jascl.data.medical` as the

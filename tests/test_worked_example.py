@@ -28,6 +28,7 @@ def block_after(marker: str) -> str:
     return text[body : text.index("```", body)]
 
 
+@pytest.mark.slow
 def test_the_worked_example_runs_as_written(tmp_path, capsys, monkeypatch):
     data = fxm.write_msd(tmp_path / "my-ct", cases=8, shape=(32, 32, 32), labels=(1, 2), test_cases=0)
     monkeypatch.chdir(tmp_path)

@@ -89,6 +89,7 @@ def test_the_example_registers_runs_and_is_configured_like_every_method(example,
         create_method("l2-sp", toy_config)
 
 
+@pytest.mark.slow
 def test_the_example_from_the_command_line(tmp_path, capsys, monkeypatch):
     protocol = tmp_path / "toy.yaml"
     protocol.write_text(yaml.safe_dump(toy_protocol_dict(2)))
