@@ -24,6 +24,7 @@ from jascl import distributed
 from jascl.data.datasets import iterate_steps, loader_position, set_loader_position
 from jascl.data.sampling import derive_seed, loader_options, seeded_loader
 from jascl.data.types import SessionData
+from jascl.engine import prototype_cache
 from jascl.engine.checkpoint import load_model, load_tensors, session_meta
 from jascl.engine.config import RunConfig
 from jascl.engine.defaults import PROGRESS
@@ -114,6 +115,8 @@ class ContinualTrainer:
         self._requesters = [p for p in self.plugins if type(p).prototype_requests is not Plugin.prototype_requests]
         self._prefetched: dict[PrototypeRequest, dict[int, torch.Tensor]] = {}
         self._prefetched_for: nn.Module | None = None
+        #: while ``session_restored`` fires: the restored model and its folder, whose prototype cache serves it
+        self._restored: tuple[nn.Module, Path] | None = None
         # per event, only the plugins that handle it: a step fires 8 events, most plugins handle few of them
         self._handlers = {
             event: [getattr(p, event) for p in self.plugins if getattr(type(p), event) is not getattr(Plugin, event)]
@@ -196,12 +199,24 @@ class ContinualTrainer:
     ) -> list[dict[int, torch.Tensor]]:
         """Several :meth:`compute_prototypes` calls, their results in the order given: those declared for
         ``before_eval`` (:meth:`_before_eval`) come from its pass, once each; the others take one pass together
-        (:meth:`jascl.engine.tasks.Task.compute_prototype_requests`)."""
+        (:meth:`jascl.engine.tasks.Task.compute_prototype_requests`); a restored session's from its folder's
+        cache where it has them (:mod:`jascl.engine.prototype_cache`)."""
         unique = list(dict.fromkeys(requests))
         served = model is self._prefetched_for
         ready = {r: self._prefetched.pop(r) for r in unique if served and r in self._prefetched}
         missing = [r for r in unique if r not in ready]
-        if missing:
+        if missing and self._restored is not None and model is self._restored[0]:
+            setting = prototype_cache.pass_setting(
+                t,
+                self.data[t].train.ids,
+                self.protocol.sessions[t],
+                self.device,
+                self.amp_dtype,
+                self.config.batch_size,
+            )
+            compute = functools.partial(self.task.compute_prototype_requests, model, t)
+            ready.update(zip(missing, prototype_cache.serve(self._restored[1], missing, setting, model, compute)))
+        elif missing:
             ready.update(zip(missing, self.task.compute_prototype_requests(model, t, missing)))
         return [ready[r] for r in requests]
 
@@ -461,4 +476,8 @@ class ContinualTrainer:
         if extra.exists():
             self.method.load_extra_state(load_tensors(extra))
         state = self.loop_state(t, model, prototypes, folder)
-        self.fire("session_restored", state)
+        self._restored = (model, folder)
+        try:
+            self.fire("session_restored", state)
+        finally:
+            self._restored = None
