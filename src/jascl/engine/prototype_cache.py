@@ -41,6 +41,7 @@ from torch import nn
 from jascl import __version__, distributed
 from jascl.engine.checkpoint import load_tensors, save_tensors
 from jascl.engine.prototypes import PrototypeRequest
+from jascl.protocols.schema import SessionSpec
 
 log = logging.getLogger("jascl")
 
@@ -91,7 +92,7 @@ def _write(path: Path, result: Results) -> None:
 
 
 def pass_setting(
-    t: int, ids: Sequence[str], session: Any, device: torch.device, amp: torch.dtype | None, batch_size: int
+    t: int, ids: Sequence[str], session: SessionSpec, device: torch.device, amp: torch.dtype | None, batch_size: int
 ) -> dict[str, Any]:
     """What decides a pass over session ``t``'s labelled samples besides the request and the model: the session
     (its index, sample ids, taught classes and how it labels the others) and what orders the float sums."""
