@@ -40,6 +40,70 @@ def test_a_rank_stopped_for_another_reports_sigterm():
     assert stopped.exit_code == 143
 
 
+def _vote(rank: int, store: str, signal_at: dict, slow_at: dict, answers) -> None:
+    """One rank of a 2-process gloo group (forked): the stop vote after each of 8 steps, until it says stop."""
+    import time
+
+    import torch.distributed as dist
+
+    from jascl import distributed
+    from jascl.engine.stop import StopVote
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        vote, said = StopVote(), []
+        for step in range(8):
+            if slow_at.get(rank) == step:
+                time.sleep(0.3)  # this rank comes late to the step's vote
+            if signal_at.get(rank) == step:
+                REQUEST.request(signal.SIGTERM)
+            said.append(vote.after_step())
+            if said[-1]:
+                break
+        answers.put((rank, said))
+    finally:
+        distributed.shutdown()
+
+
+@pytest.mark.parametrize(
+    "signal_at, slow_at, stop_after",
+    [
+        ({1: 2}, {}, 3),  # one rank asked in step 2: both stop after step 3
+        ({1: 2}, {0: 3}, 3),  # the same with rank 0 late for step 3's vote
+        ({0: 4, 1: 1}, {1: 1}, 2),  # two requests: the first counts
+        ({}, {}, None),  # no request: no stop
+    ],
+)
+def test_the_stop_vote_stops_every_rank_after_the_same_step(tmp_path, signal_at, slow_at, stop_after):
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")  # (this process's imports, no new interpreter)
+    answers = context.Queue()
+    ranks = [
+        context.Process(target=_vote, args=(r, str(tmp_path / "store"), signal_at, slow_at, answers)) for r in (0, 1)
+    ]
+    for p in ranks:
+        p.start()
+    said = dict(answers.get(timeout=60) for _ in ranks)
+    for p in ranks:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    expected = [False] * 8 if stop_after is None else [False] * stop_after + [True]
+    assert said == {0: expected, 1: expected}
+
+
+def test_alone_the_stop_vote_is_the_request_at_once():
+    from jascl.engine.stop import StopVote
+
+    vote = StopVote()
+    try:
+        assert not vote.after_step()
+        REQUEST.request(signal.SIGUSR1)
+        assert vote.after_step()
+    finally:
+        REQUEST.clear()
+
+
 def test_no_handlers_outside_jascl_run():
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and not REQUEST.requested
 
@@ -64,9 +128,11 @@ if os.environ.get("RANK") == "1" and os.environ.get("JASCL_SIGNAL_STEP"):
 
 
 @pytest.mark.slow
-def test_a_signal_to_one_rank_stops_every_rank_at_the_same_checkpoint(tmp_path, monkeypatch, capfd):
+def test_a_signal_to_one_rank_stops_every_rank_after_the_next_step(tmp_path, monkeypatch, capfd):
+    """Rank 1 alone gets SIGTERM in a step; both ranks stop after the next one (their stop vote), inside the epoch
+    and with no ``checkpoint_steps``, and the resumed run ends as the uninterrupted one."""
     spec = toy_protocol_dict(2)
-    spec["training"].update(epochs_base=2, epochs_incremental=2, batch_size=4, threads=1)
+    spec["training"].update(epochs_base=2, epochs_incremental=2, batch_size=2, threads=1)
     protocol = tmp_path / "toy.yaml"
     protocol.write_text(yaml.safe_dump(spec))
     (tmp_path / "site").mkdir()
@@ -86,29 +152,29 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_checkpoint(tmp_path, 
         "cpu",
         "--devices",
         "2",
-        "--set",
-        "checkpoint_steps=1",
         "--cache-dir",
         str(tmp_path / "cache"),
         "--no-progress",
     ]
-    code = main([*args, "--out", str(tmp_path / "whole")])
+    # the uninterrupted run also checkpoints after every step (its results are those of a run without)
+    code = main([*args, "--set", "checkpoint_steps=1", "--out", str(tmp_path / "whole")])
     whole = capfd.readouterr()
     assert code == 0, whole.err[-3000:]
 
     out = tmp_path / "stopped"
-    # 8 base images at a global batch of 4: step 3 is the first of base epoch 1; rank 1 alone gets the signal
-    monkeypatch.setenv("JASCL_SIGNAL_STEP", "3")
+    # 8 base images at a global batch of 2: 4 steps per epoch; rank 1 alone gets the signal in step 2, and every
+    # rank learns of it from the vote read after step 3 (before the stop vote: at the epoch's end)
+    monkeypatch.setenv("JASCL_SIGNAL_STEP", "2")
     code = main([*args, "--out", str(out)])
     stopped = capfd.readouterr()
     assert code != 0
     text = " ".join(stopped.out.split())
     assert (
         "stopped (another process received a stop signal) in base session 0 (base): its training state inside "
-        "epoch 1, after step 1 is saved in" in text
+        "epoch 0, after step 3 is saved in" in text
     ), stopped.out + stopped.err[-3000:]
     meta, _ = load_progress(out / "base" / "progress.safetensors")
-    assert (meta["epoch"], meta["step"]) == (1, 1)
+    assert (meta["epoch"], meta["step"]) == (0, 3)
     assert not (out / "results.json").exists()
 
     monkeypatch.delenv("JASCL_SIGNAL_STEP")

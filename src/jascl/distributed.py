@@ -98,10 +98,12 @@ def shutdown() -> None:
     finalises ("terminate called without an active exception"); collecting them
     first lets the group shut down while Python is still alive.
     """
+    global _HOST_GROUP
     if dist.is_available() and dist.is_initialized():
         import gc
 
         gc.collect()
+        _HOST_GROUP = None  # (destroyed with the default group)
         dist.destroy_process_group()
 
 
@@ -121,6 +123,21 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     buf = tensor.detach().to(_comm_device(), copy=True)
     dist.all_reduce(buf, op=dist.ReduceOp.SUM)
     return buf.to(tensor.device)
+
+
+_HOST_GROUP: Any = None
+
+
+def host_group() -> Any:
+    """A gloo group of every rank, for small collectives on host tensors that must neither wait on the GPU nor
+    queue behind DistributedDataParallel's own (the stop vote, :class:`jascl.engine.stop.StopVote`).
+
+    Made on first use; making a group is itself collective, so every rank must first ask at the same point.
+    """
+    global _HOST_GROUP
+    if _HOST_GROUP is None:
+        _HOST_GROUP = dist.new_group(backend="gloo")
+    return _HOST_GROUP
 
 
 def average_gradients(params: Iterable[torch.nn.Parameter]) -> None:

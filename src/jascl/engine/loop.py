@@ -33,7 +33,7 @@ from jascl.engine.plugin import EVENTS, Method, Plugin
 from jascl.engine.progress import SessionProgress
 from jascl.engine.prototypes import PrototypeRequest, PrototypeStore
 from jascl.engine.state import LoopState
-from jascl.engine.stop import REQUEST
+from jascl.engine.stop import REQUEST, StopVote
 from jascl.engine.tasks import TaskContext, create_task
 from jascl.errors import ConfigError, TrainingError
 from jascl.networks.base import Segmenter
@@ -312,7 +312,7 @@ class ContinualTrainer:
         epochs = cfg.epochs_base if t == 0 else cfg.epochs_incremental
         blockers = self.method.mid_epoch_blockers()
         step_checkpoints = self._step_checkpoints(t, blockers)
-        alone = not distributed.active()  # one process acts on a stop signal at once, several at sync points
+        vote = StopVote()  # after every step: whether every rank stops after it (one process: at once)
         progress = SessionProgress(
             out_dir / PROGRESS,
             self.method,
@@ -368,7 +368,7 @@ class ContinualTrainer:
                 recent.append((total.detach(), batch.get("id") if isinstance(batch, dict) else None))
                 steps += 1
                 due = step_checkpoints and state.iteration % cfg.checkpoint_steps == 0
-                stop_now = alone and REQUEST.requested and not blockers
+                stop_now = not blockers and vote.after_step()
                 if (due or stop_now) and steps < n_steps:  # (at the epoch's last step: the epoch-end checkpoint)
                     _, stop = progress.sync(state, running, steps, lr, recent)
                     recent.clear()

@@ -224,8 +224,7 @@ class SessionsJob:
     requeues the job, at most ``requeues`` times. The requeued job is the same call: ``run_benchmark`` resumes the
     session from its checkpoint, to the results of an uninterrupted job. Without this, a job at its limit died
     with "timed-out and not checkpointable", and its work since the last epoch's checkpoint was lost.
-    With several processes the ranks stop together at the next ``checkpoint_steps`` checkpoint or epoch end,
-    which must come before the signal's lead time runs out (docs/distributed.md).
+    With several processes the ranks stop together one step later (:class:`jascl.engine.stop.StopVote`).
     """
 
     def __call__(self, protocol: Protocol, config: RunConfig, methods: Sequence[str], folder: str,
