@@ -8,7 +8,8 @@ Usage: ``python tests/kill_run.py POINT jascl-args...`` where POINT is
 * ``session:N``       right after the N-th session of the run was completed and saved (between sessions),
 * ``signal:N:NAME``   sends itself signal NAME (e.g. SIGTERM) right after the N-th optimiser step, and lets
                       jascl handle it (a clean stop, not a kill); ``SIGINT,SIGINT`` sends two in a row (the
-                      second Ctrl-C that aborts at once).
+                      second Ctrl-C that aborts at once),
+* ``none``            nowhere: the run as ``jascl <args>`` (the uninterrupted reference).
 
 Nothing in jascl knows about this: the points are reached by wrapping its functions from outside.
 """
@@ -81,7 +82,7 @@ def main() -> int:
             return record
 
         ContinualTrainer.run_session = run_and_maybe_die
-    else:
+    elif kind != "none":
         raise SystemExit(f"unknown point {point!r}")
 
     from jascl.cli import main as jascl_main

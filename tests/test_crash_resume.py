@@ -19,7 +19,6 @@ from jascl.cli import main
 from jascl.engine.checkpoint import load_progress
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 
 #: what a run imports, imported once by the forkserver that starts the killed runs' processes
 PRELOAD = ["jascl.cli", "jascl.cli.run", "jascl.experiments.runner", "jascl.engine.loop", "jascl.results.report"]
@@ -58,7 +57,7 @@ def _kill_run(processes, point: str, args: list[str], where: Path) -> subprocess
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, processes):
     root = tmp_path_factory.mktemp("crash")
     spec = toy_protocol_dict(2)
     spec["sessions"][1]["unlabelled"] = 4
@@ -77,10 +76,8 @@ def setup(tmp_path_factory):
         str(root / "cache"),
         "--no-progress",
     ]
-    reference = root / "reference"
-    done = subprocess.run(
-        [sys.executable, "-m", "jascl", *args, "--out", str(reference)], env=ENV, capture_output=True, text=True
-    )
+    reference = root / "reference"  # uninterrupted, in a process of its own as the killed runs
+    done = _kill_run(processes, "none", [*args, "--out", str(reference)], root)
     assert done.returncode == 0, done.stderr
     return root, args, (reference / "results.json").read_text()
 
