@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny two-session toy protocol and a tiny run configuration."""
 
+import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -26,6 +27,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     waited 36 s for the other's last long test (suite 516 s); slow tests first in xdist's default blocks put all
     of them on one worker and the other waited 110 s (488 s); both changes: 2 s (425 s)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+#: what a run imports: the forkserver of :func:`processes` imports them once
+FORKSERVER_PRELOAD = ["jascl.cli", "jascl.cli.run", "jascl.experiments.runner", "jascl.engine.loop"]
+FORKSERVER_PRELOAD += ["jascl.results.report", "jascl.methods.registry", "jascl.methods.presets"]  # vanilla, jascl
+FORKSERVER_PRELOAD += ["jascl.experiments.reproduce", "jascl.paper.tables", "kill_run"]
+
+
+@pytest.fixture(scope="session")
+def processes():
+    """A multiprocessing context for tests that kill or signal a run's process: each process is a fresh one,
+    forked from a forkserver that has imported torch and jascl once and run nothing, so a test does not pay a new
+    interpreter's imports (5-13 s, most of a toy run's time). The target must be importable (a module-level
+    function of a test module); its exit code is ``Process.exitcode`` (-9: SIGKILLed)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return context
 
 
 # Hypothesis (tests/test_fuzz_inputs.py): the same examples on every run and machine, CI included, and no

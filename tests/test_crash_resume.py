@@ -3,7 +3,6 @@ continued with ``jascl run --resume`` ends with exactly the results.json of an u
 ``--resume`` refuses folders that are not runs and options the folder fixes."""
 
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -19,19 +18,6 @@ from jascl.cli import main
 from jascl.engine.checkpoint import load_progress
 
 ROOT = Path(__file__).resolve().parents[1]
-
-#: what a run imports, imported once by the forkserver that starts the killed runs' processes
-PRELOAD = ["jascl.cli", "jascl.cli.run", "jascl.experiments.runner", "jascl.engine.loop", "jascl.results.report"]
-PRELOAD += ["jascl.methods.registry", "jascl.methods.presets", "kill_run"]  # (presets: vanilla, jascl)
-
-
-@pytest.fixture(scope="module")
-def processes():
-    """Starts the processes the tests kill: each one a fresh process (forked from a forkserver that has imported
-    torch and jascl once and run nothing), so a test does not pay its own imports (most of a toy run's time)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    return context
 
 
 def _kill_run_process(point_args: list[str], stdout: str, stderr: str) -> None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import textwrap
 
 import pytest
 import yaml
@@ -42,35 +40,36 @@ def _two_job_table(tmp_path):
     return data, str(proto)
 
 
-_KILLED = """
-import os, signal, sys
-from jascl.experiments.reproduce import run_reproduce
-from jascl.paper.tables import parse_table
-data, proto, out, cache, how = {args}
+def _killed_reproduction(data, proto, out, cache, how, stderr) -> None:
+    """A reproduction in a process of its own that gets signal ``how`` once its second job starts (the first job's
+    cells are finished); stopped cleanly (SIGTERM) it exits as ``jascl reproduce`` does."""
+    from jascl.engine.stop import REQUEST, Stopped
 
-def echo(message):  # killed once the second job starts: the first job's cells are finished
-    if message.startswith("[reproduce] job 2/2"):
-        os.kill(os.getpid(), getattr(signal, how))
+    with open(stderr, "w") as fh:
+        os.dup2(fh.fileno(), 2)
 
-from jascl.engine.stop import REQUEST, Stopped
-try:
-    with REQUEST.installed():
-        run_reproduce(parse_table(data, "toy.yaml"), [3], out, stand_in=True, protocols=[proto], echo=echo,
-                      progress=False, cache_dir=cache)
-except Stopped as exc:  # as jascl reproduce does
-    sys.exit(exc.exit_code)
-"""
+    def echo(message):
+        if message.startswith("[reproduce] job 2/2"):
+            os.kill(os.getpid(), getattr(signal, how))
+
+    try:
+        with REQUEST.installed():
+            table = parse_table(data, "toy.yaml")
+            run_reproduce(table, [3], out, stand_in=True, protocols=[proto], echo=echo, progress=False, cache_dir=cache)
+    except Stopped as exc:
+        sys.exit(exc.exit_code)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
-def test_a_killed_reproduction_shows_its_finished_cells(tmp_path, how):
+def test_a_killed_reproduction_shows_its_finished_cells(tmp_path, how, processes):
     data, proto = _two_job_table(tmp_path)
-    out, cache = tmp_path / "rep", tmp_path / "cache"
-    script = textwrap.dedent(_KILLED).replace("{args}", repr((data, proto, str(out), str(cache), how)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == (-signal.SIGKILL if how == "SIGKILL" else 128 + signal.SIGTERM), done.stderr[-2000:]
+    out, cache, stderr = tmp_path / "rep", tmp_path / "cache", tmp_path / "stderr"
+    process = processes.Process(target=_killed_reproduction, args=(data, proto, out, cache, how, stderr))
+    process.start()
+    process.join(timeout=600)
+    code = process.exitcode
+    assert code == (-signal.SIGKILL if how == "SIGKILL" else 128 + signal.SIGTERM), stderr.read_text()[-2000:]
     md = (out / "reproduce.md").read_text()
     # the first job (vanilla and JASCL) is finished: 4 of the 6 cells, the second job's "—"; stopped by SIGTERM,
     # the second job had linked the shared base model (its session 0) and stopped before its session 1
