@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,6 +45,28 @@ def processes():
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORKSERVER_PRELOAD)
     return context
+
+
+def _cli_process(args: list[str], cwd: str, stdout: str, stderr: str) -> None:
+    for fd, path in ((1, stdout), (2, stderr)):
+        with open(path, "w") as fh:
+            os.dup2(fh.fileno(), fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.chdir(cwd)
+    from jascl.cli import main
+
+    sys.exit(main(args))
+
+
+def run_cli(processes, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``jascl ARGS`` in a fresh process of :func:`processes` started in folder ``cwd`` (as ``python -m jascl ARGS``
+    there, without a new interpreter's imports): its exit code and output (files in ``cwd``)."""
+    out, err = cwd / ".jascl-stdout", cwd / ".jascl-stderr"
+    process = processes.Process(target=_cli_process, args=(args, str(cwd), str(out), str(err)))
+    process.start()
+    process.join()
+    return subprocess.CompletedProcess(args, process.exitcode, out.read_text(), err.read_text())
 
 
 # Hypothesis (tests/test_fuzz_inputs.py): the same examples on every run and machine, CI included, and no

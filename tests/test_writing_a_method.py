@@ -4,8 +4,6 @@ from Python and from the command line."""
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import toy_protocol_dict
+from conftest import run_cli, toy_protocol_dict
 from jascl.cli import main
 from jascl.errors import ConfigError
 from jascl.experiments.runner import run_benchmark
@@ -22,7 +20,6 @@ from jascl.methods.registry import create_method, describe_method
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "examples" / "l2_sp.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread per subprocess, as the suite's workers
 
 
 @pytest.fixture
@@ -90,11 +87,12 @@ def test_the_example_registers_runs_and_is_configured_like_every_method(example,
 
 
 @pytest.mark.slow
-def test_the_example_from_the_command_line(tmp_path, capsys, monkeypatch):
+def test_the_example_from_the_command_line(tmp_path, capsys, monkeypatch, processes):
     protocol = tmp_path / "toy.yaml"
     protocol.write_text(yaml.safe_dump(toy_protocol_dict(2)))
     # the run in this process, with the command's own entry point (a new interpreter would add only its imports);
-    # the resume below is a process of its own, one that never imported the example
+    # the resume below is a process of its own (forked from the tests' forkserver), one that never imported the
+    # example
     threads = torch.get_num_threads()
     try:
         code = main(
@@ -113,13 +111,7 @@ def test_the_example_from_the_command_line(tmp_path, capsys, monkeypatch):
     assert [s["session"] for s in results["methods"]["l2-sp"]["sessions"]] == [0, 1]
     # the run folder records the module, so that a resumed run (from another folder, no --import) finds l2-sp
     assert json.loads((tmp_path / "run" / "run.json").read_text())["imports"] == [str(EXAMPLE.resolve())]
-    resumed = subprocess.run(
-        [sys.executable, "-m", "jascl", "run", "--resume", str(tmp_path / "run"), "--no-progress"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=ENV,
-    )
+    resumed = run_cli(processes, ["run", "--resume", str(tmp_path / "run"), "--no-progress"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((tmp_path / "run" / "results.json").read_text()) == results
     # `jascl methods l2-sp --import ...` and the refusal of a missing file, in this process (the command's entry
