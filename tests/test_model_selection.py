@@ -84,6 +84,10 @@ def test_bad_validation_is_one_line_naming_the_key(value, message):
             "--set: model_selection: must be one of last, best_val_new, best_val_all (got 'best')",
         ),
         ("validate_every=0", "--set: validate_every: must be >= 1 epoch (got 0)"),
+        (
+            "validation_eval_mode=crop",
+            "--set: validation_eval_mode: must be one of same, sliding-window, authors (got 'crop')",
+        ),
         ("model_selection=3", "--set: model_selection: must be a string (got 3)"),
     ],
 )
@@ -95,6 +99,8 @@ def test_bad_model_selection_options_are_one_line(override, message):
 
 def test_model_selection_defaults_and_protocol_training_section():
     assert (resolve_config().model_selection, resolve_config().validate_every) == ("last", 1)
+    assert resolve_config().validation_eval_mode == "same"
+    assert resolve_config(overrides=["preset=authors"]).validation_eval_mode == "authors"  # as the authors selected
     cfg = resolve_config({"model_selection": "best_val_all", "validate_every": 5}, "p.yaml")
     assert (cfg.model_selection, cfg.validate_every) == ("best_val_all", 5)
 
@@ -246,6 +252,96 @@ def test_best_val_all_scores_every_session_so_far_and_best_val_new_the_session_a
         config = resolve_config(protocol.training, "toy.yaml", overrides=[f"model_selection={mode}"])
         got = plugin.splits(_state(protocol, config, data, torch.nn.Linear(1, 1)))
         assert len(got) == len(expected) and all(a is b for a, b in zip(got, expected))
+
+
+def test_validation_is_scored_in_validation_eval_mode():
+    """``validation_eval_mode`` scores validation as ``eval_mode`` would with that value ("same": as ``eval_mode``);
+    on images larger than the patch the two modes score differently (sliding windows, hard Dice; the authors'
+    soft Dice), so the key is seen to act."""
+    protocol = parse_protocol(_toy(1), "toy.yaml")
+    rng = np.random.default_rng(0)
+    images = rng.random((2, 1, 32, 32), dtype=np.float32)
+    labels = rng.choice(np.array([0, 1, 3], np.uint8), size=(2, 32, 32))
+    split = Split(images, labels, ["a", "b"])
+    data = [SessionData(s, split, split, None, split) for s in protocol.sessions]
+    torch.manual_seed(0)
+    model = create_segmenter("unet", 2, 1, 4, features=[4, 4, 8, 8, 8, 8])
+
+    def score(*overrides):
+        config = resolve_config(protocol.training, "toy.yaml", overrides=["patch_size=[16,16]", *overrides])
+        plugin = ModelSelection(data, contextlib.nullcontext)
+        return plugin.score(_state(protocol, config, data, model), [split])
+
+    assert score("validation_eval_mode=authors") == score("eval_mode=authors")
+    assert score("validation_eval_mode=sliding-window", "eval_mode=authors") == score()
+    assert score("eval_mode=authors", "validation_eval_mode=same") == score("eval_mode=authors")
+    assert score("validation_eval_mode=authors") != score()
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize(
+    "trained, validated, epochs, every, warned",
+    [
+        # 200 validations of 50 s: 2.8 h against 0.6 h of training
+        (
+            10.0,
+            50.0,
+            200,
+            1,
+            "took 50.0 s, 5.0x the epoch's training (10.0 s); the session's 200 validations "
+            "(validate_every=1) will take about 2.8 h against 0.6 h of training",
+        ),
+        (10.0, 50.0, 200, 10, None),  # one validation per 10 epochs of training: 50 s against 100 s
+        (10.0, 12.0, 200, 1, "took 12.0 s, 1.2x the epoch's training (10.0 s)"),
+        (10.0, 5.0, 200, 1, None),  # cheaper than the training
+        (1.0, 2.0, 300, 1, None),  # 600 s in all: not worth a warning
+        (1.0, 2.0, 301, 1, "301 validations"),
+        (None, 50.0, 200, 1, None),  # the epoch was resumed inside: no training time to compare with
+    ],
+)
+def test_a_validation_dearer_than_the_training_is_one_warning(
+    monkeypatch, caplog, trained, validated, epochs, every, warned
+):
+    protocol = parse_protocol(_toy(1), "toy.yaml")
+    config = resolve_config(
+        protocol.training,
+        "toy.yaml",
+        overrides=["model_selection=best_val_new", f"validate_every={every}", f"epochs_incremental={epochs}"],
+    )
+    clock = FakeClock()
+
+    def stand_in(plugin, state, splits):  # a validation of `validated` seconds
+        clock.now += validated
+        return 0.5
+
+    monkeypatch.setattr(ModelSelection, "score", stand_in)
+    plugin = ModelSelection(_tiny_data(protocol), contextlib.nullcontext)
+    plugin.clock = clock
+    state = _state(protocol, config, plugin.data, torch.nn.Linear(2, 2))
+    plugin.before_session(state)
+    with caplog.at_level(logging.WARNING, logger="jascl"):
+        for epoch in range(2 * every):  # two validations: only the first may warn
+            state.epoch = epoch
+            if trained is None and epoch == 0:
+                plugin.resume_epoch(state)
+            else:
+                plugin.before_epoch(state)
+            clock.now += trained or 1.0  # the epoch's training
+            plugin.after_epoch(state)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if warned is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warned in warnings[0], warnings
+        assert warnings[0].startswith("m session 1 (inc): one validation (1 samples, sliding-window) took ")
+        assert "--set validate_every=N" in warnings[0] and "--set validation_eval_mode=authors" in warnings[0]
 
 
 # --------------------------------------------------------------------------------------------- in a run

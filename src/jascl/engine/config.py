@@ -87,6 +87,9 @@ class RunConfig:
             keeps its last epoch, with a warning.
         validate_every: with a best-validation ``model_selection``, score every N epochs (and always
             after the last).
+        validation_eval_mode: how validation samples are scored: "same" (as ``eval_mode``), "sliding-window"
+            or "authors" (one ground-truth-centred crop per volume, soft Dice: what the authors selected
+            their checkpoints with, at a fraction of the cost: docs/protocols.md, "What validation costs").
         device: "auto", "cpu", "cuda", "cuda:1", ...
         seed: training seed (None = the protocol's seed).
         threads: torch CPU threads (0 = leave torch's default).
@@ -153,6 +156,7 @@ class RunConfig:
     sw_overlap: float = 0.25
     model_selection: str = "last"
     validate_every: int = 1
+    validation_eval_mode: str = "same"
     device: str = "auto"
     seed: int | None = None
     threads: int = 0
@@ -214,6 +218,11 @@ class RunConfig:
             raise bad("model_selection", f"must be one of {', '.join(MODEL_SELECTIONS)} (got {self.model_selection!r})")
         if self.validate_every < 1:
             raise bad("validate_every", f"must be >= 1 epoch (got {self.validate_every})")
+        if self.validation_eval_mode not in ("same", *EVAL_MODES):
+            raise bad(
+                "validation_eval_mode",
+                f"must be one of same, {', '.join(EVAL_MODES)} (got {self.validation_eval_mode!r})",
+            )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise bad("seed", f"must be a non-negative integer or null (got {self.seed!r})")
         if self.threads < 0:

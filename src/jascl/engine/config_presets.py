@@ -100,10 +100,12 @@ AUTHORS: tuple[PresetItem, ...] = (
     ),
     PresetItem(
         "Checkpoint of a session",
-        {"model_selection": "best_val_new"},
-        "the epoch with the best validation Dice on the session's classes (run.py)",
+        {"model_selection": "best_val_new", "validation_eval_mode": "authors"},
+        "the epoch with the best validation Dice on the session's classes (run.py), soft Dice of the validation "
+        "loader's crops (trainer.py validate)",
         "the last epoch, unless the protocol says otherwise (the paper's medical protocols select "
-        "best_val_new); a protocol without validation samples keeps the last epoch, with a warning",
+        "best_val_new, scoring validation as the test data: whole volumes by sliding window); a protocol "
+        "without validation samples keeps the last epoch, with a warning",
         "selection needs validation samples, which the embedded benchmarks do not have by default",
     ),
     PresetItem(

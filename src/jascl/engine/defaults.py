@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
@@ -228,11 +229,47 @@ class Evaluation(Plugin):
         state.record = session_record(state.protocol, t, result, cfg.background_in_mean)
 
 
+#: the session's first validation warns when it costs more than its epoch's training and the session's
+#: validations would add up to more than this many seconds
+VALIDATION_COST_WARNING_S = 600.0
+
+
+def warn_validation_cost(state: LoopState, splits: list, trained: float, validated: float, epochs: int) -> None:
+    """One warning when validating costs the session more than its training does (measured on its first epoch
+    validated: the epoch's training and the validation that followed) and adds up to more than
+    :data:`VALIDATION_COST_WARNING_S`: the way to cut it is the user's choice, not a default's."""
+    cfg = state.config
+    every = cfg.validate_every
+    count = epochs // every + (1 if epochs % every else 0)  # every N-th epoch and the last
+    if validated <= trained * every or validated * count <= VALIDATION_COST_WARNING_S:
+        return
+    mode = cfg.eval_mode if cfg.validation_eval_mode == "same" else cfg.validation_eval_mode
+    log.warning(
+        "%s session %d (%s): one validation (%d samples, %s) took %.1f s, %.1fx the epoch's training (%.1f s); "
+        "the session's %d validations (validate_every=%d) will take about %.1f h against %.1f h of training. "
+        "--set validate_every=N validates every N epochs; --set validation_eval_mode=authors scores one crop per "
+        "volume, as the authors selected (docs/protocols.md, 'What validation costs')",
+        state.method_name,
+        state.session.index,
+        state.session.name,
+        sum(len(s) for s in splits),
+        mode,
+        validated,
+        validated / max(trained, 1e-9),
+        trained,
+        count,
+        every,
+        validated * count / 3600,
+        trained * epochs / 3600,
+    )
+
+
 class ModelSelection(Plugin):
     """With ``model_selection`` best_val_new / best_val_all: the session ends with its best-validation epoch.
 
     Every ``validate_every`` epochs and after the last one, ``after_epoch`` scores the model on validation
-    samples (the protocol's ``validation`` per class) with the evaluator in the run's ``eval_mode``,
+    samples (the protocol's ``validation`` per class) with the evaluator in the run's ``eval_mode`` (or
+    ``validation_eval_mode``, when it is not "same"),
     deterministically (no GAS noise, whatever ``eval_mc_samples`` says), over the seen classes, and keeps
     its weights (state dict, on the CPU) when the score beats the best so far (ties: the earlier epoch; a
     NaN score never wins). ``after_training`` loads the kept weights into the model, so prototypes, the
@@ -253,7 +290,11 @@ class ModelSelection(Plugin):
     then holds a second copy of the model), so a resumed session selects exactly as an uninterrupted one.
     Scoring draws no random numbers and changes no weights: the epochs train as with "last". A session
     without validation samples (or whose scores are all NaN) keeps its last epoch, with one warning. With
-    ``model_selection: last`` the plugin does nothing.
+    ``model_selection: last`` the plugin does nothing. When the session's first validation costs more than
+    the epoch's training before it and the session's validations would add up to more than ten minutes, one
+    warning says so with the measured seconds and the two ways to cut them (:func:`warn_validation_cost`):
+    whole-volume sliding windows on every validation volume every epoch can cost a 5-shot session many times
+    its training (docs/protocols.md, "What validation costs").
 
     Args:
         data: every session's data (the validation splits are read).
@@ -261,10 +302,14 @@ class ModelSelection(Plugin):
     """
 
     name = "model-selection"
+    mid_epoch_resume = True  # (before_epoch only starts the clock of the cost warning)
+    #: the session's first validation is compared with its epoch's training by this clock (tests replace it)
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
 
     def __init__(self, data: Sequence[SessionData], autocast: Callable[[], AbstractContextManager]) -> None:
         self.data = data
         self.autocast = autocast
+        self._epoch_start: float | None = None
         self.best_state: dict[str, torch.Tensor] | None = None
         self.best_epoch: int | None = None
         self.best_score: float | None = None
@@ -292,6 +337,12 @@ class ModelSelection(Plugin):
             s.validation for s in (self.data[i] for i in sessions) if s.validation is not None and len(s.validation)
         ]
 
+    def before_epoch(self, state: LoopState) -> None:
+        self._epoch_start = self.clock()
+
+    def resume_epoch(self, state: LoopState) -> None:
+        self._epoch_start = None  # (part of an epoch: no comparison)
+
     def before_session(self, state: LoopState) -> None:
         self.best_state, self.best_epoch, self.best_score, self.history = None, None, None, []
         if state.config.model_selection != "last" and not self.splits(state):
@@ -307,15 +358,12 @@ class ModelSelection(Plugin):
     def score(self, state: LoopState, splits: list) -> float:
         """The selection score of the current model (NaN when none of its classes is in the validation samples)."""
         cfg, t = state.config, state.session.index
+        options = evaluation_options(cfg)
+        if cfg.validation_eval_mode != "same":
+            options["mode"] = cfg.validation_eval_mode
         with eval_mode(state.model), state.autocast():
             result = evaluate(
-                state.model,
-                splits,
-                state.seen,
-                state.device,
-                **evaluation_options(cfg),
-                mc_samples=0,
-                seed=state.seed + t,
+                state.model, splits, state.seen, state.device, **options, mc_samples=0, seed=state.seed + t
             )
         if cfg.model_selection == "best_val_new":
             return summarise(result.dice, [], state.session.classes)["new"]
@@ -329,7 +377,10 @@ class ModelSelection(Plugin):
         epochs = cfg.epochs_base if state.session.index == 0 else cfg.epochs_incremental
         if not splits or ((state.epoch + 1) % cfg.validate_every and state.epoch != epochs - 1):
             return
+        started = self.clock()
         score = self.score(state, splits)
+        if not self.history and self._epoch_start is not None:
+            warn_validation_cost(state, splits, started - self._epoch_start, self.clock() - started, epochs)
         self.history.append([state.epoch, score])
         if math.isfinite(score) and (self.best_score is None or score > self.best_score):
             self.best_score, self.best_epoch = score, state.epoch
