@@ -241,7 +241,7 @@ def warn_validation_cost(state: LoopState, splits: list, trained: float, validat
     cfg = state.config
     every = cfg.validate_every
     count = epochs // every + (1 if epochs % every else 0)  # every N-th epoch and the last
-    if validated <= trained * every or validated * count <= VALIDATION_COST_WARNING_S:
+    if validated <= trained * every or validated * count <= VALIDATION_COST_WARNING_S or not distributed.is_main():
         return
     mode = cfg.eval_mode if cfg.validation_eval_mode == "same" else cfg.validation_eval_mode
     log.warning(
