@@ -11,8 +11,8 @@ the handler only records the signal, and the trainer acts on it at a safe point:
   checkpoint taken there (at the epoch's end for a method that cannot resume
   inside an epoch);
 * several processes: after the step that follows the one in which the first rank
-  saw the signal, every rank after the same step (:class:`StopVote`: the ranks
-  vote after every step without waiting for each other or the GPU); a method
+  saw the signal, every rank after the same step (:class:`StopVote`: after every step each
+  rank posts a vote and reads the sum of the votes posted after the step before); a method
   that cannot resume inside an epoch stops at the epoch's end, where the signal
   is combined over ranks with the epoch loss;
 * between sessions: before the next session starts.
