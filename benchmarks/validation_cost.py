@@ -124,7 +124,7 @@ def main() -> None:
         per_epoch = seconds * val_volumes
         print(
             f"| validation, {mode}, one volume | {seconds:.3f} | {per_epoch:.1f} "
-            f"({per_epoch / max(train_epoch, 1e-9):.1f} x training) | {per_epoch * epochs / 3600:.2f} |"
+            f"({per_epoch / max(train_epoch, 1e-9):.2f} x training) | {per_epoch * epochs / 3600:.2f} |"
         )
 
 
