@@ -207,12 +207,7 @@ class ContinualTrainer:
         missing = [r for r in unique if r not in ready]
         if missing and self._restored is not None and model is self._restored[0]:
             setting = prototype_cache.pass_setting(
-                t,
-                self.data[t].train.ids,
-                self.protocol.sessions[t],
-                self.device,
-                self.amp_dtype,
-                self.config.batch_size,
+                t, self.data[t].train.ids, self.protocol.sessions[t], self.device, self.amp_dtype, self.config
             )
             compute = functools.partial(self.task.compute_prototype_requests, model, t)
             ready.update(zip(missing, prototype_cache.serve(self._restored[1], missing, setting, model, compute)))

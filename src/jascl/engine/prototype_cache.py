@@ -13,6 +13,7 @@ An answer is served only to the same question asked of the same model in the sam
 * the model's weights and buffers as they are when asked (not the file they were loaded from, so a plugin
   that changed them in ``session_restored`` gets its own answer);
 * the session (index, sample ids, the classes it teaches and the others);
+* the sliding windows of volumes larger than the patch (patch, overlap, windows per forward);
 * what changes a pass's float sums: device type, autocast dtype, batch size, process count, and on a CPU the
   thread count;
 * the cache format (:data:`CACHE_VERSION`) and jascl's version. Change :data:`CACHE_VERSION` with any change of
@@ -33,7 +34,7 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -43,10 +44,13 @@ from jascl.engine.checkpoint import load_tensors, save_tensors
 from jascl.engine.prototypes import PrototypeRequest
 from jascl.protocols.schema import SessionSpec
 
+if TYPE_CHECKING:
+    from jascl.engine.config import RunConfig
+
 log = logging.getLogger("jascl")
 
 #: bump when what a prototype pass computes changes (an older file is then a miss, never misread)
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: volumes larger than the patch through sliding windows (SegmentationTask.sample_features)
 
 #: the cache's folder inside a session folder
 FOLDER = "prototype-cache"
@@ -92,18 +96,20 @@ def _write(path: Path, result: Results) -> None:
 
 
 def pass_setting(
-    t: int, ids: Sequence[str], session: SessionSpec, device: torch.device, amp: torch.dtype | None, batch_size: int
+    t: int, ids: Sequence[str], session: SessionSpec, device: torch.device, amp: torch.dtype | None, config: RunConfig
 ) -> dict[str, Any]:
     """What decides a pass over session ``t``'s labelled samples besides the request and the model: the session
-    (its index, sample ids, taught classes and how it labels the others) and what orders the float sums."""
+    (its index, sample ids, taught classes and how it labels the others), the sliding windows of samples larger
+    than the patch, and what orders the float sums."""
     return {
+        "windows": [config.patch_size, config.sw_overlap, config.sw_batch_size],
         "session": t,
         "samples": hashlib.blake2b("\n".join(ids).encode(), digest_size=20).hexdigest(),
         "classes": list(session.classes),
         "others": str(session.other_classes),
         "device": device.type,
         "amp": str(amp),
-        "batch_size": batch_size,
+        "batch_size": config.batch_size,
         "world": distributed.world_size(),
         "threads": torch.get_num_threads() if device.type == "cpu" else 0,
     }
