@@ -482,7 +482,7 @@ def test_pifs_imprints_normalised_prototypes_and_distils_from_the_warm_teacher(r
         def before_session(self, state):
             if state.session.index == 1:
                 self.rows = state.model.classifier.weight.detach().clone()
-                self.expected = pifs_prototypes(eval_features(state.model, labelled_loader(state), state.device), [3])
+                self.expected = pifs_prototypes(eval_features(state, state.model, labelled_loader(state)), [3])
                 self.teacher_rows = pifs.teacher.classifier.weight.detach().clone()
 
     toy_protocol, toy_config, root, _ = runs

@@ -24,7 +24,14 @@ from jascl.engine.defaults import (
 from jascl.engine.prototypes import PrototypeRequest
 from jascl.engine.tasks.base import Task
 from jascl.errors import ConfigError
-from jascl.networks.base import Segmenter, SegmenterOutput, create_segmenter, encoder_modules, eval_mode
+from jascl.networks.base import (
+    Segmenter,
+    SegmenterOutput,
+    create_segmenter,
+    encoder_modules,
+    eval_mode,
+    whole_sample_forward,
+)
 from jascl.protocols.schema import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -177,26 +184,13 @@ class SegmentationTask(Task):
         return self.compute_prototype_requests(model, t, [request])[0]
 
     def sample_features(self, model: Segmenter, image: torch.Tensor) -> torch.Tensor:
-        """Features (B, D, *spatial) of whole samples for a prototype pass.
-
-        A volume larger than the training patch along any axis goes through MONAI's sliding windows, as the
-        evaluation scores it (the patch as ROI, ``sw_overlap``, ``sw_batch_size``), its windows' features
-        averaged where they overlap: a whole-volume forward is not bounded in memory (the authors' 3D U-Net
-        needs about 1.2 GB per million voxels in float32, 36 GB for a whole-body CT of 270 x 270 x 400 at
-        1.5 mm), and the authors computed their prototypes on training crops. Images (2D) and samples that fit
-        the patch go through the model whole, as before.
-        """
+        """Features (B, D, *spatial) of whole samples for a prototype pass: a volume larger than the training patch
+        along any axis through MONAI's sliding windows, as the evaluation scores it (the patch as ROI,
+        ``sw_overlap``, ``sw_batch_size``; :func:`jascl.networks.base.whole_sample_forward`); a whole-volume
+        forward is not bounded in memory, and the authors computed their prototypes on training crops. Images
+        (2D) and samples that fit the patch go through the model whole."""
         cfg = self.context.config
-        roi, spatial = cfg.patch_size, image.shape[2:]
-        if roi is None or len(spatial) != 3 or all(s <= r for s, r in zip(spatial, roi)):
-            return model.forward_features(image).features
-        from monai.inferers import sliding_window_inference
-
-        def features(window: torch.Tensor) -> torch.Tensor:
-            return model.forward_features(window).features
-
-        stitched = sliding_window_inference(image, roi, cfg.sw_batch_size, features, overlap=cfg.sw_overlap)
-        return torch.as_tensor(stitched)
+        return whole_sample_forward(model, image, cfg.patch_size, cfg.sw_batch_size, cfg.sw_overlap).features
 
     @torch.no_grad()
     def compute_prototype_requests(

@@ -21,7 +21,7 @@ from jascl.engine.defaults import default_supervised_loss
 from jascl.engine.plugin import Method
 from jascl.errors import ConfigError
 from jascl.methods.baselines.distillation._shared import FeatureTap, TeacherPlugin, soft_dice_loss, taught_rows
-from jascl.methods.common import labelled_loader
+from jascl.methods.common import labelled_loader, whole_forward
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
 from jascl.protocols.schema import IGNORE_INDEX
@@ -277,7 +277,8 @@ class PLOPPlugin(TeacherPlugin):
         """(K_old,) thresholds from the old model's predictions on the labelled set's background pixels."""
         hist = EntropyHistogram(self.num_old, self.o.bins)
         for batch in labelled_loader(state):
-            probs = F.softmax(self.teacher(batch["image"].to(state.device))[:, : self.num_old], dim=1)
+            logits = whole_forward(state, self.teacher, batch["image"].to(state.device)).logits
+            probs = F.softmax(logits[:, : self.num_old], dim=1)
             background = state.class_index(batch["label"].to(state.device)) == 0
             hist.update(normalized_entropy(probs)[background], probs.argmax(dim=1)[background])
         return entropy_thresholds(hist.medians(), self.o.min_threshold).to(state.device)

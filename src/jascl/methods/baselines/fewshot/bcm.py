@@ -134,7 +134,7 @@ class BCMPlugin(Plugin):
     def _pixels(self, state: LoopState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Features (N, D), labels (N,) and the base model's base-row prediction (N,) of the labelled pixels."""
         xs, ys, preds = [], [], []
-        for features, labels in eval_features(state.model, labelled_loader(state), state.device):
+        for features, labels in eval_features(state, state.model, labelled_loader(state)):
             labels = align_labels(labels, features.shape[2:])
             with torch.no_grad():
                 pred = state.model.classifier(features)[:, : len(self.base_classes)].argmax(dim=1)

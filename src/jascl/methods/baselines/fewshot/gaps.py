@@ -64,7 +64,7 @@ from torch import nn
 
 from jascl.engine.plugin import Method, Plugin
 from jascl.methods.baselines.fewshot._shared import eval_features
-from jascl.methods.common import frozen_copy, labelled_loader
+from jascl.methods.common import frozen_copy, labelled_loader, patch_around
 from jascl.methods.options import check_options, freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
 from jascl.networks.base import resize
@@ -244,11 +244,15 @@ class PoolEntry:
         return cls(class_id, image, mask, ci, cm)
 
 
-def _scene_embeddings(model, images: torch.Tensor, device: torch.device, batch_size: int) -> torch.Tensor:
-    """(N, C, *spatial) images -> (N, D) normalised global averages of the features."""
+def _scene_embeddings(state: LoopState, model, images: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(C, *spatial) images -> (N, D) normalised global averages of the features; batched ``batch_size`` at a
+    time when the images share one shape, else one at a time (real datasets vary in size)."""
+    size = state.config.batch_size if len({tuple(i.shape) for i in images}) == 1 else 1
     out = []
-    loader = [{"image": images[i : i + batch_size], "label": torch.zeros(0)} for i in range(0, len(images), batch_size)]
-    for features, _ in eval_features(model, loader, device):
+    loader = [
+        {"image": torch.stack(list(images[i : i + size])), "label": torch.zeros(0)} for i in range(0, len(images), size)
+    ]
+    for features, _ in eval_features(state, model, loader):
         out.append(F.normalize(features.flatten(2).mean(-1), dim=1).cpu())
     return torch.cat(out) if out else torch.zeros(0, 0)
 
@@ -286,7 +290,7 @@ class GAPSPlugin(Plugin):
         scores: dict[int, list[tuple[float, int]]] = {c: [] for c in classes}
         images, labels = [], []
         index = 0
-        for features, lab in eval_features(state.model, labelled_loader(state), state.device):
+        for features, lab in eval_features(state, state.model, labelled_loader(state)):
             features = F.normalize(resize(features, lab.shape[1:]), dim=1)
             for b in range(lab.shape[0]):
                 for c in classes:
@@ -306,8 +310,10 @@ class GAPSPlugin(Plugin):
             chosen.update(ranked[p] for p in uniform_interval_pick(len(ranked), per_class, rng))
         chosen_list = sorted(chosen)
         keep = rng.choice(chosen_list, size=min(o.memory_size, len(chosen_list)), replace=False) if chosen_list else []
-        self.memory_images = [images[i].clone() for i in sorted(int(k) for k in keep)]
-        self.memory_labels = [labels[i].clone() for i in sorted(int(k) for k in keep)]
+        # kept at the patch's size, around a taught pixel (whole samples vary in size on real data)
+        kept = [patch_around(images[i], labels[i], state.config.patch_size, rng) for i in sorted(int(k) for k in keep)]
+        self.memory_images = [image.clone() for image, _ in kept]
+        self.memory_labels = [label.clone() for _, label in kept]
 
     def after_training(self, state: LoopState) -> None:
         if state.session.index == 0:
@@ -340,12 +346,10 @@ class GAPSPlugin(Plugin):
         self._classes = [c for c in state.session.classes if c in support]
         if not self._classes:
             raise RuntimeError(f"GAPS: session {t} has no labelled pixels of its classes")
-        memory_emb = _scene_embeddings(
-            state.model, torch.stack(self.memory_images), state.device, state.config.batch_size
-        )
+        memory_emb = _scene_embeddings(state, state.model, self.memory_images)
         self._context = {}
         for c, images in support.items():
-            emb = _scene_embeddings(state.model, torch.stack(images), state.device, state.config.batch_size)
+            emb = _scene_embeddings(state, state.model, images)
             self._context[c] = context_candidates(emb, memory_emb, o.context_fraction)
         if o.freeze_bn:
             for m in state.model.modules():

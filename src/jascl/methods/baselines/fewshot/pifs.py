@@ -150,7 +150,7 @@ class PIFSPlugin(Plugin):
         new = state.seen[len(state.previous_seen) :]
         if new:
             loader = labelled_loader(state)
-            protos = pifs_prototypes(eval_features(state.model, loader, state.device), new)
+            protos = pifs_prototypes(eval_features(state, state.model, loader), new)
             with torch.no_grad():
                 for row, c in enumerate(state.seen):
                     if c in protos:  # a class without labelled pixels keeps the loop's initialisation

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jascl.engine.plugin import Method, Plugin
-from jascl.methods.common import labelled_loader
+from jascl.methods.common import labelled_loader, patch_around
 from jascl.methods.options import check_options, option
 from jascl.methods.registry import METHODS
 
@@ -138,8 +138,10 @@ class SubspacePlugin(Plugin):
         for c in state.session.classes:
             showing = [i for i, lab in enumerate(labels) if bool((lab == c).any())]
             for i in rng.permutation(showing)[: self.options.exemplars]:
-                self.exemplar_images.append(images[int(i)].clone())
-                self.exemplar_labels.append(labels[int(i)].clone())
+                # a window of the patch's size around the class (whole samples vary in size on real data)
+                image, label = patch_around(images[int(i)], labels[int(i)], state.config.patch_size, rng, c)
+                self.exemplar_images.append(image.clone())
+                self.exemplar_labels.append(label.clone())
 
     def after_session(self, state: LoopState) -> None:
         self._record(state)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from jascl.engine.prototypes import align_labels
-from jascl.methods.common import labelled_loader
+from jascl.methods.common import labelled_loader, whole_forward
 from jascl.networks.base import eval_mode
 
 if TYPE_CHECKING:
@@ -207,7 +207,7 @@ def gather_pixel_features(
     out: dict[int, list[torch.Tensor]] = {c: [] for c in classes}
     with eval_mode(model):
         for batch in loader:
-            features = model.forward_features(batch["image"].to(state.device)).features.float()
+            features = whole_forward(state, model, batch["image"].to(state.device)).features.float()
             labels = align_labels(batch["label"].to(state.device), features.shape[2:]).reshape(-1)
             flat = pixels(features)
             for c in classes:

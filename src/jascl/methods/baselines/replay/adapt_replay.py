@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from jascl.engine.plugin import Method
 from jascl.engine.prototypes import align_labels
-from jascl.methods.common import labelled_loader
+from jascl.methods.common import labelled_loader, whole_forward
 from jascl.methods.options import freeze_policy, option
 from jascl.methods.registry import METHODS
 from jascl.networks.base import eval_mode
@@ -93,7 +93,7 @@ class AdaptReplayPlugin(Saving100xPlugin):
         with eval_mode(state.model):
             for batch in labelled_loader(state):
                 x = batch["image"].to(state.device)
-                out_s, out_t = state.model.forward_features(x), self.teacher.forward_features(x)
+                out_s, out_t = whole_forward(state, state.model, x), whole_forward(state, self.teacher, x)
                 p_t = F.softmax(_small_logits(self.teacher, out_t)[:, : self.num_old], dim=1)
                 p_s = F.softmax(_small_logits(state.model, out_s), dim=1)
                 labels = align_labels(state.class_index(batch["label"].to(state.device)), out_s.features.shape[2:])

@@ -21,7 +21,7 @@ from jascl.methods.baselines.distillation._shared import (
     soft_dice_loss,
     unbiased_cross_entropy,
 )
-from jascl.methods.common import labelled_loader
+from jascl.methods.common import labelled_loader, whole_forward
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
 from jascl.networks.base import eval_mode
@@ -134,7 +134,7 @@ class Saving100xPlugin(TeacherPlugin):
             acc = FeatureStatistics(state.session.classes, model.backbone.feature_channels)
             background = 0.0
             for batch in labelled_loader(state):
-                features = model.forward_features(batch["image"].to(state.device)).features
+                features = whole_forward(state, model, batch["image"].to(state.device)).features
                 labels = align_labels(batch["label"].to(state.device), features.shape[2:])
                 acc.update(features, labels)
                 background += float((labels == 0).sum())
@@ -171,7 +171,7 @@ class Saving100xPlugin(TeacherPlugin):
         present = {cid: 0.0 for cid in self.store.classes}
         true_bg = 0.0
         for batch in labelled_loader(state):
-            out = self.teacher.forward_features(batch["image"].to(state.device))
+            out = whole_forward(state, self.teacher, batch["image"].to(state.device))
             pred = _small_logits(self.teacher, out)[:, : self.num_old].argmax(dim=1)
             labels = align_labels(state.class_index(batch["label"].to(state.device)), out.features.shape[2:])
             background = labels == 0

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from torch.utils.data import DataLoader, Subset
 
-from jascl.data.datasets import BatchStream, LabelledDataset
+from jascl.data.datasets import BatchStream
 from jascl.engine.plugin import Method
+from jascl.methods.common import labelled_loader, whole_forward
 from jascl.methods.mean_teacher import MeanTeacherPlugin, UnlabelledDataset, view_transform
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.pas import consistency_loss, pas_filter
@@ -217,16 +218,12 @@ class RetrievePlugin(MeanTeacherPlugin):
                         [(gi if gi is not None else torch.zeros_like(params[n])).flatten() for gi, n in zip(g, names)]
                     )
                 )
-            labelled = DataLoader(
-                LabelledDataset(state.data.train, state.session.classes, state.session.other_classes),
-                batch_size=state.config.batch_size,
-            )
             cached = []
             with torch.no_grad():
-                for batch in labelled:
+                for batch in labelled_loader(state):  # whole samples, one at a time where their sizes vary
                     cached.append(
                         (
-                            model.backbone(batch["image"].to(state.device)),
+                            whole_forward(state, model, batch["image"].to(state.device)).features,
                             state.class_index(batch["label"].to(state.device)),
                         )
                     )
