@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from jascl.data.types import Split  # noqa: E402
 from jascl.experiments.runner import run_benchmark  # noqa: E402
 from jascl.methods.common import labelled_loader, patch_around, whole_forward  # noqa: E402
-from jascl.networks.base import Backbone, Segmenter, whole_sample_forward  # noqa: E402
+from jascl.networks.base import Backbone, Segmenter, create_segmenter, whole_sample_forward  # noqa: E402
 from jascl.protocols import parse_protocol  # noqa: E402
 from test_real_protocols import fake_protocol, tiny_config, write_fake  # noqa: E402
 
@@ -184,3 +184,19 @@ def test_methods_with_whole_sample_passes_train_on_samples_of_different_sizes(tm
     for method in WHOLE_SAMPLE_METHODS:
         last = results["methods"][method]["sessions"][1]["per_class"]
         assert {c for c, v in last.items() if v == v} == {"0", "1", "2", "3"}, method
+
+
+def test_gen_replays_conv_generator_imitates_training_crops_not_whole_samples():
+    from jascl.methods.baselines.replay._gen_sources import ConvSource
+    from jascl.methods.baselines.replay.gen_replay import GenReplayOptions
+
+    sizes = [(40, 40), (40, 56), (48, 40)]
+    images = Ragged([torch.rand(1, *s).numpy() for s in sizes])
+    labels = Ragged([np.ones(s, np.uint8) for s in sizes])
+    state = state_of(images, labels, batch_size=2, patch=[32, 32])
+    state.seed, state.session.index, state.device = 0, 0, torch.device("cpu")
+    state.model = create_segmenter("unet", 2, 1, 3, features=[4, 4, 8, 8, 8, 8])
+    source = ConvSource(GenReplayOptions(generator="conv"))
+    layers, _, count, size, channels = source.reference_statistics(state)
+    # before, the whole samples went through the model and the generator took the first one's size, (40, 40)
+    assert (count, size, channels) == (3, (32, 32), 1) and layers

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
 from jascl.data.datasets import LabelledDataset
 from jascl.data.sampling import derive_seed
@@ -34,7 +35,6 @@ from jascl.methods.baselines.replay._generator import (
     mix_moments,
     observe,
 )
-from jascl.methods.common import labelled_loader
 from jascl.networks.base import eval_mode
 
 if TYPE_CHECKING:
@@ -53,11 +53,11 @@ def _resized(x: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
     return F.interpolate(x, size=size, mode="trilinear" if len(size) == 3 else "bilinear")
 
 
-def session_images(state: LoopState) -> torch.Tensor:
-    """The session's labelled images as training crops without augmentation (``patch_size``; whole images when it
-    is null), ``(N, C, *spatial)`` on the run's device; the crop of sample i is drawn from the run's seed, the session
-    and i alone."""
-    dataset = LabelledDataset(
+def session_crops(state: LoopState) -> LabelledDataset:
+    """The session's labelled samples as training crops without augmentation (``patch_size``; whole images when it
+    is null); the crop of sample i is drawn from the run's seed, the session and i alone. So every item has one
+    shape, and a generator imitates what the model trains on, not whole volumes (whose forward a GPU cannot hold)."""
+    return LabelledDataset(
         dense(state.data.train),
         state.session.classes,
         state.session.other_classes,
@@ -65,6 +65,11 @@ def session_images(state: LoopState) -> torch.Tensor:
         patch_size=state.config.patch_size,
         seed=derive_seed(state.seed, "gen-replay", state.session.index),
     )
+
+
+def session_images(state: LoopState) -> torch.Tensor:
+    """:func:`session_crops`' images, ``(N, C, *spatial)`` on the run's device."""
+    dataset = session_crops(state)
     return torch.stack([dataset[i]["image"] for i in range(len(dataset))]).to(state.device)
 
 
@@ -156,8 +161,9 @@ class ConvSource:
     def reference_statistics(
         self, state: LoopState
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, int, tuple[int, ...], int]:
-        """What the new generator imitates, under the current model: the session's labelled images mixed with as
-        many images of the previous generator, weighted by the images each stands for.
+        """What the new generator imitates, under the current model: the session's labelled images (as training
+        crops, :func:`session_crops`, ``batch_size`` at a time) mixed with as many images of the previous generator,
+        weighted by the images each stands for.
 
         Returns:
             per layer (mean, variance), the class frequencies (K,), the session's image count, image size and
@@ -167,7 +173,7 @@ class ConvSource:
         real, synthetic = Moments(), Moments()
         count, size, channels = 0, None, 1
         with eval_mode(model), NormInputTaps(model) as taps:
-            for batch in labelled_loader(state):
+            for batch in DataLoader(session_crops(state), batch_size=state.config.batch_size):
                 x = batch["image"].to(state.device)
                 if size is None:
                     size, channels = tuple(x.shape[2:]), x.shape[1]
