@@ -9,17 +9,22 @@ The freeze option every baseline has is :func:`jascl.methods.options.freeze_opti
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from jascl.data.sampling import derive_seed
 from jascl.data.types import dense
 from jascl.engine.state import LoopState
 from jascl.methods.gas import clean_state_dict
 from jascl.networks.base import Segmenter, SegmenterOutput, whole_sample_forward
 from jascl.protocols.schema import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from jascl.data.datasets import LabelledDataset
 
 
 class SessionGate:
@@ -66,6 +71,23 @@ def labelled_loader(state: LoopState, batch_size: int | None = None) -> DataLoad
     dataset = LabelledDataset(dense(train), state.session.classes, state.session.other_classes, augment=False)
     uniform = getattr(train.images, "uniform", True)
     return DataLoader(dataset, batch_size=(batch_size or state.config.batch_size) if uniform else 1)
+
+
+def labelled_crops(state: LoopState, purpose: str) -> LabelledDataset:
+    """The session's labelled samples as training crops without augmentation (``patch_size``; whole samples when it
+    is null), all of one shape: for a pass that should see what the model trains on, in bounded memory. The crop
+    of sample i is drawn from the run's seed, ``purpose``, the session and i alone. On synthetic protocols (the
+    patch is the samples' shape or none) the items are the whole samples."""
+    from jascl.data.datasets import LabelledDataset  # (MONAI: imported where a method needs the loader)
+
+    return LabelledDataset(
+        dense(state.data.train),
+        state.session.classes,
+        state.session.other_classes,
+        augment=False,
+        patch_size=state.config.patch_size,
+        seed=derive_seed(state.seed, purpose, state.session.index),
+    )
 
 
 def whole_forward(state: LoopState, model: Segmenter, images: torch.Tensor) -> SegmenterOutput:

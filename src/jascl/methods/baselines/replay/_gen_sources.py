@@ -24,8 +24,6 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from jascl.data.datasets import LabelledDataset
-from jascl.data.sampling import derive_seed
-from jascl.data.types import dense
 from jascl.methods.baselines.replay._diffusion import DiffusionPrior, PriorShape, bank_shares, intensity_window
 from jascl.methods.baselines.replay._generator import (
     Moments,
@@ -35,6 +33,7 @@ from jascl.methods.baselines.replay._generator import (
     mix_moments,
     observe,
 )
+from jascl.methods.common import labelled_crops
 from jascl.networks.base import eval_mode
 
 if TYPE_CHECKING:
@@ -54,17 +53,9 @@ def _resized(x: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
 
 
 def session_crops(state: LoopState) -> LabelledDataset:
-    """The session's labelled samples as training crops without augmentation (``patch_size``; whole images when it
-    is null); the crop of sample i is drawn from the run's seed, the session and i alone. So every item has one
-    shape, and a generator imitates what the model trains on, not whole volumes (whose forward a GPU cannot hold)."""
-    return LabelledDataset(
-        dense(state.data.train),
-        state.session.classes,
-        state.session.other_classes,
-        augment=False,
-        patch_size=state.config.patch_size,
-        seed=derive_seed(state.seed, "gen-replay", state.session.index),
-    )
+    """The session's labelled samples as training crops (:func:`jascl.methods.common.labelled_crops`): a generator
+    imitates what the model trains on, not whole volumes (whose forward a GPU cannot hold)."""
+    return labelled_crops(state, "gen-replay")
 
 
 def session_images(state: LoopState) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Subset
 
 from jascl.data.datasets import BatchStream
 from jascl.engine.plugin import Method
-from jascl.methods.common import labelled_loader, whole_forward
+from jascl.methods.common import labelled_crops
 from jascl.methods.mean_teacher import MeanTeacherPlugin, UnlabelledDataset, view_transform
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.pas import consistency_loss, pas_filter
@@ -100,8 +100,10 @@ class RetrievePlugin(MeanTeacherPlugin):
     gradients are those of ``weight * L_consistency`` (eq. 5, the mean
     teacher's term) of each pool image with respect to the classifier
     parameters; the labelled loss is the cross-entropy of the session's
-    labelled images (training labels, no augmentation) through the
-    classifier, evaluated exactly at the stepped classifier parameters on
+    labelled images (training labels, no augmentation; as training crops
+    where ``patch_size`` is set, :func:`jascl.methods.common.labelled_crops`,
+    so the cached features of a session of CT volumes fit in memory) through
+    the classifier, evaluated exactly at the stepped classifier parameters on
     cached features; eta is the optimiser's current learning rate. The
     phase's pass then runs the mean teacher over the coreset only; the loss
     key is ``retrieve``.
@@ -220,10 +222,12 @@ class RetrievePlugin(MeanTeacherPlugin):
                 )
             cached = []
             with torch.no_grad():
-                for batch in labelled_loader(state):  # whole samples, one at a time where their sizes vary
+                # training crops (whole samples on synthetic protocols): their features are kept for the whole
+                # selection, which for whole volumes would be gigabytes each
+                for batch in DataLoader(labelled_crops(state, "retrieve"), batch_size=state.config.batch_size):
                     cached.append(
                         (
-                            whole_forward(state, model, batch["image"].to(state.device)).features,
+                            model.forward_features(batch["image"].to(state.device)).features,
                             state.class_index(batch["label"].to(state.device)),
                         )
                     )
