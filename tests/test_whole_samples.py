@@ -200,3 +200,23 @@ def test_gen_replays_conv_generator_imitates_training_crops_not_whole_samples():
     layers, _, count, size, channels = source.reference_statistics(state)
     # before, the whole samples went through the model and the generator took the first one's size, (40, 40)
     assert (count, size, channels) == (3, (32, 32), 1) and layers
+
+
+def test_labelled_crops_are_patches_drawn_from_the_seed_and_purpose():
+    from jascl.methods.common import labelled_crops
+
+    sizes = [(40, 40), (40, 56), (48, 40)]
+    images = Ragged([np.random.default_rng(i).random((1, *s), np.float32) for i, s in enumerate(sizes)])
+    labels = Ragged([np.ones(s, np.uint8) for s in sizes])
+    state = state_of(images, labels, patch=[32, 32])
+    state.seed, state.session.index = 3, 1
+
+    def crops(purpose):
+        return [labelled_crops(state, purpose)[i]["image"] for i in range(3)]
+
+    first, again, other = crops("retrieve"), crops("retrieve"), crops("gen-replay")
+    assert [tuple(c.shape) for c in first] == [(1, 32, 32)] * 3
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other))
+    state.config.patch_size = None  # no patch: the whole samples
+    assert [tuple(c.shape[1:]) for c in crops("retrieve")] == sizes
