@@ -220,3 +220,23 @@ def test_labelled_crops_are_patches_drawn_from_the_seed_and_purpose():
     assert not all(torch.equal(a, b) for a, b in zip(first, other))
     state.config.patch_size = None  # no patch: the whole samples
     assert [tuple(c.shape[1:]) for c in crops("retrieve")] == sizes
+
+
+class LazyLabels(Ragged):
+    """A real pool's labels: read sample by sample, never as one array (as jascl.data.real.LazySamples)."""
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("a lazy split is not held in memory as one array; index it sample by sample")
+
+
+def test_the_pseudo_label_report_reads_a_lazy_pool_sample_by_sample():
+    """UaD-CE, HALO and FSCIL-SS stopped at the end of every incremental session of a real dataset: the report read
+    the pool's labels as one array."""
+    from jascl.methods.pas import pool_pseudo_label_report
+
+    truth = [np.array([[1, 2], [255, 0]], np.uint8), np.array([[0, 0], [2, 2]], np.uint8)]
+    pseudo = torch.tensor([[[1, 1], [0, 255]], [[255, 255], [2, 0]]])
+    for labels in (np.stack(truth), LazyLabels(truth)):
+        report = pool_pseudo_label_report(labels, pseudo, [0, 1, 2], "uad-ce", 3)
+        # kept 5 of 8 pixels; of the 4 with a known truth, 2 right (1 at (0, 0, 0), 2 at (1, 1, 0))
+        assert report == {"method": "uad-ce", "rounds": 3, "coverage": 5 / 8, "precision": 0.5}

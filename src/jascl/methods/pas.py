@@ -22,6 +22,7 @@ affected). jascl keeps (D,) vectors per class and never reproduces that.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -343,13 +344,14 @@ class FilterCounters:
 
 
 def pool_pseudo_label_report(
-    pool_labels: object, pseudo_rows: torch.Tensor, seen: list[int], method: str, rounds: int
+    pool_labels: Any, pseudo_rows: torch.Tensor, seen: list[int], method: str, rounds: int
 ) -> dict:
     """``state.report["pseudo_labels"]`` of a method that pseudo-labels the unlabelled pool once per round
     (UaD-CE, FSCIL-SS, HALO): coverage and precision of its kept pseudo-labels against the pool's hidden truth.
 
     Args:
-        pool_labels: the pool's labels, global ids (measurement only; they never enter a loss).
+        pool_labels: the pool's labels, global ids (measurement only; they never enter a loss): an (N, *spatial)
+            array, or a lazy split's labels of one shape (the pool's crops), indexed sample by sample.
         pseudo_rows: (N, *spatial) classifier rows chosen per pool pixel, 255 where none is.
         seen: the session's classifier rows as global class ids.
         method: the method's name, recorded with the counts.
@@ -359,7 +361,8 @@ def pool_pseudo_label_report(
 
     from jascl.protocols.schema import IGNORE_INDEX
 
-    truth = torch.from_numpy(np.asarray(pool_labels).astype("int64"))
+    # sample by sample: a real dataset's pool is lazy (its samples are read one at a time, and are not one array)
+    truth = torch.from_numpy(np.stack([np.asarray(pool_labels[i]) for i in range(len(pool_labels))]).astype("int64"))
     ids = torch.as_tensor(seen)[pseudo_rows.clamp(max=len(seen) - 1)]
     counters = FilterCounters()
     counters.update(pseudo_rows != IGNORE_INDEX, ids, truth)
