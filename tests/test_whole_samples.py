@@ -240,3 +240,20 @@ def test_the_pseudo_label_report_reads_a_lazy_pool_sample_by_sample():
         report = pool_pseudo_label_report(labels, pseudo, [0, 1, 2], "uad-ce", 3)
         # kept 5 of 8 pixels; of the 4 with a known truth, 2 right (1 at (0, 0, 0), 2 at (1, 1, 0))
         assert report == {"method": "uad-ce", "rounds": 3, "coverage": 5 / 8, "precision": 0.5}
+
+
+def test_ewcs_fisher_takes_its_gradients_on_training_crops():
+    """A whole CT volume's backward pass does not fit a GPU; the Fisher of EWC (and online EWC) is measured on
+    what the model trains on. Before, the three whole samples below went through the model as they are."""
+    from jascl.methods.baselines.regularization.ewc import EWCPlugin
+
+    sizes = [(40, 40), (40, 56), (48, 40)]
+    images = Ragged([np.random.default_rng(i).random((1, *s), np.float32) for i, s in enumerate(sizes)])
+    labels = Ragged([np.ones(s, np.uint8) for s in sizes])
+    state = state_of(images, labels, patch=[32, 32])
+    state.seed, state.session.index, state.device = 0, 1, torch.device("cpu")
+    state.freeze_incremental, state.class_index = "all_but_classifier", lambda ids: ids.long()
+    state.model = pointwise_model(2)
+    fisher, anchors = EWCPlugin().session_fisher(state)
+    assert state.model.backbone.seen == [(32, 32)] * 3
+    assert set(fisher) == set(anchors) == {"classifier.weight"} and bool((fisher["classifier.weight"] > 0).any())

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from jascl.engine.plugin import Method, Plugin
+from jascl.methods.common import labelled_crops
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
 from jascl.networks.base import eval_mode
@@ -128,13 +129,14 @@ class _FisherSessions:
     fisher_samples = 0
 
     def session_fisher(self, state: LoopState) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(Fisher, anchors) at the current parameters on the session's labelled training data (eval mode)."""
-        from jascl.data.datasets import LabelledDataset
-
+        """(Fisher, anchors) at the current parameters on the session's labelled training data (eval mode), as
+        training crops (:func:`jascl.methods.common.labelled_crops`): each sample's gradient is a backward pass,
+        which for a whole CT volume would need several times the memory of its forward (tens of GB); the
+        synthetic protocols' samples are their own crops."""
         model = state.model
         targets = incremental_parameters(state)
         flags = {n: p.requires_grad for n, p in targets.items()}
-        dataset = LabelledDataset(state.data.train, state.session.classes, state.session.other_classes)
+        dataset = labelled_crops(state, "ewc-fisher")
         limit = len(dataset) if self.fisher_samples <= 0 else min(self.fisher_samples, len(dataset))
 
         def samples():
