@@ -524,10 +524,10 @@ def write_natural_roots(root: Path, protocol, per_split: int) -> dict[str, Path]
 
 
 def same_spacing(protocol, spacing=(1.5, 1.5, 1.5)):
-    """The protocol with every dataset resampled to one spacing, so all fixture volumes end up 32^3.
-
-    Needed while the trainer batches whole samples for prototypes (see
-    test_prototypes_of_variable_size_samples); BraTS is resampled to 1 mm otherwise.
+    """The protocol with every dataset resampled to one spacing, so all fixture volumes end up 32^3 (BraTS is
+    resampled to 1 mm otherwise, 48^3): the smallest the tiny U-Net takes, for the suite's time. Samples of
+    several sizes are tested by test_prototypes_of_variable_size_samples and tests/test_whole_samples.py;
+    tools/every_method_on_fixtures.py runs every method with the protocols' own spacings.
     """
     datasets = {
         n: dataclasses.replace(d, preprocess={**d.preprocess, "spacing": list(spacing)})
