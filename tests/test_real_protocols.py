@@ -704,7 +704,8 @@ def test_synthetic_manifest_reuse_must_name_the_generated_samples(toy_protocol, 
         load_sessions(toy_protocol, tmp_path / "cache", echo=lambda *a: None, split_manifest=path)
 
 
-def test_prototypes_of_variable_size_samples(tmp_path):
+def write_several_sizes(root: Path) -> Path:
+    """The fake layout with samples of 32 x 32, 32 x 48 and 48 x 32 (five train, three test; classes 1-3)."""
     samples = {
         "a": ("train", [1, 2]),
         "b": ("train", [2, 3]),
@@ -712,9 +713,14 @@ def test_prototypes_of_variable_size_samples(tmp_path):
         "t1": ("test", [1, 2]),
         "t2": ("test", [3]),
     }
-    root = write_fake(tmp_path / "fake", samples, size=(32, 32))
+    write_fake(root, samples, size=(32, 32))
     write_fake(root, {"d": ("train", [1, 3])}, size=(32, 48))
-    write_fake(root, {"t3": ("test", [1, 3])}, size=(48, 32))
+    write_fake(root, {"e": ("train", [1, 2]), "t3": ("test", [1, 3])}, size=(48, 32))
+    return root
+
+
+def test_prototypes_of_variable_size_samples(tmp_path):
+    root = write_several_sizes(tmp_path / "fake")
     protocol = parse_protocol(fake_protocol(), "fake.yaml")
     config = tiny_config(protocol, [32, 32])
     results = run_benchmark(

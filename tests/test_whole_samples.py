@@ -17,7 +17,7 @@ from jascl.experiments.runner import run_benchmark  # noqa: E402
 from jascl.methods.common import labelled_loader, patch_around, whole_forward  # noqa: E402
 from jascl.networks.base import Backbone, Segmenter, create_segmenter, whole_sample_forward  # noqa: E402
 from jascl.protocols import parse_protocol  # noqa: E402
-from test_real_protocols import fake_protocol, tiny_config, write_fake  # noqa: E402
+from test_real_protocols import fake_protocol, tiny_config, write_several_sizes  # noqa: E402
 
 
 class Pointwise(Backbone):
@@ -159,17 +159,7 @@ WHOLE_SAMPLE_METHODS = [
 
 
 def test_methods_with_whole_sample_passes_train_on_samples_of_different_sizes(tmp_path):
-    samples = {
-        "a": ("train", [1, 2]),
-        "b": ("train", [2, 3]),
-        "c": ("train", [3, 2]),
-        "t1": ("test", [1, 2]),
-        "t2": ("test", [3]),
-    }
-    root = write_fake(tmp_path / "fake", samples, size=(32, 32))
-    write_fake(root, {"d": ("train", [1, 3])}, size=(32, 48))
-    write_fake(root, {"e": ("train", [1, 2])}, size=(48, 32))
-    write_fake(root, {"t3": ("test", [1, 3])}, size=(48, 32))
+    root = write_several_sizes(tmp_path / "fake")
     protocol = parse_protocol(fake_protocol(), "fake.yaml")
     results = run_benchmark(
         protocol,
