@@ -42,9 +42,9 @@ import torch
 
 from jascl.data.datasets import LabelledDataset
 from jascl.data.sampling import derive_seed
-from jascl.data.types import dense
 from jascl.engine.plugin import Plugin
 from jascl.errors import ConfigError
+from jascl.methods.common import labelled_crops
 from jascl.protocols.schema import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -246,15 +246,7 @@ def session_samples(state: LoopState) -> tuple[_Crops, list[torch.Tensor]]:
     sample twice gives the same crop. Returns the images (read when indexed) and every label (uint8): the
     labels decide the selection, and only the images of the samples taken are kept.
     """
-    t = state.session.index
-    dataset = LabelledDataset(
-        dense(state.data.train),
-        state.session.classes,
-        state.session.other_classes,
-        augment=False,
-        patch_size=state.config.patch_size,
-        seed=derive_seed(state.seed, "labelled-memory", t),
-    )
+    dataset = labelled_crops(state, "labelled-memory")
     return _Crops(dataset), [dataset[i]["label"].to(torch.uint8) for i in range(len(dataset))]
 
 

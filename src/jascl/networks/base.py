@@ -188,8 +188,8 @@ class Segmenter(nn.Module):
 def whole_sample_forward(
     model: Segmenter, x: torch.Tensor, roi: Sequence[int] | None, sw_batch_size: int = 1, overlap: float = 0.25
 ) -> SegmenterOutput:
-    """Logits and features of whole samples (B, C, *spatial) for a statistics pass, without gradient tracking
-    decided here (the caller's ``torch.no_grad`` or not).
+    """Logits and features of whole samples (B, C, *spatial) for a statistics pass; gradients are tracked as the
+    caller decides (``torch.no_grad`` or not).
 
     A volume larger than ``roi`` (the training patch) along any axis goes through MONAI's sliding windows, as
     the evaluation scores it: windows of ``roi`` with ``overlap``, ``sw_batch_size`` at a time, both outputs

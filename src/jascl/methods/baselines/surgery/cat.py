@@ -66,14 +66,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from jascl.data.datasets import LabelledDataset
 from jascl.data.sampling import derive_seed
-from jascl.data.types import dense
 from jascl.engine.plugin import Method
 from jascl.errors import ConfigError
 from jascl.methods.baselines.distillation._shared import FeatureTap, TeacherPlugin
 from jascl.methods.baselines.distillation.plop import local_pod
 from jascl.methods.baselines.surgery._blend import Cutout, blend_sample, cut_instruments
+from jascl.methods.common import labelled_crops
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
 from jascl.protocols.schema import IGNORE_INDEX
@@ -234,14 +233,7 @@ class CATPlugin(TeacherPlugin):
 
     def _session_cutouts(self, state: LoopState) -> list[Cutout]:
         """Cut-outs of the session's taught classes from its training crops (no augmentation)."""
-        dataset = LabelledDataset(
-            dense(state.data.train),
-            state.session.classes,
-            state.session.other_classes,
-            augment=False,
-            patch_size=state.config.patch_size,
-            seed=derive_seed(state.seed, "cat-cutouts", state.session.index),
-        )
+        dataset = labelled_crops(state, "cat-cutouts")
         out: list[Cutout] = []
         for i in range(len(dataset)):
             item = dataset[i]
