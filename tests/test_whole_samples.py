@@ -232,18 +232,23 @@ def test_the_pseudo_label_report_reads_a_lazy_pool_sample_by_sample():
         assert report == {"method": "uad-ce", "rounds": 3, "coverage": 5 / 8, "precision": 0.5}
 
 
-def test_ewcs_fisher_takes_its_gradients_on_training_crops():
-    """A whole CT volume's backward pass does not fit a GPU; the Fisher of EWC (and online EWC) is measured on
-    what the model trains on. Before, the three whole samples below went through the model as they are."""
+def test_ewcs_fisher_takes_its_gradients_on_training_crops_of_volumes_and_on_whole_images():
+    """A whole CT volume's backward pass does not fit a GPU: the Fisher of EWC (and online EWC) is measured on
+    training crops of volumes (before, the whole volumes below went through the model), on whole images in 2D
+    (as Kirkpatrick et al., and as before)."""
     from jascl.methods.baselines.regularization.ewc import EWCPlugin
 
-    sizes = [(40, 40), (40, 56), (48, 40)]
-    images = Ragged([np.random.default_rng(i).random((1, *s), np.float32) for i, s in enumerate(sizes)])
-    labels = Ragged([np.ones(s, np.uint8) for s in sizes])
-    state = state_of(images, labels, patch=[32, 32])
-    state.seed, state.session.index, state.device = 0, 1, torch.device("cpu")
-    state.freeze_incremental, state.class_index = "all_but_classifier", lambda ids: ids.long()
-    state.model = pointwise_model(2)
-    fisher, anchors = EWCPlugin().session_fisher(state)
-    assert state.model.backbone.seen == [(32, 32)] * 3
-    assert set(fisher) == set(anchors) == {"classifier.weight"} and bool((fisher["classifier.weight"] > 0).any())
+    for sizes, patch, seen in [
+        ([(10, 12, 9), (8, 8, 8), (12, 10, 10)], [8, 8, 8], [(8, 8, 8)] * 3),
+        ([(40, 40), (40, 56)], [32, 32], [(40, 40), (40, 56)]),
+    ]:
+        images = Ragged([np.random.default_rng(i).random((1, *s), np.float32) for i, s in enumerate(sizes)])
+        images.ndim = 2 + len(patch)
+        labels = Ragged([np.ones(s, np.uint8) for s in sizes])
+        state = state_of(images, labels, patch=patch)
+        state.seed, state.session.index, state.device = 0, 1, torch.device("cpu")
+        state.freeze_incremental, state.class_index = "all_but_classifier", lambda ids: ids.long()
+        state.model = pointwise_model(len(patch))
+        fisher, anchors = EWCPlugin().session_fisher(state)
+        assert state.model.backbone.seen == seen
+        assert set(fisher) == set(anchors) == {"classifier.weight"} and bool((fisher["classifier.weight"] > 0).any())

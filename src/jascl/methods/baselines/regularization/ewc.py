@@ -129,14 +129,20 @@ class _FisherSessions:
     fisher_samples = 0
 
     def session_fisher(self, state: LoopState) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(Fisher, anchors) at the current parameters on the session's labelled training data (eval mode), as
-        training crops (:func:`jascl.methods.common.labelled_crops`): each sample's gradient is a backward pass,
-        which for a whole CT volume would need several times the memory of its forward (tens of GB); the
-        synthetic protocols' samples are their own crops."""
+        """(Fisher, anchors) at the current parameters on the session's labelled training data (eval mode): whole
+        images in 2D, as Kirkpatrick et al.; volumes (3D with a patch) as training crops
+        (:func:`jascl.methods.common.labelled_crops`), because each sample's gradient is a backward pass, which for
+        a whole CT volume would need several times the memory of its forward (tens of GB). The synthetic 3D
+        protocols' volumes are their own crops."""
+        from jascl.data.datasets import LabelledDataset
+
         model = state.model
         targets = incremental_parameters(state)
         flags = {n: p.requires_grad for n, p in targets.items()}
-        dataset = labelled_crops(state, "ewc-fisher")
+        if len(state.config.patch_size or ()) == 3:
+            dataset = labelled_crops(state, "ewc-fisher")
+        else:
+            dataset = LabelledDataset(state.data.train, state.session.classes, state.session.other_classes)
         limit = len(dataset) if self.fisher_samples <= 0 else min(self.fisher_samples, len(dataset))
 
         def samples():
