@@ -90,6 +90,13 @@ def labelled_crops(state: LoopState, purpose: str) -> LabelledDataset:
     )
 
 
+def crops_for_volumes(state: LoopState) -> bool:
+    """Whether a pass that takes gradients of, or keeps results for, every labelled sample reads training crops
+    (:func:`labelled_crops`) rather than whole samples: for volumes (3D with a patch), whose backward pass or kept
+    full-resolution features would not fit in memory; images (2D) stay whole, as the methods' papers had them."""
+    return len(state.config.patch_size or ()) == 3
+
+
 def whole_forward(state: LoopState, model: Segmenter, images: torch.Tensor) -> SegmenterOutput:
     """``model``'s logits and features of whole samples (a :func:`labelled_loader` batch, on the device): volumes
     larger than the training patch through sliding windows, as the evaluation scores them

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from jascl.engine.plugin import Method, Plugin
-from jascl.methods.common import labelled_crops
+from jascl.methods.common import crops_for_volumes, labelled_crops
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
 from jascl.networks.base import eval_mode
@@ -139,7 +139,7 @@ class _FisherSessions:
         model = state.model
         targets = incremental_parameters(state)
         flags = {n: p.requires_grad for n, p in targets.items()}
-        if len(state.config.patch_size or ()) == 3:
+        if crops_for_volumes(state):
             dataset = labelled_crops(state, "ewc-fisher")
         else:
             dataset = LabelledDataset(state.data.train, state.session.classes, state.session.other_classes)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Subset
 
 from jascl.data.datasets import BatchStream
 from jascl.engine.plugin import Method
-from jascl.methods.common import labelled_crops
+from jascl.methods.common import crops_for_volumes, labelled_crops, labelled_loader
 from jascl.methods.mean_teacher import MeanTeacherPlugin, UnlabelledDataset, view_transform
 from jascl.methods.options import freeze_option, freeze_policy, option
 from jascl.methods.pas import consistency_loss, pas_filter
@@ -100,9 +100,9 @@ class RetrievePlugin(MeanTeacherPlugin):
     gradients are those of ``weight * L_consistency`` (eq. 5, the mean
     teacher's term) of each pool image with respect to the classifier
     parameters; the labelled loss is the cross-entropy of the session's
-    labelled images (training labels, no augmentation; as training crops
-    where ``patch_size`` is set, :func:`jascl.methods.common.labelled_crops`,
-    so the cached features of a session of CT volumes fit in memory) through
+    labelled images (training labels, no augmentation; volumes as training
+    crops, :func:`jascl.methods.common.crops_for_volumes`, so the cached
+    features of a session of CT volumes fit in memory) through
     the classifier, evaluated exactly at the stepped classifier parameters on
     cached features; eta is the optimiser's current learning rate. The
     phase's pass then runs the mean teacher over the coreset only; the loss
@@ -222,9 +222,14 @@ class RetrievePlugin(MeanTeacherPlugin):
                 )
             cached = []
             with torch.no_grad():
-                # training crops (whole samples on synthetic protocols): their features are kept for the whole
-                # selection, which for whole volumes would be gigabytes each
-                for batch in DataLoader(labelled_crops(state, "retrieve"), batch_size=state.config.batch_size):
+                # volumes as training crops: their features are kept for the whole selection, which for whole
+                # volumes would be gigabytes each; images whole (one at a time where their sizes vary)
+                labelled = (
+                    DataLoader(labelled_crops(state, "retrieve"), batch_size=state.config.batch_size)
+                    if crops_for_volumes(state)
+                    else labelled_loader(state)
+                )
+                for batch in labelled:
                     cached.append(
                         (
                             model.forward_features(batch["image"].to(state.device)).features,
