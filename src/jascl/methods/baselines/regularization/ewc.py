@@ -3,6 +3,7 @@ by the diagonal Fisher information of earlier sessions."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from jascl.engine.config import RunConfig
     from jascl.engine.state import LoopState
 from jascl.methods.baselines.regularization._shared import incremental_parameters, leading_rows, pad_rows
+
+log = logging.getLogger("jascl")
 
 
 def ewc_penalty(
@@ -107,6 +110,51 @@ def fisher_diagonal(
     return {n: t / max(count, 1) for n, t in zip(names, total)}
 
 
+#: the share of SGD's stability bound the penalty's curvature may take (the task loss has curvature of its own)
+STABILITY_MARGIN = 0.5
+
+
+def sgd_stable_curvature(lr: float, momentum: float = 0.0, nesterov: bool = False) -> float:
+    """The curvature h above which PyTorch's SGD diverges on the quadratic (h/2) x^2.
+
+    One step maps (x, v) linearly; its eigenvalues stay inside the unit circle while lr * h < 2 (1 + beta) for
+    heavy-ball momentum beta (2 without momentum), and lr * h < 2 (1 + beta) / (1 + 2 beta) for PyTorch's Nesterov
+    form (v <- beta v + g; x <- x - lr (g + beta v), whose characteristic polynomial is
+    z^2 - (1 + beta)(1 - lr h) z + beta (1 - lr h)). With beta = 0.9: 3.8 / lr and 1.357 / lr.
+    """
+    if lr <= 0:
+        return float("inf")
+    if nesterov and momentum > 0:
+        return 2 * (1 + momentum) / (1 + 2 * momentum) / lr
+    return 2 * (1 + momentum) / lr
+
+
+def capped_importances(importances: list[Mapping[str, torch.Tensor]], cap: float) -> list[dict[str, torch.Tensor]]:
+    """Scale the sessions' importances element by element so that their sum is at most ``cap``.
+
+    Every session's value of one parameter element is multiplied by min(1, cap / sum over sessions), so the
+    penalty's minimiser (the importance-weighted mean of the anchors) stays where it was and only its curvature
+    is bounded. Elements whose sum is within ``cap`` are untouched; rows that grew later count from their session.
+    """
+    totals: dict[str, torch.Tensor] = {}
+    for importance in importances:
+        for name, f in importance.items():
+            prev = totals.get(name)
+            if prev is None:
+                totals[name] = f.clone()
+            else:
+                shape = max(prev.shape, f.shape, key=lambda size: size[0] if len(size) else 0)
+                totals[name] = pad_rows(prev, shape) + pad_rows(f, shape)
+    out = []
+    for importance in importances:
+        scaled = {}
+        for name, f in importance.items():
+            factor = (cap / totals[name].clamp(min=1e-30)).clamp(max=1.0)
+            scaled[name] = f * leading_rows(factor, f)
+        out.append(scaled)
+    return out
+
+
 def online_fisher_update(
     accumulated: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor], gamma: float
 ) -> dict[str, torch.Tensor]:
@@ -123,10 +171,67 @@ def online_fisher_update(
 
 
 class _FisherSessions:
-    """Fisher computation at the end of a session, shared by EWC and online EWC."""
+    """Fisher computation at the end of a session, and the penalty's curvature bound, shared by EWC and online EWC.
+
+    The bound: the penalty (lambda / 2) F (theta - theta*)^2 has curvature lambda F, and SGD diverges on a
+    quadratic whose curvature exceeds :func:`sgd_stable_curvature` at its rate. The Fisher is unnormalised
+    (Kirkpatrick et al.), so lambda F has no fixed scale: on the med-ss fixtures the cosine classifier's Fisher
+    reached 20.7, and lambda = 500 at the protocol's lr 0.01 (SGD, Nesterov 0.9) gives lr lambda F = 104 against
+    a bound of 1.36; the penalty grew to 1e38 within two sessions. Under SGD the importances are therefore
+    scaled so that lambda times their sum over sessions is at most :data:`STABILITY_MARGIN` of the bound at the
+    optimiser's current rates (:func:`capped_importances`); the elements this touches are held at their anchors
+    as firmly as SGD can integrate, and the others are unchanged. Adam and AdamW are left alone: their steps are
+    bounded by their rate whatever the gradient's scale. (MiB's code, the source of lambda = 500, rescales each
+    Fisher to [0, 1] and trains incremental steps at lr 0.001, where 2 lambda lr = 1 stays stable.)
+    """
 
     fisher_labels = "empirical"
     fisher_samples = 0
+    weight = 0.0
+    snapshot_exclude: tuple[str, ...] = ("_capped", "_capped_key")
+    _capped: list[dict[str, torch.Tensor]] | None = None
+    _capped_key: tuple | None = None
+
+    def curvature_cap(self, state: LoopState) -> float | None:
+        """The most importance (per element, summed over sessions) the penalty may give under the run's SGD;
+        None under another optimiser, before the session's optimiser exists, or with ``weight`` 0."""
+        optimizer = getattr(state, "optimizer", None)
+        if not isinstance(optimizer, torch.optim.SGD) or self.weight <= 0:
+            return None
+        bound = min(
+            sgd_stable_curvature(g["lr"], g.get("momentum", 0.0), bool(g.get("nesterov", False)))
+            for g in optimizer.param_groups
+        )
+        return None if bound == float("inf") else STABILITY_MARGIN * bound / self.weight
+
+    def stable_importances(
+        self, state: LoopState, importances: list[dict[str, torch.Tensor]]
+    ) -> list[dict[str, torch.Tensor]]:
+        """``importances`` capped by :meth:`curvature_cap` (computed again when the cap or the sessions change;
+        one log line the first time elements are capped)."""
+        cap = self.curvature_cap(state)
+        if cap is None:
+            return importances
+        key = (cap, self.consolidated, len(importances))
+        if self._capped is None or self._capped_key != key:
+            self._capped, self._capped_key = capped_importances(importances, cap), key
+            total = sum(v.numel() for f in importances for v in f.values())
+            capped = sum(
+                int((a != b).sum()) for f, g in zip(importances, self._capped) for a, b in zip(f.values(), g.values())
+            )
+            if capped:
+                largest = max(float(v.max()) for f in importances for v in f.values())
+                log.info(
+                    "%s: %d of %d Fisher values capped at %.4g (largest %.4g) so that weight x Fisher stays within "
+                    "SGD's stability bound at lr %.4g",
+                    getattr(self, "name", "ewc"),
+                    capped,
+                    total,
+                    cap,
+                    largest,
+                    max(g["lr"] for g in state.optimizer.param_groups),
+                )
+        return self._capped
 
     def session_fisher(self, state: LoopState) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(Fisher, anchors) at the current parameters on the session's labelled training data (eval mode): whole
@@ -200,7 +305,8 @@ class EWCPlugin(_FisherSessions, Plugin):
         if not self.sessions:
             return None
         params = dict(state.model.named_parameters())
-        return sum(ewc_penalty(params, anchors, fisher) for fisher, anchors in self.sessions)
+        fishers = self.stable_importances(state, [fisher for fisher, _ in self.sessions])
+        return sum(ewc_penalty(params, anchors, fisher) for fisher, (_, anchors) in zip(fishers, self.sessions))
 
     def after_forward(self, state: LoopState) -> None:
         if state.session.index > 0:
@@ -209,6 +315,7 @@ class EWCPlugin(_FisherSessions, Plugin):
                 state.losses[self.name] = 0.5 * self.weight * penalty
 
     def consolidate(self, state: LoopState) -> None:
+        self._capped = None
         fisher, anchors = self.session_fisher(state)
         self.sessions.append((fisher, anchors))
         self.consolidated = state.session.index
@@ -228,6 +335,7 @@ class EWCPlugin(_FisherSessions, Plugin):
         return out
 
     def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._capped = None
         self.consolidated = int(tensors["consolidated"])
         sessions: dict[int, tuple[dict, dict]] = {}
         for key, value in tensors.items():
@@ -273,10 +381,12 @@ class OnlineEWCPlugin(_FisherSessions, Plugin):
 
     def after_forward(self, state: LoopState) -> None:
         if self.fisher is not None and state.session.index > 0:
-            penalty = ewc_penalty(dict(state.model.named_parameters()), self.anchors, self.fisher)
+            (fisher,) = self.stable_importances(state, [self.fisher])
+            penalty = ewc_penalty(dict(state.model.named_parameters()), self.anchors, fisher)
             state.losses[self.name] = 0.5 * self.weight * penalty
 
     def consolidate(self, state: LoopState) -> None:
+        self._capped = None
         fisher, self.anchors = self.session_fisher(state)
         self.fisher = online_fisher_update(self.fisher, fisher, self.gamma)
         self.consolidated = state.session.index
@@ -296,6 +406,7 @@ class OnlineEWCPlugin(_FisherSessions, Plugin):
         return out
 
     def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._capped = None
         self.consolidated = int(tensors["consolidated"])
         fisher = {k[len("fisher.") :]: v for k, v in tensors.items() if k.startswith("fisher.")}
         anchors = {k[len("anchor.") :]: v for k, v in tensors.items() if k.startswith("anchor.")}
@@ -307,7 +418,9 @@ class EWCOptions:
     """EWC / online EWC options (``method_args.ewc``, ``method_args.online-ewc``).
 
     Attributes:
-        weight: lambda; 500, the value MiB's code (Cermelli et al., CVPR 2020) uses for EWC on segmentation.
+        weight: lambda; 500, the value MiB's code (Cermelli et al., CVPR 2020) uses for EWC on segmentation (there
+            on a Fisher rescaled to [0, 1]; here Kirkpatrick et al.'s, unnormalised, capped under SGD where
+            lambda F would make the step diverge: :class:`_FisherSessions`).
         gamma: online EWC's decay of the running Fisher; 1.0 as in the reference configurations of Mammoth and
             van de Ven et al.'s code (EWC ignores it).
         fisher_labels: "empirical" (ground truth) or "sampled" (the model's predictions).
