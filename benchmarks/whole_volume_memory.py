@@ -1,5 +1,5 @@
 """Peak memory of one whole-volume forward of a 3D backbone's features (what a prototype pass would cost without
-sliding windows: ``SegmentationTask.sample_features``).
+sliding windows: ``jascl.engine.tasks.segmentation.accumulate_prototypes``).
 
 Runs ``forward_features`` under ``torch.no_grad()`` on one random volume per size, smallest first, on the CPU, and
 prints the process's peak RSS after each (the peak only grows, so each row's growth is that size's extra need).

@@ -50,7 +50,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("jascl")
 
 #: bump when what a prototype pass computes changes (an older file is then a miss, never misread)
-CACHE_VERSION = 2  # 2: volumes larger than the patch through sliding windows (SegmentationTask.sample_features)
+# 2: volumes larger than the patch through sliding windows (accumulate_prototypes); 3: volumes whose
+# stitched features exceed PROTOTYPE_BLOCK_ELEMENTS taken in blocks (the same prototypes, summed in another order)
+CACHE_VERSION = 3
 
 #: the cache's folder inside a session folder
 FOLDER = "prototype-cache"

@@ -97,6 +97,62 @@ def per_sample_prototypes(
     return out
 
 
+def sample_sums(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    classes: list[int],
+    normalize_pixels: bool = False,
+    complement: bool = False,
+    form: str = "eq2",
+) -> dict[int, tuple[torch.Tensor, int, int, int]]:
+    """:func:`per_sample_prototypes` of one sample, or of one piece of it, as sums that add up over pieces.
+
+    Args:
+        features: (1, D, *spatial) features of the piece (at the labels' resolution).
+        labels: (1, *spatial) global class ids.
+        classes, normalize_pixels, complement, form: as :func:`per_sample_prototypes`.
+
+    Returns:
+        class id -> (sum of the averaged pixels' features (D,), their count, c's pixels, the other pixels) for the
+        classes with any averaged pixel; summed over a sample's pieces, :func:`prototypes_from_sums` gives
+        :func:`per_sample_prototypes` of the whole sample.
+    """
+    if features.shape[0] != 1 or tuple(labels.shape[1:]) != tuple(features.shape[2:]):
+        raise ValueError(f"one sample at the labels' resolution (got {tuple(features.shape)}, {tuple(labels.shape)})")
+    if form not in FORMS:
+        raise ValueError(f"prototype form must be one of {', '.join(FORMS)}, got {form!r}")
+    authors = form == "authors"
+    if normalize_pixels or authors:
+        features = unit_channels(features)
+    flat, lab = features.flatten(2)[0], labels.flatten(1)[0]
+    out = {}
+    for c in classes:
+        mask = lab == c
+        other = lab != c
+        if not authors:
+            other = other & (lab != IGNORE_INDEX)
+        selected = other if complement else mask
+        n_mask, n_other, n_selected = int(mask.sum()), int(other.sum()), int(selected.sum())
+        if n_mask or n_other:
+            out[c] = (flat[:, selected].sum(dim=1), n_selected, n_mask, n_other)
+    return out
+
+
+def prototypes_from_sums(
+    sums: dict[int, tuple[torch.Tensor, int, int, int]], complement: bool = False, form: str = "eq2"
+) -> dict[int, torch.Tensor]:
+    """One sample's prototypes from its pieces' :func:`sample_sums`, added up: the mean of the averaged pixels,
+    L2-normalised with ``form="eq2"``; a class is left out as :func:`per_sample_prototypes` leaves it out."""
+    authors = form == "authors"
+    out = {}
+    for c, (total, n_selected, n_mask, n_other) in sums.items():
+        if not n_mask or ((complement or authors) and not n_other):
+            continue
+        mean = total / n_selected
+        out[c] = mean if authors else F.normalize(mean, dim=0)
+    return out
+
+
 def class_prototypes(
     features: torch.Tensor,
     labels: torch.Tensor,
@@ -137,6 +193,8 @@ class PrototypeAccumulator:
         self.sums: dict[int, torch.Tensor] = {}
         self.counts: dict[int, int] = {c: 0 for c in classes}
         self.vectors: dict[int, list[torch.Tensor]] | None = {c: [] for c in classes} if keep_samples else None
+        #: the sample :meth:`add_piece` is collecting: class id -> (sum, averaged pixels, c's pixels, others)
+        self._pending: dict[int, tuple[torch.Tensor, int, int, int]] = {}
 
     @torch.no_grad()
     def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
@@ -149,6 +207,30 @@ class PrototypeAccumulator:
                 self.counts[c] += len(vectors)
                 if self.vectors is not None:
                     self.vectors[c].extend(v.cpu() for v in vectors)
+
+    @torch.no_grad()
+    def add_piece(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        """One piece of one sample (B = 1; a block of a volume whose features are not held whole): its sums are
+        kept until :meth:`end_sample`, which adds the sample as :meth:`update` would have."""
+        pending = self._pending
+        for c, (total, n, n_mask, n_other) in sample_sums(
+            features.float(), labels, self.classes, self.normalize_pixels, self.complement, self.form
+        ).items():
+            if c in pending:
+                t0, n0, m0, o0 = pending[c]
+                pending[c] = (t0 + total, n0 + n, m0 + n_mask, o0 + n_other)
+            else:
+                pending[c] = (total, n, n_mask, n_other)
+
+    def end_sample(self) -> None:
+        """Add the sample whose pieces :meth:`add_piece` collected."""
+        for c, vector in prototypes_from_sums(self._pending, self.complement, self.form).items():
+            s = vector.cpu()
+            self.sums[c] = self.sums[c] + s if c in self.sums else s
+            self.counts[c] += 1
+            if self.vectors is not None:
+                self.vectors[c].append(s)
+        self._pending = {}
 
     def all_reduce(self, dim: int) -> None:
         """Sum sums and counts over ranks (each saw a share of the samples); no-op in one process."""

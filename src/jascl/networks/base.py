@@ -198,18 +198,43 @@ def whole_sample_forward(
     CT of 270 x 270 x 400), while the stitched outputs cost only their channels per voxel. Images (2D), volumes
     that fit ``roi`` and ``roi`` None go through ``model.forward_features`` whole, as before.
     """
-    spatial = x.shape[2:]
-    if roi is None or len(spatial) != 3 or all(s <= r for s, r in zip(spatial, roi)):
+    if not windowed(x, roi):
         return model.forward_features(x)
+    stitched = _stitched(model, x, roi, sw_batch_size, overlap, ("logits", "features"))
+    return SegmenterOutput(stitched["logits"], stitched["features"])
+
+
+def windowed(x: torch.Tensor, roi: Sequence[int] | None) -> bool:
+    """Whether a whole-sample pass over ``x`` (B, C, *spatial) goes through sliding windows: a volume larger than
+    ``roi`` along some axis (:func:`whole_sample_forward`)."""
+    spatial = x.shape[2:]
+    return roi is not None and len(spatial) == 3 and any(s > r for s, r in zip(spatial, roi))
+
+
+def whole_sample_features(
+    model: Segmenter, x: torch.Tensor, roi: Sequence[int] | None, sw_batch_size: int = 1, overlap: float = 0.25
+) -> torch.Tensor:
+    """:func:`whole_sample_forward`'s features alone: through windows, only the features are stitched (the same
+    values), so the pass holds D channels per voxel instead of D + K."""
+    if not windowed(x, roi):
+        return model.forward_features(x).features
+    return _stitched(model, x, roi, sw_batch_size, overlap, ("features",))["features"]
+
+
+def _stitched(
+    model: Segmenter, x: torch.Tensor, roi: Sequence[int] | None, sw_batch_size: int, overlap: float, keys: tuple
+) -> dict[str, torch.Tensor]:
     from monai.inferers import sliding_window_inference  # (imported where a volume needs it)
 
-    def both(window: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = model.forward_features(window)
-        return {"logits": out.logits, "features": out.features}
+    assert roi is not None
 
-    stitched = sliding_window_inference(x, list(roi), sw_batch_size, both, overlap=overlap)
+    def outputs(window: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = model.forward_features(window)
+        return {key: getattr(out, key) for key in keys}
+
+    stitched = sliding_window_inference(x, list(roi), sw_batch_size, outputs, overlap=overlap)
     assert isinstance(stitched, dict)
-    return SegmenterOutput(torch.as_tensor(stitched["logits"]), torch.as_tensor(stitched["features"]))
+    return {key: torch.as_tensor(stitched[key]) for key in keys}
 
 
 def create_segmenter(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,16 +22,18 @@ from jascl.engine.defaults import (
     StorePrototypes,
     SupervisedLoss,
 )
-from jascl.engine.prototypes import PrototypeRequest
+from jascl.engine.prototypes import PrototypeAccumulator, PrototypeRequest
 from jascl.engine.tasks.base import Task
 from jascl.errors import ConfigError
+from jascl.evaluation.evaluator import MAX_BLOCK_ELEMENTS, Block, plan_blocks
 from jascl.networks.base import (
     Segmenter,
     SegmenterOutput,
     create_segmenter,
     encoder_modules,
     eval_mode,
-    whole_sample_forward,
+    whole_sample_features,
+    windowed,
 )
 from jascl.protocols.schema import IGNORE_INDEX
 
@@ -183,15 +186,6 @@ class SegmentationTask(Task):
         request = PrototypeRequest(tuple(classes), normalize_pixels, per_sample, complement, form)
         return self.compute_prototype_requests(model, t, [request])[0]
 
-    def sample_features(self, model: Segmenter, image: torch.Tensor) -> torch.Tensor:
-        """Features (B, D, *spatial) of whole samples for a prototype pass: a volume larger than the training patch
-        along any axis through MONAI's sliding windows, as the evaluation scores it (the patch as ROI,
-        ``sw_overlap``, ``sw_batch_size``; :func:`jascl.networks.base.whole_sample_forward`); a whole-volume
-        forward is not bounded in memory, and the authors computed their prototypes on training crops. Images
-        (2D) and samples that fit the patch go through the model whole."""
-        cfg = self.context.config
-        return whole_sample_forward(model, image, cfg.patch_size, cfg.sw_batch_size, cfg.sw_overlap).features
-
     @torch.no_grad()
     def compute_prototype_requests(
         self, model: nn.Module, t: int, requests: Sequence[PrototypeRequest]
@@ -207,12 +201,66 @@ class SegmentationTask(Task):
         loader = DataLoader(
             Subset(dataset, distributed.shard(range(len(dataset)))), batch_size=run.config.batch_size if uniform else 1
         )
+        cfg = run.config
         with eval_mode(model), run.autocast():
             for batch in loader:
-                features = self.sample_features(model, batch["image"].to(run.device))
-                labels = batch["label"].to(run.device)
-                for acc in accs:
-                    acc.update(features, labels)
+                images, labels = batch["image"].to(run.device), batch["label"].to(run.device)
+                accumulate_prototypes(model, images, labels, accs, cfg.patch_size, cfg.sw_batch_size, cfg.sw_overlap)
         for acc in accs:
             acc.all_reduce(model.backbone.feature_channels)
         return [r.result(acc) for r, acc in zip(requests, accs)]
+
+
+def accumulate_prototypes(
+    model: Segmenter,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    accs: Sequence[PrototypeAccumulator],
+    roi: Sequence[int] | None,
+    sw_batch_size: int = 1,
+    overlap: float = 0.25,
+) -> None:
+    """Add a batch of whole samples (B, C, *spatial) and their labels to every accumulator (the caller sets eval
+    mode, autocast and ``no_grad``): their features in one pass (:func:`jascl.networks.base.whole_sample_features`,
+    sliding windows of ``roi`` over volumes larger than it), or, where those would exceed
+    :data:`PROTOTYPE_BLOCK_ELEMENTS`, one sample at a time in :func:`prototype_blocks`, whose pieces add up to
+    the same prototypes."""
+    blocks = prototype_blocks(images, roi, overlap, model.backbone.feature_channels)
+    if blocks is None:
+        features = whole_sample_features(model, images, roi, sw_batch_size, overlap)
+        for acc in accs:
+            acc.update(features, labels)
+        return
+    for b in range(images.shape[0]):
+        for block in blocks:
+            source: tuple[Any, ...] = (slice(b, b + 1), slice(None), *block.source)
+            local: tuple[Any, ...] = (..., *block.local)
+            target: tuple[Any, ...] = (slice(b, b + 1), *block.target)
+            features = whole_sample_features(model, images[source], roi, sw_batch_size, overlap)[local]
+            for acc in accs:
+                acc.add_piece(features, labels[target])
+            del features
+        for acc in accs:
+            acc.end_sample()
+
+
+#: stitched feature elements a prototype pass holds at once over one volume (the evaluator's bound, 2 GiB in float32)
+PROTOTYPE_BLOCK_ELEMENTS = MAX_BLOCK_ELEMENTS
+
+
+def prototype_blocks(
+    images: torch.Tensor, roi: Sequence[int] | None, overlap: float, channels: int
+) -> list[Block] | None:
+    """The blocks a prototype pass takes ``images`` (B, C, *spatial) in, one sample at a time, or None to take the
+    batch whole: None unless the samples go through sliding windows and their stitched features (B x ``channels``
+    per voxel) exceed :data:`PROTOTYPE_BLOCK_ELEMENTS`. The blocks are the evaluator's
+    (:func:`jascl.evaluation.evaluator.plan_blocks`): each block's source holds every window that touches its
+    target, so the target's stitched features are those of the whole volume, and the sample's pieces add up to
+    its prototypes (:meth:`jascl.engine.prototypes.PrototypeAccumulator.add_piece`)."""
+    if not windowed(images, roi):
+        return None
+    assert roi is not None
+    spatial = tuple(images.shape[2:])
+    if images.shape[0] * channels * math.prod(spatial) <= PROTOTYPE_BLOCK_ELEMENTS:
+        return None
+    return plan_blocks(spatial, roi, overlap, channels, PROTOTYPE_BLOCK_ELEMENTS)

@@ -1,0 +1,94 @@
+"""Peak memory of a prototype pass over one large volume: stitched whole, or taken in blocks.
+
+Runs :func:`jascl.engine.tasks.segmentation.accumulate_prototypes` (the pass every prototype request of a session
+goes through) on one random volume with random labels, once with no bound on the stitched features (the pass
+before blocks) and once with ``--max-elements``, each in a process of its own so that each peak RSS is its own
+pass's; prints both peaks, the seconds, the number of blocks, and the largest difference between the two passes'
+prototypes (per-sample prototypes of 8 classes and their complements, and the class means).
+
+Usage::
+
+    python benchmarks/prototype_pass_memory.py
+    python benchmarks/prototype_pass_memory.py --size 192 192 160 --max-elements 67108864
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def one_pass(args: argparse.Namespace) -> None:
+    from jascl.engine.prototypes import PrototypeRequest
+    from jascl.engine.tasks import segmentation
+    from jascl.networks.base import create_segmenter
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = create_segmenter("unet", 3, 1, args.classes, features=[8, 8, 16, 32, 64, args.channels]).eval()
+    image = torch.randn(1, 1, *args.size)
+    labels = torch.randint(0, args.classes, (1, *args.size))
+    requests = [PrototypeRequest(tuple(range(args.classes))), PrototypeRequest((1, 2, 3), True, True, True)]
+    accs = [r.accumulator() for r in requests]
+    bound = args.max_elements if args.mode == "blocked" else 2**62
+    segmentation.PROTOTYPE_BLOCK_ELEMENTS = bound
+    blocks = segmentation.prototype_blocks(image, args.roi, args.overlap, args.channels)
+    start = time.perf_counter()
+    with torch.no_grad():
+        segmentation.accumulate_prototypes(model, image, labels, accs, args.roi, args.sw_batch_size, args.overlap)
+    seconds = time.perf_counter() - start
+    results = [r.result(a) for r, a in zip(requests, accs)]
+    torch.save(results, args.out)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"peak_mib": peak, "seconds": seconds, "blocks": len(blocks) if blocks else 1}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=int, nargs=3, default=[288, 288, 224])
+    parser.add_argument("--roi", type=int, nargs=3, default=[96, 96, 96])
+    parser.add_argument("--overlap", type=float, default=0.25)
+    parser.add_argument("--sw-batch-size", type=int, default=2)
+    parser.add_argument("--channels", type=int, default=32, help="feature channels (the authors' U-Net: 32)")
+    parser.add_argument("--classes", type=int, default=8)
+    parser.add_argument(
+        "--max-elements", type=int, default=2**29, help="the blocked pass's bound (default: the pass's, 2^29)"
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--mode", choices=("whole", "blocked"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mode:
+        one_pass(args)
+        return
+    voxels = args.size[0] * args.size[1] * args.size[2]
+    print(
+        f"volume {args.size} ({voxels / 1e6:.1f} M voxels), roi {args.roi}, overlap {args.overlap}, "
+        f"{args.channels} feature channels, {args.threads} threads; stitched features whole: "
+        f"{voxels * args.channels * 4 / 2**20:.0f} MiB in float32, bound {args.max_elements * 4 / 2**20:.0f} MiB"
+    )
+    print("| pass | blocks | peak RSS (MiB) | seconds |")
+    print("|---|---|---|---|")
+    outputs = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for mode in ("whole", "blocked"):
+            out = Path(folder) / f"{mode}.pt"
+            argv = [a for a in sys.argv[1:]] + ["--mode", mode, "--out", str(out)]
+            done = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, check=True)
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"| {mode} | {row['blocks']} | {row['peak_mib']:.0f} | {row['seconds']:.1f} |")
+            outputs[mode] = torch.load(out, weights_only=True)
+    difference = max(float((a[c] - b[c]).abs().max()) for a, b in zip(outputs["whole"], outputs["blocked"]) for c in a)
+    print(f"largest difference between the two passes' prototypes: {difference:.2e}")
+
+
+if __name__ == "__main__":
+    main()
