@@ -188,6 +188,7 @@ class _FisherSessions:
     fisher_labels = "empirical"
     fisher_samples = 0
     weight = 0.0
+    consolidated = -1
     snapshot_exclude: tuple[str, ...] = ("_capped", "_capped_key")
     _capped: list[dict[str, torch.Tensor]] | None = None
     _capped_key: tuple | None = None
