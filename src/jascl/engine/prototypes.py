@@ -44,6 +44,15 @@ def align_labels(labels: torch.Tensor, spatial: Sequence[int]) -> torch.Tensor:
 FORMS = ("eq2", "authors")
 
 
+def _class_pixels(labels: torch.Tensor, c: int, authors: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c's pixels, the other pixels) of flat labels: ignore pixels count as "other" only in the authors' form."""
+    mask = labels == c
+    other = labels != c
+    if not authors:
+        other = other & (labels != IGNORE_INDEX)
+    return mask, other
+
+
 def per_sample_prototypes(
     features: torch.Tensor,
     labels: torch.Tensor,
@@ -86,10 +95,7 @@ def per_sample_prototypes(
     lab = labels.flatten(1)  # (B, N)
     for b in range(features.shape[0]):
         for c in classes:
-            mask = lab[b] == c
-            other = lab[b] != c
-            if not authors:
-                other = other & (lab[b] != IGNORE_INDEX)
+            mask, other = _class_pixels(lab[b], c, authors)
             if not mask.any() or ((complement or authors) and not other.any()):
                 continue
             mean = flat[b][:, other if complement else mask].mean(dim=1)
@@ -127,10 +133,7 @@ def sample_sums(
     flat, lab = features.flatten(2)[0], labels.flatten(1)[0]
     out = {}
     for c in classes:
-        mask = lab == c
-        other = lab != c
-        if not authors:
-            other = other & (lab != IGNORE_INDEX)
+        mask, other = _class_pixels(lab, c, authors)
         selected = other if complement else mask
         n_mask, n_other, n_selected = int(mask.sum()), int(other.sum()), int(selected.sum())
         if n_mask or n_other:
