@@ -2,12 +2,16 @@
 
 Runs the JASCL variants of the paper's ablation (they share one keyed base) on a built-in protocol and reports the
 passes over session 0's whole labelled samples, each restore's seconds and passes, the wall time, and every
-method's all-class score per session. ``--cache off`` bypasses :mod:`jascl.engine.prototype_cache` (every restore
-makes its pass, as before the cache); the results must be the same either way.
+method's all-class score per session. ``--cache on``: the base's own pass answers the restores' calls ahead
+(``Plugin.restore_requests``) and every restore reads them; ``late``: nothing is answered ahead, the first restore
+makes the pass and the others read it (the cache as it was on 2026-11-29); ``off`` bypasses
+:mod:`jascl.engine.prototype_cache` (every restore makes its pass, as before the cache). The results must be the same
+in all three.
 
 Usage::
 
     python benchmarks/restored_prototypes.py --cache off
+    python benchmarks/restored_prototypes.py --cache late
     python benchmarks/restored_prototypes.py --cache on
     python benchmarks/restored_prototypes.py --protocol synthetic-2d --methods jascl,jascl-no-gas --epochs 2 2
 """
@@ -27,12 +31,13 @@ from jascl.engine.config import resolve_config
 from jascl.engine.loop import ContinualTrainer
 from jascl.engine.tasks.segmentation import SegmentationTask
 from jascl.experiments.runner import run_benchmark
+from jascl.methods.replay import PrototypeReplayPlugin
 from jascl.protocols import get_protocol
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", choices=("on", "off"), default="on")
+    parser.add_argument("--cache", choices=("on", "late", "off"), default="on")
     parser.add_argument("--protocol", default="synthetic-3d")
     parser.add_argument("--methods", default="jascl,jascl-no-gas,jascl-no-pas,jascl-no-replay")
     parser.add_argument("--epochs", type=int, nargs=2, default=(1, 1), metavar=("BASE", "INCREMENTAL"))
@@ -42,6 +47,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.cache == "off":
         prototype_cache.serve = lambda folder, requests, setting, model, compute: compute(list(requests))
+    if args.cache in ("off", "late"):
+        PrototypeReplayPlugin.restore_requests = lambda self, state: []  # type: ignore[method-assign]
 
     passes = [0]
     labelled = SegmentationTask.labelled_dataset

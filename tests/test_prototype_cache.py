@@ -5,6 +5,7 @@ import torch
 
 from jascl.data.synthetic import load_or_generate
 from jascl.engine import prototype_cache
+from jascl.engine.checkpoint import load_tensors
 from jascl.engine.loop import ContinualTrainer
 from jascl.engine.prototypes import PrototypeRequest, PrototypeStore
 from jascl.experiments.runner import run_benchmark
@@ -89,9 +90,11 @@ def test_a_restored_session_serves_the_next_restore_with_the_tensors_of_the_pass
     assert passes[0] == 2 and all(torch.equal(plugins[1].own[(0, c)], samples[c].mean(0)) for c in (1, 2))
 
 
-def test_jascl_variants_on_one_keyed_base_make_its_pass_once_with_the_same_results(
+def test_jascl_variants_on_one_keyed_base_make_its_pass_once_or_never_with_the_same_results(
     toy_protocol, toy_config, tmp_path, monkeypatch
 ):
+    """The base's own run answers the variants' restores ahead (``Plugin.restore_requests``); without that, the first
+    restore makes the pass and the second reads it; without the cache, each makes it. The results are the same."""
     methods = ["jascl-no-unlabelled", "jascl-no-gas"]
     kw = {"cache_dir": tmp_path / "cache", "progress": False, "echo": lambda *a: None}
     served = []
@@ -110,9 +113,25 @@ def test_jascl_variants_on_one_keyed_base_make_its_pass_once_with_the_same_resul
 
     with monkeypatch.context() as m:  # the cache off: every restore makes its pass
         m.setattr(prototype_cache, "serve", lambda folder, requests, setting, model, compute: compute(requests))
+        m.setattr(PrototypeReplayPlugin, "restore_requests", lambda self, state: [])
         off = run_benchmark(toy_protocol, toy_config, methods, tmp_path / "off", **kw)
     monkeypatch.setattr(prototype_cache, "serve", recorded)
-    on = run_benchmark(toy_protocol, toy_config, methods, tmp_path / "on", **kw)
-    # the first variant made the keyed base's pass, the second read it
-    assert served == [("base-stochastic-classifier", False), ("base-stochastic-classifier", True)]
-    assert on["methods"] == off["methods"]
+    with monkeypatch.context() as m:  # nothing answered ahead: the first variant made the pass, the second read it
+        m.setattr(PrototypeReplayPlugin, "restore_requests", lambda self, state: [])
+        late = run_benchmark(toy_protocol, toy_config, methods, tmp_path / "late", **kw)
+    base = "base-stochastic-classifier"
+    assert served == [(base, False), (base, True)]
+    served.clear()
+    ahead = run_benchmark(toy_protocol, toy_config, methods, tmp_path / "ahead", **kw)
+    assert served == [(base, True), (base, True)]  # neither restore made a pass
+    assert ahead["methods"] == late["methods"] == off["methods"]
+    # what the base's pass kept is, bit for bit and under the same key, what the first restore's pass computed
+    kept, computed = (
+        {p.name: load_tensors(p) for p in (tmp_path / run / base / "prototype-cache").iterdir()}
+        for run in ("ahead", "late")
+    )
+    assert len(kept) == 1 and kept.keys() == computed.keys()
+    for name, tensors in kept.items():
+        assert tensors.keys() == computed[name].keys() and all(
+            torch.equal(v, computed[name][k]) for k, v in tensors.items()
+        )

@@ -59,6 +59,9 @@ class ContinualTrainer:
         progress: show tqdm progress bars.
         extra_plugins: plugins added after the method's own (logging, probes); they are
             checkpointed with the method. The caller's ``method`` is left unchanged.
+        anticipate: plugins of the methods that will reuse the sessions this trainer trains (a shared base's);
+            the prototype calls their restores will make (:meth:`Plugin.restore_requests`) are answered in each
+            session's pass before ``before_eval`` and kept in its folder's prototype cache.
     """
 
     def __init__(
@@ -69,8 +72,10 @@ class ContinualTrainer:
         data: list[SessionData],
         progress: bool = True,
         extra_plugins: Sequence[Plugin] = (),
+        anticipate: Sequence[Plugin] = (),
     ) -> None:
         self.protocol = protocol
+        self.anticipate = list(anticipate)
         self.config = config
         self.method = method.with_plugins(list(extra_plugins)) if extra_plugins else method
         self.data = data
@@ -206,21 +211,31 @@ class ContinualTrainer:
         ready = {r: self._prefetched.pop(r) for r in unique if served and r in self._prefetched}
         missing = [r for r in unique if r not in ready]
         if missing and self._restored is not None and model is self._restored[0]:
-            setting = prototype_cache.pass_setting(
-                t, self.data[t].train.ids, self.protocol.sessions[t], self.device, self.amp_dtype, self.config
-            )
             compute = functools.partial(self.task.compute_prototype_requests, model, t)
-            ready.update(zip(missing, prototype_cache.serve(self._restored[1], missing, setting, model, compute)))
+            cached = prototype_cache.serve(self._restored[1], missing, self._pass_setting(t), model, compute)
+            ready.update(zip(missing, cached))
         elif missing:
             ready.update(zip(missing, self.task.compute_prototype_requests(model, t, missing)))
         return [ready[r] for r in requests]
 
+    def _pass_setting(self, t: int) -> dict:
+        """What besides the request and the model decides a prototype pass over session ``t``'s samples here."""
+        data, session = self.data[t].train.ids, self.protocol.sessions[t]
+        return prototype_cache.pass_setting(t, data, session, self.device, self.amp_dtype, self.config)
+
     def _before_eval(self, state: LoopState) -> None:
-        """Fire ``before_eval``, the plugins' declared prototype calls computed first in one pass."""
+        """Fire ``before_eval``, the plugins' declared prototype calls computed first in one pass, with those the
+        restores of this session will make (``anticipate``), whose answers go to the session folder's cache."""
         requests = list(dict.fromkeys(r for p in self._requesters for r in p.prototype_requests(state)))
-        if requests:
-            results = self.task.compute_prototype_requests(state.model, state.session.index, requests)
+        ahead = [r for p in self.anticipate for r in p.restore_requests(state) if r not in requests]
+        ahead = list(dict.fromkeys(ahead))
+        if requests or ahead:
+            t = state.session.index
+            results = self.task.compute_prototype_requests(state.model, t, requests + ahead)
             self._prefetched, self._prefetched_for = dict(zip(requests, results)), state.model
+            if ahead and state.out_dir is not None:
+                setting = self._pass_setting(t)
+                prototype_cache.keep(state.out_dir, ahead, results[len(requests) :], setting, state.model)
         try:
             self.fire("before_eval", state)
         finally:

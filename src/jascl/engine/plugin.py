@@ -172,6 +172,17 @@ class Plugin:
         is computed as usual."""
         return ()
 
+    def restore_requests(self, state: LoopState) -> Sequence[PrototypeRequest]:
+        """The ``state.compute_prototype_requests`` calls this plugin's ``session_restored`` will make when session
+        ``state.session`` is reused from a folder it did not train (a shared base; default: none declared).
+
+        The trainer of such a session (:func:`jascl.experiments.bases.ensure_base`) answers them in its own pass
+        before ``before_eval`` (:meth:`prototype_requests`), from the model as training left it, and keeps the
+        answers in the session's prototype cache (:mod:`jascl.engine.prototype_cache`), keyed by that model: the
+        restore then reads them instead of making a pass over the session's whole samples. Called on the plugin
+        before its method's run has fired anything on it."""
+        return ()
+
     def epoch_iterations(self, state: LoopState) -> int | None:
         """Iterations the plugin needs in the coming epoch (None = the labelled loader's length)."""
         return None

@@ -5,7 +5,9 @@ fires ``session_restored``, and plugins that keep prototypes compute them again 
 over the session's whole labelled samples (:meth:`jascl.engine.tasks.Task.compute_prototype_requests`). Every
 JASCL variant of a study restores the same keyed base, so each made the same pass over the whole base set, at
 the paper's scale a forward of every base volume. This module keeps each answer in the session's folder
-(``prototype-cache/<key>.safetensors``), so the pass is made once per base.
+(``prototype-cache/<key>.safetensors``), so the pass is made once per base; and the run that trains a shared
+base answers the calls its sharers' restores will make (:meth:`jascl.engine.plugin.Plugin.restore_requests`) in
+the base session's own pass (:func:`keep`), so a restore of a base trained in this version makes none.
 
 An answer is served only to the same question asked of the same model in the same setting. The key hashes:
 
@@ -117,6 +119,27 @@ def pass_setting(
     }
 
 
+def _paths(folder: Path, requests: Sequence[PrototypeRequest], setting: dict[str, Any], model: nn.Module) -> list[Path]:
+    """The cache files of ``requests`` asked of ``model`` in ``setting`` (:func:`pass_setting`)."""
+    setting = {**setting, "model": model_digest(model), "cache": CACHE_VERSION, "jascl": __version__}
+    return [folder / FOLDER / f"{request_key(r, setting)}.safetensors" for r in requests]
+
+
+def keep(
+    folder: Path,
+    requests: Sequence[PrototypeRequest],
+    results: Sequence[Results],
+    setting: dict[str, Any],
+    model: nn.Module,
+) -> None:
+    """Write the answers to ``requests``, computed from ``model`` by the pass of the session that trains into
+    ``folder``, for the restores of that session to come (:meth:`jascl.engine.plugin.Plugin.restore_requests`):
+    the files :func:`serve` will look for when it is asked the same of the same weights (rank 0 writes)."""
+    if distributed.is_main():
+        for path, result in zip(_paths(folder, requests, setting, model), results):
+            _write(path, result)
+
+
 def serve(
     folder: Path,
     requests: Sequence[PrototypeRequest],
@@ -129,8 +152,7 @@ def serve(
 
     ``setting``: what besides the request and the model decides the answer (see the module docstring).
     """
-    setting = {**setting, "model": model_digest(model), "cache": CACHE_VERSION, "jascl": __version__}
-    paths = [folder / FOLDER / f"{request_key(r, setting)}.safetensors" for r in requests]
+    paths = _paths(folder, requests, setting, model)
     found = [_read(p) for p in paths]
     # the pass is collective: every rank computes unless every rank has every answer
     missing = distributed.all_reduce_sum(torch.tensor([float(sum(f is None for f in found))])).item()

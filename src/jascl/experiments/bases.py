@@ -43,6 +43,12 @@ def base_folders(methods: Sequence[Method]) -> dict[str, list[Method]]:
     return out
 
 
+def restorers(members: Sequence[Method]) -> list[Plugin]:
+    """The plugins of ``members`` (the methods that start from one shared base) whose restore of the base asks for
+    prototypes (:meth:`Plugin.restore_requests`): the base's trainer answers them ahead (:func:`ensure_base`)."""
+    return [p for m in members for p in m.plugins if type(p).restore_requests is not Plugin.restore_requests]
+
+
 def missing_bases(out: str | Path, methods: Sequence[Method]) -> dict[str, list[str]]:
     """The shared bases of ``methods`` not complete in the run folder ``out``: folder name -> the names of the
     methods that start from it."""
@@ -62,17 +68,22 @@ def ensure_base(
     echo=print,
     method: Method | None = None,
     plugins: Sequence[Plugin] = (),
+    anticipate: Sequence[Plugin] = (),
 ) -> None:
     """Train the shared session-0 model into ``base_dir`` unless it is already complete there.
 
     ``method``: the plugins that train a keyed shared base (:meth:`Method.base_method`); default none
     (the vanilla base every method that leaves session 0 alone shares). ``plugins``: added after the
-    method's (the run's progress display). A base stopped part-way continues from its progress checkpoint."""
+    method's (the run's progress display). ``anticipate``: the plugins of the methods that start from the base
+    (:func:`restorers`), whose restores' prototype calls the base's own pass answers ahead, into its prototype
+    cache. A base stopped part-way continues from its progress checkpoint."""
     if distributed.broadcast_object((base_dir / "metrics.json").exists()):
         return
     method = method or Method("base")
     echo(f"session 0 ({protocol.sessions[0].name}): training the shared base model {base_dir.name}")
-    trainer = ContinualTrainer(protocol, config, method, list(data), progress=progress, extra_plugins=plugins)
+    trainer = ContinualTrainer(
+        protocol, config, method, list(data), progress=progress, extra_plugins=plugins, anticipate=anticipate
+    )
     trainer.run_session(0, trainer.initial_model(len(protocol.seen_classes(0))), PrototypeStore(), base_dir)
     distributed.barrier()  # rank 0 has written it before anyone reads it
 
@@ -104,4 +115,4 @@ def train_bases(
     for name, members in folders.items():
         if names is None or name in names:
             method = None if name == VANILLA else members[0].base_method()
-            ensure_base(protocol, config, data, out / name, progress, echo, method, plugins)
+            ensure_base(protocol, config, data, out / name, progress, echo, method, plugins, restorers(members))

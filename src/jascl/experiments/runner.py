@@ -49,7 +49,7 @@ from jascl.engine.plugin import Method, Plugin
 from jascl.engine.prototypes import PrototypeStore
 from jascl.errors import ConfigError, JasclError
 from jascl.evaluation.metrics import per_class_forgetting, total_drop
-from jascl.experiments.bases import ensure_base, missing_bases, train_bases
+from jascl.experiments.bases import VANILLA, base_folders, ensure_base, missing_bases, restorers, train_bases
 from jascl.experiments.preflight import RunFolder, preflight
 from jascl.experiments.provenance import environment
 from jascl.fileio import atomic_write_text
@@ -420,7 +420,8 @@ def run_benchmark(
             if not method.changes_base_session:
                 base_dir = out / "base"
                 if shared_base is None:
-                    ensure_base(protocol, config, data, base_dir, progress, echo, plugins=shown)
+                    sharers = restorers(base_folders(built)[VANILLA])
+                    ensure_base(protocol, config, data, base_dir, progress, echo, plugins=shown, anticipate=sharers)
                     shared_base = base_dir
                 model, store, record = trainer.load_session(shared_base, 0)
                 trainer.restore_session(0, shared_base, model, store)
@@ -429,7 +430,8 @@ def run_benchmark(
                 start = 1
             elif method.base_key is not None:  # a base shared with the methods of the same key
                 keyed = out / f"base-{method.base_key}"
-                ensure_base(protocol, config, data, keyed, progress, echo, method.base_method(), shown)
+                sharers = restorers(base_folders(built)[keyed.name])
+                ensure_base(protocol, config, data, keyed, progress, echo, method.base_method(), shown, sharers)
                 model, store, record = trainer.load_session(keyed, 0)
                 trainer.restore_session(0, keyed, model, store)
                 records.append(record)

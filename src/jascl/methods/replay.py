@@ -183,6 +183,10 @@ class PrototypeReplayPlugin(Plugin):
             requests.append(PrototypeRequest(wanted, per_sample=True, complement=True, form="authors"))
         return requests
 
+    def restore_requests(self, state: LoopState) -> list[PrototypeRequest]:
+        """What :meth:`session_restored` will ask of a shared base it did not train (the same calls)."""
+        return self.prototype_requests(state)
+
     def _add_own(self, state: LoopState) -> None:
         """After session t's training (or when it is reused): the complements (``per-class``) and, with
         ``values="authors"``, the class prototypes, of the session's classes not computed yet; the calls of
