@@ -3,7 +3,9 @@
 import csv
 import json
 
-from jascl.experiments.sweep import GRIDS, with_shots, write_sweep
+from jascl.engine.config import resolve_config
+from jascl.experiments.runner import run_benchmark
+from jascl.experiments.sweep import GRIDS, run_sweep, with_shots, write_sweep
 from jascl.protocols import get_protocol
 
 
@@ -38,3 +40,35 @@ def test_sweep_files_quote_point_names(tmp_path):
     assert table[1] == ["tau", "tau_conf=0.6,tau_sim=0.7", "0.350", "0.400", "58.0", "38.9", "—"]
     assert "| tau | tau_conf=0.6,tau_sim=0.7 | 0.350 |" in (tmp_path / "sweep.md").read_text()
     assert json.loads((tmp_path / "sweep.json").read_text())["rows"][0]["precision"] is None
+
+
+def test_the_points_share_the_methods_own_base_trained_once_with_the_results_of_a_run_of_their_own(
+    toy_protocol, tmp_path
+):
+    """JASCL starts from the keyed base (``base-stochastic-classifier``): the sweep trains it once, links it into every
+    point, and trains no vanilla base it would not use; a point gives what a run with its settings gives alone."""
+    messages: list[str] = []
+    kw = {"cache_dir": tmp_path / "cache", "progress": False}
+    rows = run_sweep(toy_protocol, ["tau"], tmp_path / "sweep", echo=messages.append, **kw)
+    trained = [m.split("training the shared base model ")[1] for m in messages if "training the shared base" in m]
+    assert trained == ["base-stochastic-classifier"] and len(rows) == 9
+    assert not (tmp_path / "sweep" / "base").exists()
+    point = tmp_path / "sweep" / "tau" / "tau_conf=0.7,tau_sim=0.6"
+    assert (point / "base-stochastic-classifier").resolve() == (tmp_path / "sweep" / "base-stochastic-classifier")
+    config = resolve_config(toy_protocol.training, toy_protocol.path, overrides=["pas.tau_conf=0.7", "pas.tau_sim=0.6"])
+    run_benchmark(toy_protocol, config, ["jascl"], tmp_path / "alone", echo=lambda *a: None, **kw)
+    alone = json.loads((tmp_path / "alone" / "results.json").read_text())
+    assert json.loads((point / "results.json").read_text())["methods"] == alone["methods"]
+
+
+def test_a_k_shot_point_trains_its_own_base_and_the_others_share_one(toy_protocol, tmp_path):
+    """A checkpoint names its protocol, and a K-shot variant is a protocol of its own (``toy-2d-k3``): linking the
+    shared base into a ``shots`` point made its run fail; now it trains its own session 0."""
+    messages: list[str] = []
+    run_sweep(toy_protocol, ["shots", "eps"], tmp_path / "s", "vanilla", echo=messages.append, progress=False,
+              cache_dir=tmp_path / "cache")  # fmt: skip
+    assert sum("training the shared base model base" in m for m in messages) == 1 + 3
+    for k in (3, 4, 5):
+        own = tmp_path / "s" / "shots" / f"shots={k}" / "base"
+        assert not own.is_symlink() and (own / "metrics.json").exists()
+    assert (tmp_path / "s" / "eps" / "eps=1e-07" / "base").resolve() == tmp_path / "s" / "base"

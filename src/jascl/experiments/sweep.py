@@ -1,9 +1,15 @@
 """Grids of runs for the paper's sensitivity and ablation studies (``jascl sweep``).
 
-Every grid point is a full run of one method into ``<out>/<grid>/<point>/``;
-all points share one base-session model (``<out>/base``), so a sweep costs the
-incremental sessions only. Points and sessions already finished are reused, so
-an interrupted sweep resumes where it stopped. The collected table is written
+Every grid point is a full run of one method into ``<out>/<grid>/<point>/``. The
+session-0 model the method starts from (the vanilla ``base``, or the keyed base of
+the JASCL family, ``base-stochastic-classifier``: :mod:`jascl.experiments.bases`) is
+trained once into ``<out>/`` and linked into every point, so a sweep costs the
+incremental sessions only: no grid changes session 0. Two kinds of point train their
+own session 0 in their folder: those of the ``shots`` grid (a K-shot variant is a
+protocol of its own, and a checkpoint names its protocol) and every point of a
+method with no shared base (one that changes session 0 in a way of its own, e.g.
+GAS in session 0). Points and sessions already finished are reused, so an
+interrupted sweep resumes where it stopped. The collected table is written
 to ``<out>/sweep.{md,csv,json}``.
 
 Grids (the paper's tables):
@@ -34,9 +40,10 @@ from typing import cast
 from jascl.data.sessions import load_sessions
 from jascl.engine.config import resolve_config
 from jascl.errors import ConfigError
-from jascl.experiments.bases import ensure_base
+from jascl.experiments.bases import VANILLA, base_folders, ensure_base, restorers
 from jascl.experiments.runner import run_benchmark
 from jascl.fileio import atomic_write_text
+from jascl.methods.registry import create_method
 from jascl.protocols.schema import Protocol
 from jascl.results.records import RunResults
 from jascl.results.report import md_table, write_json
@@ -91,7 +98,11 @@ def run_sweep(
     out.mkdir(parents=True, exist_ok=True)
     base_config = resolve_config(protocol.training, protocol.path, config_file, list(overrides))
     base_data = load_sessions(protocol, cache_dir, echo, roots, split_manifest, roots_file, base_config.patch_size)
-    ensure_base(protocol, base_config, base_data, out / "base", progress, echo)
+    built = create_method(method, base_config, protocol.task)
+    shared = list(base_folders([built]))  # the base the method starts from; none if its session 0 is its own
+    for name in shared:
+        trainer = None if name == VANILLA else built.base_method()
+        ensure_base(protocol, base_config, base_data, out / name, progress, echo, trainer, (), restorers([built]))
     rows = []
     for grid in grids:
         for point in GRIDS[grid]:
@@ -105,12 +116,13 @@ def run_sweep(
             config = resolve_config(protocol.training, protocol.path, config_file, point_overrides)
             folder = out / grid / _point_name(point)
             folder.mkdir(parents=True, exist_ok=True)
-            link = folder / "base"
-            if not link.exists():
-                try:
-                    os.symlink(os.path.relpath(out / "base", folder), link)
-                except OSError:  # file systems without symlinks
-                    shutil.copytree(out / "base", link)
+            for name in shared if point_protocol is protocol else []:
+                link = folder / name
+                if not link.exists():
+                    try:
+                        os.symlink(os.path.relpath(out / name, folder), link)
+                    except OSError:  # file systems without symlinks
+                        shutil.copytree(out / name, link)
             echo(f"[sweep] {grid}: {_point_name(point)}")
             manifest = split_manifest if "shots" not in point else None
             results = run_benchmark(
