@@ -115,6 +115,34 @@ def test_unlabelled_extra_on_the_stand_in_borrows_from_the_earlier_domains_and_r
     assert manifest["sessions"][1]["unlabelled_sources"] == [{"domain": "a", "ids": ids}]
 
 
+def test_rows_with_and_without_borrowed_unlabelled_data_share_one_base_and_both_are_measured(tmp_path):
+    """The two jobs share one session-0 base (base_key); the borrowing job's protocol is renamed (toy-2d-s1extra3),
+    and loading the base linked from the other job failed with "made for protocol 'toy-2d'" (the paper's
+    tab:unlabeled_effect on med-ss: the 42-sample rows). It loads now: the variant keeps session 0 (session0_of)."""
+    proto = tmp_path / "toy.yaml"
+    proto.write_text(yaml.safe_dump(toy_protocol_dict(2)))
+    toy = parse_table(
+        {
+            "label": "toy_extra", "caption": "c", "line": 1, "kind": "settings", "metric": "dice",
+            "protocol": "med-ss", "method": "jascl-no-unlabelled", "stand_in": str(proto),
+            "columns": [{"name": "Session 1", "session": 1}],
+            "rows": [{"name": "less", "set": {}, "values": [0.2]},
+                     {"name": "more", "set": {"unlabelled_extra": 3}, "values": [0.2]}],
+        },
+        "toy_extra.yaml",
+    )  # fmt: skip
+    out = tmp_path / "rep"
+    summary = run_reproduce(
+        toy, [3], out, stand_in=True, protocols=[str(proto)], echo=lambda *a: None, progress=False,
+        cache_dir=tmp_path / "cache",
+    )  # fmt: skip
+    assert [c["status"] for c in summary["cells"]] == ["measured", "measured"]
+    (less,), (more,) = (sorted((out / job / "seed-3").glob("base*")) for job in ("toy", "toy_s1extra3"))
+    assert more.is_symlink() and more.resolve() == less.resolve()
+    results = json.loads((out / "toy_s1extra3" / "seed-3" / "results.json").read_text())
+    assert results["protocol"] == "toy-2d-s1extra3"
+
+
 def _toy_table(tmp_path):
     proto = tmp_path / "toy.yaml"
     proto.write_text(yaml.safe_dump(toy_protocol_dict(2)))

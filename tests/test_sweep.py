@@ -61,14 +61,16 @@ def test_the_points_share_the_methods_own_base_trained_once_with_the_results_of_
     assert json.loads((point / "results.json").read_text())["methods"] == alone["methods"]
 
 
-def test_a_k_shot_point_trains_its_own_base_and_the_others_share_one(toy_protocol, tmp_path):
-    """A checkpoint names its protocol, and a K-shot variant is a protocol of its own (``toy-2d-k3``): linking the
-    shared base into a ``shots`` point made its run fail; now it trains its own session 0."""
+def test_k_shot_points_start_from_the_shared_base_of_their_source_protocol(toy_protocol, tmp_path):
+    """A K-shot variant is a protocol of its own (``toy-2d-k3``) with the same session 0 (``session0_of``): its run
+    loads the base trained for ``toy-2d`` (linking it made the run fail, its checkpoint made for another protocol)."""
     messages: list[str] = []
     run_sweep(toy_protocol, ["shots", "eps"], tmp_path / "s", "vanilla", echo=messages.append, progress=False,
               cache_dir=tmp_path / "cache")  # fmt: skip
-    assert sum("training the shared base model base" in m for m in messages) == 1 + 3
-    for k in (3, 4, 5):
-        own = tmp_path / "s" / "shots" / f"shots={k}" / "base"
-        assert not own.is_symlink() and (own / "metrics.json").exists()
-    assert (tmp_path / "s" / "eps" / "eps=1e-07" / "base").resolve() == tmp_path / "s" / "base"
+    assert sum("training the shared base model" in m for m in messages) == 1
+    for point in ("shots/shots=3", "shots/shots=5", "eps/eps=1e-07"):
+        assert (tmp_path / "s" / point / "base").resolve() == tmp_path / "s" / "base"
+    k3 = json.loads((tmp_path / "s" / "shots" / "shots=3" / "results.json").read_text())
+    assert k3["protocol"] == "toy-2d-k3"
+    base = json.loads((tmp_path / "s" / "base" / "metrics.json").read_text())
+    assert k3["methods"]["vanilla"]["sessions"][0]["all"] == base["all"]

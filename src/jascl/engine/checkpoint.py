@@ -41,24 +41,28 @@ def read_meta(path: str | Path) -> dict:
         ) from None
 
 
-def check_meta(path: str | Path, meta: dict, expect: dict | None) -> None:
-    """Refuse a checkpoint made for another protocol, backbone, classifier or class set (one line naming both)."""
+def check_meta(path: str | Path, meta: dict, expect: dict | None, aliases: dict | None = None) -> None:
+    """Refuse a checkpoint made for another protocol, backbone, classifier or class set (one line naming both).
+
+    ``aliases``: other values an entry may hold and still fit (:func:`session_aliases`)."""
     wanted_meta = json.loads(json.dumps(expect or {}))  # as stored: tuples become lists
+    also = json.loads(json.dumps(aliases or {}))
     for key, wanted in wanted_meta.items():
-        if key in meta and meta[key] != wanted:
+        if key in meta and meta[key] != wanted and meta[key] not in also.get(key, ()):
             raise CheckpointError(
                 f"{path}: made for {key} {meta[key]!r}, but this run has {key} {wanted!r}; "
                 "use a new --out, or run with the settings the checkpoint was made with"
             )
 
 
-def load_model(model: Segmenter, path: str | Path, expect: dict | None = None) -> dict:
+def load_model(model: Segmenter, path: str | Path, expect: dict | None = None, aliases: dict | None = None) -> dict:
     """Load weights into ``model`` (whose classifier must already have the right size); returns the metadata.
 
-    ``expect``: metadata entries the checkpoint must match (e.g. ``{"protocol": ..., "backbone": ...}``).
+    ``expect``: metadata entries the checkpoint must match (e.g. ``{"protocol": ..., "backbone": ...}``);
+    ``aliases``: other values they may hold (:func:`check_meta`).
     """
     meta = read_meta(path)
-    check_meta(path, meta, expect)
+    check_meta(path, meta, expect, aliases)
     with safe_open(str(path), framework="pt") as f:
         state = {k: f.get_tensor(k) for k in f.keys()}
     own = model.state_dict()
@@ -89,6 +93,13 @@ def session_meta(protocol: Protocol, config: RunConfig, session: int) -> dict:
     }
 
 
+def session_aliases(protocol: Protocol, session: int) -> dict:
+    """The other values a session-``session`` checkpoint's entries may hold and still fit ``protocol``: a variant's
+    session 0 is that of the protocols it was made from (``Protocol.session0_of``: a K-shot, shortened or borrowing
+    variant), so their base model is its base too. Later sessions fit their own protocol only."""
+    return {"protocol": list(protocol.session0_of)} if session == 0 and protocol.session0_of else {}
+
+
 def detector_for_run(protocol: Protocol, config: RunConfig, num_classes: int) -> Detector:
     """The detector of a detection run (``config.backbone``, :data:`jascl.networks.detector.DETECTOR_BACKBONES`) with
     ``num_classes`` rows, on the CPU; a synthetic protocol's image size sets the small detector's anchors."""
@@ -116,7 +127,8 @@ def read_session_model(folder: str | Path, protocol: Protocol, config: RunConfig
     """
     if protocol.task == "detection":
         detector = detector_for_run(protocol, config, len(protocol.seen_classes(session)))
-        load_model(detector, Path(folder) / "model.safetensors", session_meta(protocol, config, session))  # type: ignore[arg-type]
+        expect, aliases = session_meta(protocol, config, session), session_aliases(protocol, session)
+        load_model(detector, Path(folder) / "model.safetensors", expect, aliases)  # type: ignore[arg-type]
         return detector.eval()  # type: ignore[return-value]
     model = create_segmenter(
         config.backbone,
@@ -127,7 +139,12 @@ def read_session_model(folder: str | Path, protocol: Protocol, config: RunConfig
         temperature=config.temperature,
         **config.backbone_args,
     )
-    load_model(model, Path(folder) / "model.safetensors", session_meta(protocol, config, session))
+    load_model(
+        model,
+        Path(folder) / "model.safetensors",
+        session_meta(protocol, config, session),
+        session_aliases(protocol, session),
+    )
     return model.eval()
 
 

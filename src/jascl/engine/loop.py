@@ -25,7 +25,7 @@ from jascl.data.datasets import iterate_steps, loader_position, set_loader_posit
 from jascl.data.sampling import derive_seed, loader_options, seeded_loader
 from jascl.data.types import SessionData
 from jascl.engine import prototype_cache
-from jascl.engine.checkpoint import load_model, load_tensors, session_meta
+from jascl.engine.checkpoint import load_model, load_tensors, session_aliases, session_meta
 from jascl.engine.config import RunConfig
 from jascl.engine.defaults import PROGRESS
 from jascl.engine.optim import apply_cudnn_benchmark, make_optimizer, resolve_device, resolve_precision, schedule_lr
@@ -162,7 +162,8 @@ class ContinualTrainer:
     def load_session(self, folder: Path, session: int) -> tuple[Segmenter, PrototypeStore, dict]:
         """Model, prototype store and metrics saved by :meth:`run_session` for ``session``."""
         model = self.new_model(len(self.protocol.seen_classes(session)))
-        load_model(model, folder / "model.safetensors", self.checkpoint_meta(session))
+        aliases = session_aliases(self.protocol, session)  # a variant's session 0 may be its source protocol's base
+        load_model(model, folder / "model.safetensors", self.checkpoint_meta(session), aliases)
         store = PrototypeStore.load(folder / "prototypes.safetensors")
         record = json.loads((folder / "metrics.json").read_text())
         return model, store, record

@@ -463,11 +463,12 @@ def job_protocol(job: Job):
     """The protocol a job runs: its first ``sessions``, K shots, noise schedule and borrowed unlabelled data."""
     from jascl.experiments.sweep import with_shots
     from jascl.protocols import get_protocol
+    from jascl.protocols.variants import renamed_variant
 
     protocol = get_protocol(job.protocol)
     if job.sessions is not None and job.sessions < len(protocol.sessions):
-        protocol = dataclasses.replace(
-            protocol, sessions=protocol.sessions[: job.sessions], name=f"{protocol.name}-first{job.sessions}"
+        protocol = renamed_variant(
+            protocol, f"{protocol.name}-first{job.sessions}", sessions=protocol.sessions[: job.sessions]
         )
     if job.shots is not None:
         protocol = with_shots(protocol, job.shots)

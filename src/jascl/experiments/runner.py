@@ -150,7 +150,9 @@ def check_reusable(out: Path, config: RunConfig, protocol: Protocol) -> None:
             for name, entry in datasets.items():
                 entry["labels"] = pairs[name]["labels"]
         changed = sorted(
-            k for k in set(old_p) | set(new_p) if k not in ("path", "file") and old_p.get(k) != new_p.get(k)
+            k
+            for k in set(old_p) | set(new_p)
+            if k not in ("path", "file", "session0_of") and old_p.get(k) != new_p.get(k)
         )
         if changed:
             raise ConfigError(

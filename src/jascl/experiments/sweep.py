@@ -4,11 +4,10 @@ Every grid point is a full run of one method into ``<out>/<grid>/<point>/``. The
 session-0 model the method starts from (the vanilla ``base``, or the keyed base of
 the JASCL family, ``base-stochastic-classifier``: :mod:`jascl.experiments.bases`) is
 trained once into ``<out>/`` and linked into every point, so a sweep costs the
-incremental sessions only: no grid changes session 0. Two kinds of point train their
-own session 0 in their folder: those of the ``shots`` grid (a K-shot variant is a
-protocol of its own, and a checkpoint names its protocol) and every point of a
+incremental sessions only: no grid changes session 0 (a ``shots`` point's protocol,
+``<name>-k<K>``, keeps its session 0: ``Protocol.session0_of``). The points of a
 method with no shared base (one that changes session 0 in a way of its own, e.g.
-GAS in session 0). Points and sessions already finished are reused, so an
+GAS in session 0) train their own. Points and sessions already finished are reused, so an
 interrupted sweep resumes where it stopped. The collected table is written
 to ``<out>/sweep.{md,csv,json}``.
 
@@ -45,6 +44,7 @@ from jascl.experiments.runner import run_benchmark
 from jascl.fileio import atomic_write_text
 from jascl.methods.registry import create_method
 from jascl.protocols.schema import Protocol
+from jascl.protocols.variants import renamed_variant
 from jascl.results.records import RunResults
 from jascl.results.report import md_table, write_json
 
@@ -60,7 +60,7 @@ GRIDS: dict[str, list[dict[str, object]]] = {
 def with_shots(protocol: Protocol, shots: int) -> Protocol:
     """The protocol with K = ``shots`` in every incremental session."""
     sessions = tuple(s if s.shots is None else dataclasses.replace(s, shots=shots) for s in protocol.sessions)
-    return dataclasses.replace(protocol, sessions=sessions, name=f"{protocol.name}-k{shots}")
+    return renamed_variant(protocol, f"{protocol.name}-k{shots}", sessions=sessions)
 
 
 def _point_name(point: dict[str, object]) -> str:
@@ -116,7 +116,8 @@ def run_sweep(
             config = resolve_config(protocol.training, protocol.path, config_file, point_overrides)
             folder = out / grid / _point_name(point)
             folder.mkdir(parents=True, exist_ok=True)
-            for name in shared if point_protocol is protocol else []:
+            keeps_session0 = point_protocol is protocol or protocol.name in point_protocol.session0_of
+            for name in shared if keeps_session0 else []:
                 link = folder / name
                 if not link.exists():
                     try:

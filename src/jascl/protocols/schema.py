@@ -278,6 +278,10 @@ class Protocol:
         file: absolute path of the YAML file it was read from (None when parsed from a mapping).
         task: "segmentation" (default) or "detection" (boxes; :class:`~jascl.data.types.DetectionSplit` data,
             a detector, mAP; :mod:`jascl.engine.tasks`).
+        session0_of: the protocols whose session 0 this one has unchanged, when it is a variant of them (K shots,
+            fewer sessions, borrowed unlabelled data: :func:`jascl.protocols.variants.renamed_variant`): a session-0
+            checkpoint made for any of them fits this protocol (:func:`jascl.engine.checkpoint.session_aliases`), so
+            the variants' runs can start from one shared base.
     """
 
     name: str
@@ -296,6 +300,7 @@ class Protocol:
     datasets: Mapping[str, DatasetSpec] = field(default_factory=dict)
     file: str | None = None
     task: str = "segmentation"
+    session0_of: tuple[str, ...] = ()
 
     @property
     def uses_datasets(self) -> bool:

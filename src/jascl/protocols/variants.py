@@ -15,6 +15,21 @@ from jascl.protocols.reader import _Reader
 from jascl.protocols.schema import Protocol, UnlabelledSourceSpec
 
 
+def renamed_variant(protocol: Protocol, name: str, **changes) -> Protocol:
+    """``protocol`` with ``changes`` (dataclass fields), named ``name``. If the variant's session 0 is the same
+    (its spec, and everything else but the name, the later sessions and the unlabelled pools' noise, which session 0
+    does not have), it records ``protocol`` and what ``protocol`` kept session 0 of in ``session0_of``: a base model
+    trained for any of them is its base too."""
+    variant = dataclasses.replace(protocol, name=name, **changes)
+
+    def session0(p: Protocol) -> Protocol:
+        return dataclasses.replace(p, name="", sessions=p.sessions[:1], unlabelled_noise="none", session0_of=())
+
+    if session0(variant) != session0(protocol):
+        return dataclasses.replace(variant, session0_of=())
+    return dataclasses.replace(variant, session0_of=tuple(dict.fromkeys((protocol.name, *protocol.session0_of))))
+
+
 def _even(total: int, parts: int) -> list[int]:
     """``total`` split into ``parts`` near-equal counts, the remainder to the first ones (42 / 4 -> 11, 11, 10, 10)."""
     base, rest = divmod(total, parts)
@@ -77,4 +92,4 @@ def with_unlabelled_extra(protocol: Protocol, session: int, count: int) -> Proto
     sessions = list(protocol.sessions)
     sessions[session] = dataclasses.replace(sessions[session], unlabelled_sources=specs)
     check_unlabelled_sources(_Reader(protocol.path), sessions)
-    return dataclasses.replace(protocol, sessions=tuple(sessions), name=f"{protocol.name}-s{session}extra{count}")
+    return renamed_variant(protocol, f"{protocol.name}-s{session}extra{count}", sessions=tuple(sessions))
