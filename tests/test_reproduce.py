@@ -74,6 +74,25 @@ def test_plan_of_a_settings_table_makes_one_job_per_setting_and_refuses_unknown_
     assert {p.status for p in stand.cells} == {"not in stand-in"}
 
 
+def _reproduce_toy_extra(tmp_path, out, rows: list[dict]) -> dict:
+    """``jascl reproduce --stand-in`` of a settings table on med-ss whose stand-in is the toy protocol (seed 3),
+    ``jascl-no-unlabelled`` at session 1, with ``rows``, into ``out``; returns the summary."""
+    proto = tmp_path / "toy.yaml"
+    proto.write_text(yaml.safe_dump(toy_protocol_dict(2)))
+    toy = parse_table(
+        {
+            "label": "toy_extra", "caption": "c", "line": 1, "kind": "settings", "metric": "dice",
+            "protocol": "med-ss", "method": "jascl-no-unlabelled", "stand_in": str(proto),
+            "columns": [{"name": "Session 1", "session": 1}], "rows": rows,
+        },
+        "toy_extra.yaml",
+    )  # fmt: skip
+    return run_reproduce(
+        toy, [3], out, stand_in=True, protocols=[str(proto)], echo=lambda *a: None, progress=False,
+        cache_dir=tmp_path / "cache",
+    )  # fmt: skip
+
+
 def test_unlabelled_extra_on_the_stand_in_borrows_from_the_earlier_domains_and_reaches_the_run(tmp_path):
     table = parse_table(
         {
@@ -91,22 +110,8 @@ def test_unlabelled_extra_on_the_stand_in_borrows_from_the_earlier_domains_and_r
     bad = [p for p in plan.cells if p.cell.row == "bad"][0]
     assert bad.status == "not supported" and "non-negative" in bad.reason
     # through a run: the toy stand-in's session 1 borrows 3 images of domain a, listed in the run's manifest
-    proto = tmp_path / "toy.yaml"
-    proto.write_text(yaml.safe_dump(toy_protocol_dict(2)))
-    toy = parse_table(
-        {
-            "label": "toy_extra", "caption": "c", "line": 1, "kind": "settings", "metric": "dice",
-            "protocol": "med-ss", "method": "jascl-no-unlabelled", "stand_in": str(proto),
-            "columns": [{"name": "Session 1", "session": 1}],
-            "rows": [{"name": "more", "set": {"unlabelled_extra": 3}, "values": [0.2]}],
-        },
-        "toy_extra.yaml",
-    )  # fmt: skip
     out = tmp_path / "rep"
-    summary = run_reproduce(
-        toy, [3], out, stand_in=True, protocols=[str(proto)], echo=lambda *a: None, progress=False,
-        cache_dir=tmp_path / "cache",
-    )  # fmt: skip
+    summary = _reproduce_toy_extra(tmp_path, out, [{"name": "more", "set": {"unlabelled_extra": 3}, "values": [0.2]}])
     assert summary["cells"][0]["status"] == "measured"
     manifest = json.loads((out / "toy_s1extra3" / "seed-3" / "manifest.json").read_text())
     assert manifest["protocol"] == "toy-2d-s1extra3"
@@ -119,23 +124,12 @@ def test_rows_with_and_without_borrowed_unlabelled_data_share_one_base_and_both_
     """The two jobs share one session-0 base (base_key); the borrowing job's protocol is renamed (toy-2d-s1extra3),
     and loading the base linked from the other job failed with "made for protocol 'toy-2d'" (the paper's
     tab:unlabeled_effect on med-ss: the 42-sample rows). It loads now: the variant keeps session 0 (session0_of)."""
-    proto = tmp_path / "toy.yaml"
-    proto.write_text(yaml.safe_dump(toy_protocol_dict(2)))
-    toy = parse_table(
-        {
-            "label": "toy_extra", "caption": "c", "line": 1, "kind": "settings", "metric": "dice",
-            "protocol": "med-ss", "method": "jascl-no-unlabelled", "stand_in": str(proto),
-            "columns": [{"name": "Session 1", "session": 1}],
-            "rows": [{"name": "less", "set": {}, "values": [0.2]},
-                     {"name": "more", "set": {"unlabelled_extra": 3}, "values": [0.2]}],
-        },
-        "toy_extra.yaml",
-    )  # fmt: skip
     out = tmp_path / "rep"
-    summary = run_reproduce(
-        toy, [3], out, stand_in=True, protocols=[str(proto)], echo=lambda *a: None, progress=False,
-        cache_dir=tmp_path / "cache",
-    )  # fmt: skip
+    rows = [
+        {"name": "less", "set": {}, "values": [0.2]},
+        {"name": "more", "set": {"unlabelled_extra": 3}, "values": [0.2]},
+    ]
+    summary = _reproduce_toy_extra(tmp_path, out, rows)
     assert [c["status"] for c in summary["cells"]] == ["measured", "measured"]
     (less,), (more,) = (sorted((out / job / "seed-3").glob("base*")) for job in ("toy", "toy_s1extra3"))
     assert more.is_symlink() and more.resolve() == less.resolve()
