@@ -74,3 +74,9 @@ def test_k_shot_points_start_from_the_shared_base_of_their_source_protocol(toy_p
     assert k3["protocol"] == "toy-2d-k3"
     base = json.loads((tmp_path / "s" / "base" / "metrics.json").read_text())
     assert k3["methods"]["vanilla"]["sessions"][0]["all"] == base["all"]
+    # with --split-manifest the base's session 0 comes from the file and a K-shot point selects its own: its own base
+    manifest = tmp_path / "s" / "eps" / "eps=1e-07" / "manifest.json"
+    run_sweep(toy_protocol, ["shots"], tmp_path / "m", "vanilla", echo=lambda *a: None, progress=False,
+              cache_dir=tmp_path / "cache", split_manifest=manifest)  # fmt: skip
+    own = tmp_path / "m" / "shots" / "shots=3" / "base"
+    assert not own.is_symlink() and (own / "metrics.json").exists()

@@ -307,7 +307,11 @@ def run_plan(
         for i, job in enumerate(plan.jobs.values()):
             echo(f"[reproduce] job {i + 1}/{len(plan.jobs)}: {job.describe()} — {', '.join(job.methods)}")
             owner = first_with_base.setdefault(base_key(job), job)
-            if owner is not job:
+            # a job whose samples come from another manifest (or none) than the owner's trains its own session 0
+            same_samples = manifest_for(job_protocol(owner).name, manifests) == manifest_for(
+                job_protocol(job).name, manifests
+            )
+            if owner is not job and same_samples:
                 for seed in seeds:
                     source = out / owner.key / f"seed-{seed}"
                     for base in sorted(source.glob("base*")) if source.is_dir() else []:  # base, base-<key>

@@ -116,7 +116,9 @@ def run_sweep(
             config = resolve_config(protocol.training, protocol.path, config_file, point_overrides)
             folder = out / grid / _point_name(point)
             folder.mkdir(parents=True, exist_ok=True)
-            keeps_session0 = point_protocol is protocol or protocol.name in point_protocol.session0_of
+            # a K-shot point selects its own samples; with --split-manifest the base's session 0 came from the file
+            variant = split_manifest is None and protocol.name in point_protocol.session0_of
+            keeps_session0 = point_protocol is protocol or variant
             for name in shared if keeps_session0 else []:
                 link = folder / name
                 if not link.exists():
