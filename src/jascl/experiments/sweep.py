@@ -5,7 +5,8 @@ session-0 model the method starts from (the vanilla ``base``, or the keyed base 
 the JASCL family, ``base-stochastic-classifier``: :mod:`jascl.experiments.bases`) is
 trained once into ``<out>/`` and linked into every point, so a sweep costs the
 incremental sessions only: no grid changes session 0 (a ``shots`` point's protocol,
-``<name>-k<K>``, keeps its session 0: ``Protocol.session0_of``). The points of a
+``<name>-k<K>``, keeps its session 0: ``Protocol.session0_of``; under ``--split-manifest``
+it selects its own samples and trains its own session 0). The points of a
 method with no shared base (one that changes session 0 in a way of its own, e.g.
 GAS in session 0) train their own. Points and sessions already finished are reused, so an
 interrupted sweep resumes where it stopped. The collected table is written
