@@ -1,7 +1,9 @@
 """Shared fixtures: a tiny two-session toy protocol and a tiny run configuration."""
 
+import dataclasses
 import multiprocessing
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ if _SRC not in sys.path:
 import torch  # noqa: E402
 
 from jascl.engine.config import resolve_config  # noqa: E402
+from jascl.experiments.launcher import Launcher  # noqa: E402
 from jascl.protocols import parse_protocol  # noqa: E402
 
 # one thread per pytest-xdist worker (the workers share the cores), else two
@@ -128,3 +131,44 @@ def toy_protocol_3d():
 @pytest.fixture
 def toy_config(toy_protocol):
     return resolve_config(toy_protocol.training, "toy-2d.yaml")
+
+
+class _Finished:
+    """A submitit job that has already run (in this process): its outcome, and where its log would be."""
+
+    def __init__(self, job_id: int, folder, exc: BaseException | None) -> None:
+        self.job_id, self.exc = str(job_id), exc
+        self.paths = type("Paths", (), {"stderr": folder / f"{job_id}_log.err"})()
+
+    def done(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return self.exc
+
+    def cancel(self, check: bool = False) -> None:
+        pass
+
+
+class _InProcess:
+    """submitit's executor as the launcher uses it, running each job at once in this process."""
+
+    def __init__(self, folder) -> None:
+        self.folder, self.submitted = folder, 0
+
+    def submit(self, fn, *args):
+        self.submitted += 1
+        try:
+            fn(*pickle.loads(pickle.dumps(args)))  # what submitit sends a job, pickled
+        except Exception as exc:  # the job failed; the launcher reads it from the job, as from submitit's
+            return _Finished(self.submitted, self.folder, exc)
+        return _Finished(self.submitted, self.folder, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class InProcessLauncher(Launcher):
+    """A launcher whose jobs run at once, one after another, in the calling process (``poll_s=0``): what a grid
+    submits and how its jobs end, without a process per job."""
+
+    def executor(self, folder):
+        return _InProcess(folder)

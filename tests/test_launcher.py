@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import InProcessLauncher
 from jascl import distributed
 from jascl.engine.loop import ContinualTrainer
 from jascl.errors import ConfigError, TrainingError
@@ -55,7 +56,7 @@ def test_launcher_options_parse_and_refuse_bad_keys():
     for kind, opts, devices, message in (
         ("local", ["gpus=0"], 2, "--devices 2 with --launcher-opt gpus=0: each job needs 2 GPUs"),
         ("local", [], 0, "--devices 0: must be >= 1"),
-        (None, [], 2, "--devices 2 on a compare: give --launcher local or slurm"),
+        (None, [], 2, "--devices 2 without --launcher: give --launcher local or slurm"),
     ):
         with pytest.raises(ConfigError, match=message):
             parse_launcher(kind, opts, devices)
@@ -108,44 +109,6 @@ def test_local_launcher_gives_the_sequential_results_and_reruns_only_missing_cel
     assert again["methods"] == sequential["methods"]
 
 
-class _Finished:
-    """A submitit job that has already run (in this process): its outcome, and where its log would be."""
-
-    def __init__(self, job_id: int, folder, exc: BaseException | None) -> None:
-        self.job_id, self.exc = str(job_id), exc
-        self.paths = type("Paths", (), {"stderr": folder / f"{job_id}_log.err"})()
-
-    def done(self) -> bool:
-        return True
-
-    def exception(self) -> BaseException | None:
-        return self.exc
-
-    def cancel(self, check: bool = False) -> None:
-        pass
-
-
-class _InProcess:
-    """submitit's executor as the launcher uses it, running each job at once in this process."""
-
-    def __init__(self, folder) -> None:
-        self.folder, self.submitted = folder, 0
-
-    def submit(self, fn, *args):
-        self.submitted += 1
-        try:
-            fn(*args)
-        except Exception as exc:  # the job failed; the launcher reads it from the job, as from submitit's
-            return _Finished(self.submitted, self.folder, exc)
-        return _Finished(self.submitted, self.folder, None)
-
-
-@dataclasses.dataclass(frozen=True)
-class _InProcessLauncher(Launcher):
-    def executor(self, folder):
-        return _InProcess(folder)
-
-
 def test_a_failed_base_holds_back_its_cells_only_and_a_rerun_submits_what_is_missing(
     toy_protocol, toy_config, tmp_path, monkeypatch
 ):
@@ -160,7 +123,7 @@ def test_a_failed_base_holds_back_its_cells_only_and_a_rerun_submits_what_is_mis
         return run_session(self, *args, **kwargs)
 
     messages: list[str] = []
-    launcher = _InProcessLauncher("local", parallel=2, poll_s=0)
+    launcher = InProcessLauncher("local", parallel=2, poll_s=0)
     with monkeypatch.context() as m:
         m.setattr(ContinualTrainer, "run_session", keyed_fails)
         with pytest.raises(TrainingError) as err:

@@ -3,6 +3,10 @@
 import csv
 import json
 
+import yaml
+
+from conftest import InProcessLauncher, toy_protocol_dict
+from jascl.cli import main
 from jascl.engine.config import resolve_config
 from jascl.experiments.runner import run_benchmark
 from jascl.experiments.sweep import GRIDS, run_sweep, with_shots, write_sweep
@@ -80,3 +84,52 @@ def test_k_shot_points_start_from_the_shared_base_of_their_source_protocol(toy_p
               cache_dir=tmp_path / "cache", split_manifest=manifest)  # fmt: skip
     own = tmp_path / "m" / "shots" / "shots=3" / "base"
     assert not own.is_symlink() and (own / "metrics.json").exists()
+
+
+def test_a_launcher_trains_the_shared_base_then_every_point_as_jobs_to_the_sequential_table(toy_protocol, tmp_path):
+    """``--launcher``: one job for the base every point links to, then one per point, each with the point's own
+    settings; the sweep then only collects (every session reused) the table a sweep without a launcher writes."""
+    kw = {"cache_dir": tmp_path / "cache", "progress": False}
+    sequential = run_sweep(toy_protocol, ["sigma2"], tmp_path / "seq", echo=lambda *a: None, **kw)
+    messages: list[str] = []
+    launcher = InProcessLauncher("local", poll_s=0)
+    rows = run_sweep(toy_protocol, ["sigma2"], tmp_path / "jobs", echo=messages.append, launcher=launcher, **kw)
+    assert [m for m in messages if m.startswith("[launcher] submitted")] == [
+        "[launcher] submitted base-stochastic-classifier for every point: job 1",
+        "[launcher] submitted jascl sigma2 sigma2=0.1: job 2",
+        "[launcher] submitted jascl sigma2 sigma2=1.0: job 3",
+        "[launcher] submitted jascl sigma2 sigma2=10.0: job 4",
+    ]
+    assert not [m for m in messages if "training" in m]  # the sweep itself trained nothing
+    assert json.dumps(rows) == json.dumps(sequential)
+    point = tmp_path / "jobs" / "sigma2" / "sigma2=10.0"
+    assert (point / "base-stochastic-classifier").resolve() == tmp_path / "jobs" / "base-stochastic-classifier"
+    assert yaml.safe_load((point / "config.yaml").read_text())["method_args"]["jascl"]["gas"]["sigma2"] == 10.0
+    messages.clear()
+    run_sweep(toy_protocol, ["sigma2"], tmp_path / "jobs", echo=messages.append, launcher=launcher, **kw)
+    assert not [m for m in messages if m.startswith("[launcher] submitted")]  # a rerun: nothing is missing
+
+
+def test_under_a_split_manifest_a_launcher_trains_each_k_shot_point_its_own_base(toy_protocol, tmp_path):
+    kw = {"cache_dir": tmp_path / "cache", "progress": False}
+    run_benchmark(toy_protocol, resolve_config(toy_protocol.training, toy_protocol.path), ["vanilla"], tmp_path / "run",
+                  echo=lambda *a: None, **kw)  # fmt: skip
+    messages: list[str] = []
+    run_sweep(toy_protocol, ["shots"], tmp_path / "s", "vanilla", echo=messages.append,
+              launcher=InProcessLauncher("local", poll_s=0), split_manifest=tmp_path / "run" / "manifest.json", **kw)  # fmt: skip
+    submitted = [m.split(": job")[0] for m in messages if m.startswith("[launcher] submitted")]
+    assert submitted == [
+        *(f"[launcher] submitted base shots shots={k}" for k in (3, 4, 5)),
+        *(f"[launcher] submitted vanilla shots shots={k}" for k in (3, 4, 5)),
+    ]  # no base for every point: none starts from it
+    assert not (tmp_path / "s" / "base").exists()
+
+
+def test_sweep_takes_the_launcher_options(toy_protocol, tmp_path, capsys):
+    protocol = tmp_path / "toy.yaml"
+    protocol.write_text(yaml.safe_dump(toy_protocol_dict(2)))
+    code = main(["sweep", "--protocol", str(protocol), "--grid", "eps", "--launcher-opt", "parallel=2",
+                 "--out", str(tmp_path / "s")])  # fmt: skip
+    assert code == 2
+    assert capsys.readouterr().err == "jascl: error: --launcher-opt needs --launcher local or --launcher slurm\n"
+    assert not (tmp_path / "s").exists()

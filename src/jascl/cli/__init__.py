@@ -31,8 +31,8 @@ def add_launcher_arguments(p: argparse.ArgumentParser) -> None:
         "--launcher",
         default=None,
         choices=["local", "slurm"],
-        help="run every shared session-0 base, then every (method, seed) cell, as its own job through submitit: "
-        "local processes or SLURM jobs (a rerun submits only what is missing)",
+        help="run every shared session-0 base, then every cell (a method at a seed, or a sweep's point), as its own "
+        "job through submitit: local processes or SLURM jobs (a rerun submits only what is missing)",
     )
     p.add_argument(
         "--launcher-opt",
@@ -237,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--out", default=None, help="sweep folder (default runs/sweep-<protocol>-seed<seed>); reused to resume"
     )
+    add_launcher_arguments(sweep)
     sweep.set_defaults(func=cmd_sweep)
 
     add_study_parser(sub, common, add_launcher_arguments)

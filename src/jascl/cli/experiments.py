@@ -31,7 +31,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from jascl.engine.config import resolve_config
 
     resolve_config(protocol.training, protocol.path, args.config, overrides)  # fail fast on bad input
+    from jascl.experiments.launcher import parse_launcher
     from jascl.experiments.sweep import run_sweep, sweep_table
+
+    launcher = parse_launcher(args.launcher, args.launcher_opt, args.devices)
 
     out = Path(args.out) if args.out else Path("runs") / f"sweep-{protocol.name}-seed{protocol.seed}"
     console = _console()
@@ -49,6 +52,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 cache_dir=args.cache_dir,
                 progress=not args.no_progress,
                 echo=_echo(console),
+                launcher=launcher,
                 **_data_args(args),
             )
     except Stopped as exc:

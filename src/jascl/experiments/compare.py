@@ -227,7 +227,7 @@ def run_compare(
         raise ConfigError("compare: do not set 'seed' in the configuration; give the seeds with --seeds")
     out = Path(out)
     if launcher is not None:
-        from jascl.experiments.launcher import run_grid
+        from jascl.experiments.fanout import run_grid
 
         run_grid(
             launcher, protocol, config, methods, seeds, out, {"cache_dir": cache_dir, **run_kwargs}, progress, echo

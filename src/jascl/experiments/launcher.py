@@ -1,19 +1,21 @@
-"""Compare grids fanned out as jobs, through submitit (local processes or SLURM).
+"""Compare grids and sweeps fanned out as jobs, through submitit (local processes or SLURM).
 
-:func:`jascl.experiments.compare.run_compare` with a :class:`Launcher` runs in four steps (:func:`run_grid`):
+:func:`jascl.experiments.compare.run_compare` and :func:`jascl.experiments.sweep.run_sweep` with a
+:class:`Launcher` run in four steps (:mod:`jascl.experiments.fanout`):
 
-1. for every seed, the run folder is prepared here (run files, split manifest:
+1. every run folder (a compare's seed, a sweep's point) is prepared here (run files, split manifest:
    ``run_benchmark(stage="files")``), which also says which shared session-0 bases are missing
-   (:mod:`jascl.experiments.bases`: the vanilla base, and one per family of methods that change session 0 alike);
-2. every missing base of every seed becomes one job (``run_benchmark(stage="bases")``), submitted first;
-3. every (method, seed) cell whose last session is not finished becomes one job
-   (``run_benchmark(stage="cell")``) that trains that method's sessions into the seed's folder, submitted
+   (:mod:`jascl.experiments.bases`: the vanilla base, and one per family of methods that change session 0 alike;
+   a sweep's points link to the sweep's own);
+2. every missing base becomes one job (``run_benchmark(stage="bases")``), submitted first;
+3. every (method, folder) cell whose last session is not finished becomes one job
+   (``run_benchmark(stage="cell")``) that trains that method's sessions into the folder, submitted
    once the bases its method starts from are complete (:func:`run_jobs`);
    at most ``parallel`` jobs run at a time (locally; on SLURM the scheduler decides, and
    ``parallel`` is the array's parallelism);
-4. when every job has ended, the ordinary sequential compare runs over the same folders: every
-   session is reused, so the tables are written by the same code, from the same files, as a
-   compare without a launcher (identical numbers).
+4. when every job has ended, the ordinary sequential compare (sweep) runs over the same folders: every
+   session is reused, so the tables are written by the same code, from the same files, as without a launcher
+   (identical numbers).
 
 This process trains nothing: on SLURM it can run in a small job of its own while the bases, the largest
 trainings of a grid, get the resources of a job like every cell. A job that fails leaves its finished sessions
@@ -174,7 +176,7 @@ def parse_launcher(kind: str | None, options: Sequence[str] = (), devices: int |
             raise ConfigError("--launcher-opt needs --launcher local or --launcher slurm")
         if devices is not None:
             raise ConfigError(
-                f"--devices {devices} on a compare: give --launcher local or slurm (N processes per cell job), "
+                f"--devices {devices} without --launcher: give --launcher local or slurm (N processes per job), "
                 "or train one run with jascl run --devices N"
             )
         return None
@@ -294,7 +296,9 @@ _job = SessionsJob()
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
     """One job of a launcher: what it trains (``stage`` "cell" or "bases", see :func:`_job`), its label, and the
-    labels of the jobs it starts after (a cell after the base jobs of the bases its method starts from)."""
+    labels of the jobs it starts after (a cell after the base jobs of the bases its method starts from).
+    ``config`` and ``options`` (``run_benchmark`` keywords), where given, replace the grid's for this job (a sweep's
+    points differ in both)."""
 
     protocol: Protocol
     methods: tuple[str, ...]
@@ -303,6 +307,8 @@ class JobSpec:
     label: str
     bases: tuple[str, ...] | None = None
     after: tuple[str, ...] = ()
+    config: RunConfig | None = None
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def run_jobs(
@@ -331,7 +337,7 @@ def run_jobs(
     free_gpus = list(launcher.gpus) if launcher.kind == "local" else []  # SLURM: the scheduler assigns them
     n_bases = sum(spec.stage == "bases" for spec in jobs)
     what = f"{n_bases} base models and {len(jobs) - n_bases} cells" if n_bases else f"{len(jobs)} cells"
-    job_config = launcher.job_config(config, len(jobs))
+    job_config = launcher.job_config(config, len(jobs))  # (each job's own configuration gets the same threads)
     threads = f", {job_config.threads} CPU threads per process" if job_config.threads != config.threads else ""
     echo(f"[launcher] {what} as {launcher.kind} jobs, at most {min(launcher.slots, len(jobs))} at once{threads}")
     skipped: list[JobSpec] = []
@@ -351,8 +357,9 @@ def run_jobs(
                 pending.remove(spec)
                 share = free_gpus[: launcher.devices]
                 del free_gpus[: len(share)]
+                own = job_config if spec.config is None else launcher.job_config(spec.config, len(jobs))
                 job = executor.submit(
-                    _job, spec.protocol, job_config, spec.methods, str(spec.folder), dict(kwargs), share,
+                    _job, spec.protocol, own, spec.methods, str(spec.folder), {**kwargs, **spec.options}, share,
                     launcher.devices, spec.stage, spec.bases,
                 )  # fmt: skip
                 processes = f", {launcher.devices} processes" if launcher.devices > 1 else ""
@@ -390,48 +397,3 @@ def failure(failed: Sequence[tuple[JobSpec, str]], total: int, skipped: int = 0)
         f"{len(failed)} of {total} jobs failed ({labels}); the first's log: {failed[0][1]}{waiting}; "
         "rerun the same command to resubmit only what is missing"
     )
-
-
-def run_grid(
-    launcher: Launcher,
-    protocol: Protocol,
-    config: RunConfig,
-    methods: Sequence[str],
-    seeds: Sequence[int],
-    out: Path,
-    kwargs: Mapping[str, Any],
-    progress: bool = True,
-    echo: Callable[[str], None] = print,
-) -> None:
-    """The module docstring's steps 1 to 3 for a compare grid: every seed's run folder is prepared here; every
-    missing shared base is a job, and every unfinished (method, seed) cell a job that starts when the bases its
-    method starts from are complete (other seeds' bases may still be training).
-
-    ``kwargs``: :func:`jascl.experiments.runner.run_benchmark`'s keywords (``cache_dir``, data options, imports).
-
-    Raises:
-        TrainingError: one line naming the failed jobs and the first's log; everything finished stays.
-    """
-    from jascl.experiments.runner import run_benchmark
-
-    bases: list[JobSpec] = []
-    cells: list[JobSpec] = []
-    for seed in seeds:
-        p = dataclasses.replace(protocol, seed=seed)
-        folder = out / f"seed-{seed}"
-        echo(f"[compare] seed {seed}: preparing the run folder")
-        missing = run_benchmark(p, config, methods, folder, progress=progress, echo=echo, stage="files", **kwargs)
-        after: dict[str, list[str]] = {}  # method -> the labels of the base jobs it waits for
-        for name, members in missing["bases"].items():
-            label = f"{name} seed {seed}"
-            bases.append(JobSpec(p, tuple(methods), folder, "bases", label, (name,)))
-            for m in members:
-                after.setdefault(m, []).append(label)
-        cells += [
-            JobSpec(p, (m,), folder, "cell", f"{m} seed {seed}", after=tuple(after.get(m, ())))
-            for m in methods
-            if not cell_finished(folder, m, p)
-        ]
-    failed, skipped = run_jobs(launcher, bases + cells, config, out, kwargs, echo)
-    if failed:
-        raise failure(failed, len(bases) + len(cells), len(skipped))

@@ -35,10 +35,10 @@ import os
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from jascl.data.sessions import load_sessions
-from jascl.engine.config import resolve_config
+from jascl.engine.config import RunConfig, resolve_config
 from jascl.errors import ConfigError
 from jascl.experiments.bases import VANILLA, base_folders, ensure_base, restorers
 from jascl.experiments.runner import run_benchmark
@@ -48,6 +48,9 @@ from jascl.protocols.schema import Protocol
 from jascl.protocols.variants import renamed_variant
 from jascl.results.records import RunResults
 from jascl.results.report import md_table, write_json
+
+if TYPE_CHECKING:
+    from jascl.experiments.launcher import Launcher
 
 GRIDS: dict[str, list[dict[str, object]]] = {
     "eps": [{"gas.eps": v} for v in (1e-6, 1e-7, 1e-8, 1e-9)],
@@ -73,6 +76,46 @@ def _mean(values: Sequence[float]) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
+@dataclasses.dataclass(frozen=True)
+class _Point:
+    """One grid point: its run's protocol, configuration and folder; ``manifest``: the samples it reuses;
+    ``keeps_session0``: it starts from the sweep's shared bases."""
+
+    grid: str
+    values: dict[str, object]
+    protocol: Protocol
+    config: RunConfig
+    folder: Path
+    manifest: str | Path | None
+    keeps_session0: bool
+
+    @property
+    def name(self) -> str:
+        return _point_name(self.values)
+
+
+def _points(protocol: Protocol, grids: Sequence[str], out: Path, config_file: str | Path | None,
+            overrides: Sequence[str], split_manifest: str | Path | None) -> list[_Point]:  # fmt: skip
+    points = []
+    for grid in grids:
+        for values in GRIDS[grid]:
+            point_protocol = protocol
+            point_overrides = list(overrides)
+            for key, value in values.items():
+                if key == "shots":
+                    point_protocol = with_shots(protocol, cast(int, value))  # the "shots" grid holds ints
+                else:
+                    point_overrides.append(f"{key}={value}")
+            config = resolve_config(protocol.training, protocol.path, config_file, point_overrides)
+            # a K-shot point selects its own samples; with --split-manifest the base's session 0 came from the file
+            variant = split_manifest is None and protocol.name in point_protocol.session0_of
+            keeps = point_protocol is protocol or variant
+            manifest = split_manifest if "shots" not in values else None
+            folder = out / grid / _point_name(values)
+            points.append(_Point(grid, values, point_protocol, config, folder, manifest, keeps))
+    return points
+
+
 def run_sweep(
     protocol: Protocol,
     grids: Sequence[str],
@@ -86,75 +129,87 @@ def run_sweep(
     roots: Mapping[str, str | Path] | None = None,
     roots_file: str | Path | None = None,
     split_manifest: str | Path | None = None,
+    launcher: Launcher | None = None,
 ) -> list[dict]:
     """Run every point of ``grids`` for ``method`` and write the sweep table; returns its rows.
 
     ``roots`` / ``roots_file``: dataset roots (protocols on datasets); ``split_manifest``: a run's
     ``manifest.json`` whose samples every point reuses, but the points of the ``shots`` grid (another K
-    selects its own samples)."""
+    selects its own samples). ``launcher``: the shared bases, then every point, run as jobs first
+    (:func:`jascl.experiments.launcher.fan_out`: the points at once, each once the base it starts from is
+    complete); the table is then collected by the same code, from the same folders, as without one."""
     unknown = [g for g in grids if g not in GRIDS]
     if unknown or not grids:
         raise ConfigError(f"--grid {','.join(unknown) or '(none)'}: choose from {', '.join(GRIDS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     base_config = resolve_config(protocol.training, protocol.path, config_file, list(overrides))
-    base_data = load_sessions(protocol, cache_dir, echo, roots, split_manifest, roots_file, base_config.patch_size)
     built = create_method(method, base_config, protocol.task)
-    shared = list(base_folders([built]))  # the base the method starts from; none if its session 0 is its own
+    points = _points(protocol, grids, out, config_file, overrides, split_manifest)
+    # the base the method starts from (none if its session 0 is its own, or no point starts from it)
+    shared = list(base_folders([built])) if any(p.keeps_session0 for p in points) else []
+    if launcher is not None:
+        from jascl.experiments.fanout import RunSpec, fan_out
+
+        specs = [RunSpec(protocol, base_config, (method,), out, "for every point", {"split_manifest": split_manifest},
+                         bases_only=True)] if shared else []  # fmt: skip
+        for point in points:
+            borrows = {name: out / name for name in shared} if point.keeps_session0 else {}
+            specs.append(
+                RunSpec(
+                    point.protocol,
+                    point.config,
+                    (method,),
+                    point.folder,
+                    f"{point.grid} {point.name}",
+                    {"split_manifest": point.manifest},
+                    borrows,
+                )  # fmt: skip
+            )
+        data = {"cache_dir": cache_dir, "roots": roots, "roots_file": roots_file}
+        fan_out(launcher, specs, out, data, progress, echo)
+    # (after a launcher: every base and point is reused, and the table comes from their folders)
+    base_data = load_sessions(protocol, cache_dir, echo, roots, split_manifest, roots_file, base_config.patch_size)
     for name in shared:
         trainer = None if name == VANILLA else built.base_method()
         ensure_base(protocol, base_config, base_data, out / name, progress, echo, trainer, (), restorers([built]))
     rows = []
-    for grid in grids:
-        for point in GRIDS[grid]:
-            point_protocol = protocol
-            point_overrides = list(overrides)
-            for key, value in point.items():
-                if key == "shots":
-                    point_protocol = with_shots(protocol, cast(int, value))  # the "shots" grid holds ints
-                else:
-                    point_overrides.append(f"{key}={value}")
-            config = resolve_config(protocol.training, protocol.path, config_file, point_overrides)
-            folder = out / grid / _point_name(point)
-            folder.mkdir(parents=True, exist_ok=True)
-            # a K-shot point selects its own samples; with --split-manifest the base's session 0 came from the file
-            variant = split_manifest is None and protocol.name in point_protocol.session0_of
-            keeps_session0 = point_protocol is protocol or variant
-            for name in shared if keeps_session0 else []:
-                link = folder / name
-                if not link.exists():
-                    try:
-                        os.symlink(os.path.relpath(out / name, folder), link)
-                    except OSError:  # file systems without symlinks
-                        shutil.copytree(out / name, link)
-            echo(f"[sweep] {grid}: {_point_name(point)}")
-            manifest = split_manifest if "shots" not in point else None
-            results = run_benchmark(
-                point_protocol,
-                config,
-                [method],
-                folder,
-                cache_dir=cache_dir,
-                progress=progress,
-                echo=echo,
-                split_manifest=manifest,
-                roots=roots,
-                roots_file=roots_file,
-            )
-            m = RunResults.from_json(results).methods[method]
-            pls = [s for s in m.sessions if s.pseudo_labels is not None]
-            rows.append(
-                {
-                    "grid": grid,
-                    "point": _point_name(point),
-                    **{k: v for k, v in point.items()},
-                    "last_all": m.sessions[-1].all,
-                    "last_base": m.sessions[-1].base,
-                    "total_drop": m.total_drop,
-                    "retention_pct": 100 * _mean([s.pseudo_label_value("coverage") for s in pls]) if pls else math.nan,
-                    "precision": _mean([s.pseudo_label_value("precision") for s in pls]) if pls else math.nan,
-                }
-            )
+    for point in points:
+        point.folder.mkdir(parents=True, exist_ok=True)
+        for name in shared if point.keeps_session0 else []:
+            link = point.folder / name
+            if not (link.exists() or link.is_symlink()):
+                try:
+                    os.symlink(os.path.relpath(out / name, point.folder), link)
+                except OSError:  # file systems without symlinks
+                    shutil.copytree(out / name, link)
+        echo(f"[sweep] {point.grid}: {point.name}")
+        results = run_benchmark(
+            point.protocol,
+            point.config,
+            [method],
+            point.folder,
+            cache_dir=cache_dir,
+            progress=progress,
+            echo=echo,
+            split_manifest=point.manifest,
+            roots=roots,
+            roots_file=roots_file,
+        )
+        m = RunResults.from_json(results).methods[method]
+        pls = [s for s in m.sessions if s.pseudo_labels is not None]
+        rows.append(
+            {
+                "grid": point.grid,
+                "point": point.name,
+                **{k: v for k, v in point.values.items()},
+                "last_all": m.sessions[-1].all,
+                "last_base": m.sessions[-1].base,
+                "total_drop": m.total_drop,
+                "retention_pct": 100 * _mean([s.pseudo_label_value("coverage") for s in pls]) if pls else math.nan,
+                "precision": _mean([s.pseudo_label_value("precision") for s in pls]) if pls else math.nan,
+            }
+        )
     write_sweep(rows, out, protocol, method)
     return rows
 
