@@ -216,12 +216,13 @@ def test_a_cell_starts_when_its_own_bases_are_complete_not_every_seeds(toy_proto
     launcher = _SlowLauncher("local", parallel=3, poll_s=0, polls=polls)
     failed, skipped = run_jobs(launcher, jobs, toy_config, tmp_path, {}, messages.append)
     assert (failed, skipped) == ([], [jobs[4]])
-    # 3 jobs at a time on 6 cores: 2 threads each (torch's default would give each all 6)
-    assert (
-        messages[0]
-        == "[launcher] 2 base models and 3 cells as local jobs, at most 3 at once, 2 CPU threads per process"
+    # 3 jobs at a time on 6 cores: 2 threads each (torch's default would give each all 6); seed 2's cell starts
+    # alone, and no job can start before it ends (only an end readies a job): all 6
+    assert messages[0] == (
+        "[launcher] 2 base models and 3 cells as local jobs, at most 3 at once, 2 CPU threads per process "
+        "(every core for a job that runs alone)"
     )
-    assert THREADS == [2, 2, 2, 2]
+    assert THREADS == [2, 2, 2, 6]
     assert [m for m in messages if "submitted" in m or "finished" in m] == [
         "[launcher] submitted base-x seed 1: job base-x@seed-1",
         "[launcher] submitted base-x seed 2: job base-x@seed-2",

@@ -7,8 +7,9 @@ import json
 import pytest
 import yaml
 
-from conftest import toy_protocol_dict
+from conftest import InProcessLauncher, toy_protocol_dict
 from jascl.cli import main
+from jascl.engine.loop import ContinualTrainer
 from jascl.experiments.reproduce import run_reproduce
 from jascl.experiments.reproduce_plan import base_key, job_protocol, plan_table
 from jascl.paper.tables import get_table, parse_table
@@ -74,9 +75,10 @@ def test_plan_of_a_settings_table_makes_one_job_per_setting_and_refuses_unknown_
     assert {p.status for p in stand.cells} == {"not in stand-in"}
 
 
-def _reproduce_toy_extra(tmp_path, out, rows: list[dict]) -> dict:
+def _reproduce_toy_extra(tmp_path, out, rows: list[dict], **kwargs) -> dict:
     """``jascl reproduce --stand-in`` of a settings table on med-ss whose stand-in is the toy protocol (seed 3),
-    ``jascl-no-unlabelled`` at session 1, with ``rows``, into ``out``; returns the summary."""
+    ``jascl-no-unlabelled`` at session 1, with ``rows``, into ``out``; returns the summary. ``kwargs``: more of
+    ``run_reproduce``'s (``echo``, ``launcher``)."""
     proto = tmp_path / "toy.yaml"
     proto.write_text(yaml.safe_dump(toy_protocol_dict(2)))
     toy = parse_table(
@@ -88,8 +90,8 @@ def _reproduce_toy_extra(tmp_path, out, rows: list[dict]) -> dict:
         "toy_extra.yaml",
     )  # fmt: skip
     return run_reproduce(
-        toy, [3], out, stand_in=True, protocols=[str(proto)], echo=lambda *a: None, progress=False,
-        cache_dir=tmp_path / "cache",
+        toy, [3], out, stand_in=True, protocols=[str(proto)], progress=False, cache_dir=tmp_path / "cache",
+        **{"echo": lambda *a: None, **kwargs},
     )  # fmt: skip
 
 
@@ -135,6 +137,47 @@ def test_rows_with_and_without_borrowed_unlabelled_data_share_one_base_and_both_
     assert more.is_symlink() and more.resolve() == less.resolve()
     results = json.loads((out / "toy_s1extra3" / "seed-3" / "results.json").read_text())
     assert results["protocol"] == "toy-2d-s1extra3"
+
+
+def test_a_launcher_runs_every_rows_cells_as_one_set_of_jobs_and_a_failed_row_only_fails_its_cells(
+    tmp_path, monkeypatch
+):
+    """With a launcher the two rows' bases and cells are one set of jobs, submitted before any row's compare
+    runs: one base for both (the second row links the first's), both rows' cells side by side; the rows' compares
+    then only collect, to the numbers of a reproduction without a launcher. A row whose job fails is failed,
+    not trained in this process, and the other is measured."""
+    rows = [
+        {"name": "less", "set": {}, "values": [0.2]},
+        {"name": "more", "set": {"unlabelled_extra": 3}, "values": [0.2]},
+    ]
+    sequential = _reproduce_toy_extra(tmp_path, tmp_path / "seq", rows)
+    messages: list[str] = []
+    launcher = InProcessLauncher("local", poll_s=0)
+    summary = _reproduce_toy_extra(tmp_path, tmp_path / "jobs", rows, echo=messages.append, launcher=launcher)
+    submitted = [m.split(": job")[0] for m in messages if m.startswith("[launcher] submitted")]
+    assert submitted == [
+        "[launcher] submitted base-stochastic-classifier toy seed 3",
+        "[launcher] submitted jascl-no-unlabelled toy seed 3",
+        "[launcher] submitted jascl-no-unlabelled toy_s1extra3 seed 3",
+    ]
+    first_row = next(i for i, m in enumerate(messages) if m.startswith("[reproduce] job 1/2"))
+    assert max(i for i, m in enumerate(messages) if m.startswith("[launcher] submitted")) < first_row
+    assert not [m for m in messages[first_row:] if "training" in m]  # the rows' compares trained nothing
+    assert [c["measured"] for c in summary["cells"]] == [c["measured"] for c in sequential["cells"]]
+
+    run_session = ContinualTrainer.run_session
+
+    def more_fails(self, *args, **kwargs):
+        if self.protocol.name == "toy-2d-s1extra3":
+            raise RuntimeError("out of memory")
+        return run_session(self, *args, **kwargs)
+
+    messages.clear()
+    monkeypatch.setattr(ContinualTrainer, "run_session", more_fails)
+    summary = _reproduce_toy_extra(tmp_path, tmp_path / "fails", rows, echo=messages.append, launcher=launcher)
+    assert [c["status"] for c in summary["cells"]] == ["measured", "failed"]
+    assert summary["cells"][1]["reason"].startswith("TrainingError: its launcher jobs did not all finish: 1 of 3 jobs")
+    assert not (tmp_path / "fails" / "toy_s1extra3" / "seed-3" / "results.json").exists()
 
 
 def _toy_table(tmp_path):

@@ -101,6 +101,7 @@ def test_a_launcher_trains_the_shared_base_then_every_point_as_jobs_to_the_seque
         "[launcher] submitted jascl sigma2 sigma2=10.0: job 4",
     ]
     assert not [m for m in messages if "training" in m]  # the sweep itself trained nothing
+    assert not (tmp_path / "jobs" / "jascl").exists()  # the base job wrote no method folder beside the points
     assert json.dumps(rows) == json.dumps(sequential)
     point = tmp_path / "jobs" / "sigma2" / "sigma2=10.0"
     assert (point / "base-stochastic-classifier").resolve() == tmp_path / "jobs" / "base-stochastic-classifier"

@@ -47,8 +47,8 @@ class RunSpec:
 def _borrow(source: Path, link: Path) -> bool:
     """Point ``link`` at the base folder ``source`` (a relative symlink; ``source`` is created, empty, when its job
     has not run yet). False where the file system has no symlinks: the folder then trains a base of its own."""
-    if link.is_symlink() or link.exists():
-        return link.is_symlink()
+    if link.is_symlink() or link.exists():  # linked before (or a copy a pass without a launcher made)
+        return True
     source.mkdir(parents=True, exist_ok=True)
     link.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -337,8 +337,9 @@ def run_jobs(
     free_gpus = list(launcher.gpus) if launcher.kind == "local" else []  # SLURM: the scheduler assigns them
     n_bases = sum(spec.stage == "bases" for spec in jobs)
     what = f"{n_bases} base models and {len(jobs) - n_bases} cells" if n_bases else f"{len(jobs)} cells"
-    job_config = launcher.job_config(config, len(jobs))  # (each job's own configuration gets the same threads)
+    job_config = launcher.job_config(config, len(jobs))
     threads = f", {job_config.threads} CPU threads per process" if job_config.threads != config.threads else ""
+    threads += " (every core for a job that runs alone)" if threads and job_config.threads < usable_cores() else ""
     echo(f"[launcher] {what} as {launcher.kind} jobs, at most {min(launcher.slots, len(jobs))} at once{threads}")
     skipped: list[JobSpec] = []
     try:
@@ -353,11 +354,14 @@ def run_jobs(
             ready = [spec for spec in pending if set(spec.after) <= finished]
             if not ready and not running:
                 break
-            for spec in ready[: max(0, launcher.slots - len(running))]:
+            batch = ready[: max(0, launcher.slots - len(running))]
+            # a job that starts alone runs alone to its end (only a job's end readies another): every core is its
+            alone = not running and len(batch) == 1
+            for spec in batch:
                 pending.remove(spec)
                 share = free_gpus[: launcher.devices]
                 del free_gpus[: len(share)]
-                own = job_config if spec.config is None else launcher.job_config(spec.config, len(jobs))
+                own = launcher.job_config(spec.config or config, 1 if alone else len(jobs))
                 job = executor.submit(
                     _job, spec.protocol, own, spec.methods, str(spec.folder), {**kwargs, **spec.options}, share,
                     launcher.devices, spec.stage, spec.bases,

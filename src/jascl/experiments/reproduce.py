@@ -2,7 +2,8 @@
 
 The plan (:mod:`jascl.experiments.reproduce_plan`) groups a table's cells into compare jobs; this module runs
 them, one :func:`jascl.experiments.compare.run_compare` per job, and measures every cell: mean ± std over the
-seeds, from the run folders, in the table's own unit (``scale``).
+seeds, from the run folders, in the table's own unit (``scale``). With a launcher, every job's bases and cells
+are first one set of launcher jobs (:func:`jascl.experiments.fanout.fan_out`), and the compares only collect.
 
 Partial results: the table is written from what is on disk, not from what a job returns, so it is there at
 every moment of a reproduction:
@@ -35,21 +36,19 @@ import dataclasses
 import json
 import logging
 import math
-import os
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jascl.errors import ConfigError, JasclError
+from jascl.errors import ConfigError, JasclError, TrainingError
 from jascl.experiments.compare import mean_std
+from jascl.experiments.reproduce_jobs import cells_finished, fan_out_plan, manifest_for, owners_of, share_base
 from jascl.experiments.reproduce_plan import (
     PERCENT_METRICS,
     QUICK_EPOCH_DIVISOR,
     STATUS_PLANNED,
     Job,
     Plan,
-    base_key,
     check_roots,
     job_protocol,
     method_base,
@@ -229,17 +228,6 @@ def measure(
     }
 
 
-def _share_base(source: Path, link: Path) -> None:
-    """Point ``link`` at an earlier job's finished base model (a relative symlink, else a copy)."""
-    if link.exists() or not (source / "metrics.json").exists():
-        return
-    link.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.symlink(os.path.relpath(source, link.parent), link)
-    except OSError:
-        shutil.copytree(source, link)
-
-
 def _job_overrides(job: Job, protocol: Protocol, overrides: Sequence[str], quick: bool) -> list[str]:
     """The job's overrides, the user's after them, then the quick mode's epochs (a fraction of the resolved ones)."""
     combined = [*job.overrides, *overrides]
@@ -281,13 +269,17 @@ def run_plan(
 ) -> dict[str, Any]:
     """Run (or reuse) every job for every seed, the table rewritten as sessions finish; returns the summary.
 
-    A job that raises (other than a stop request) is recorded as failed and the next job runs."""
+    A job that raises (other than a stop request) is recorded as failed and the next job runs. With a
+    ``launcher`` (in ``compare_kwargs``) the bases and cells of every job and seed are one set of jobs first
+    (:func:`~jascl.experiments.reproduce_jobs.fan_out_plan`), all jobs' cells side by side; each job's compare then only collects, and a job with a cell
+    that did not finish is failed with the launcher's error (nothing trains in this process)."""
     from jascl.engine.config import resolve_config
     from jascl.engine.stop import Stopped
     from jascl.experiments.compare import run_compare
 
     out = Path(out)
     check_roots(plan, roots)
+    launcher = compare_kwargs.pop("launcher", None)
     manifests = compare_kwargs.get("split_manifest")
     names = {job_protocol(job).name for job in plan.jobs.values()}
     for path in [manifests] if isinstance(manifests, (str, Path)) else manifests or []:
@@ -302,27 +294,41 @@ def run_plan(
         echo(message)
         refresh()
 
-    first_with_base: dict[tuple, Job] = {}
+    prepared: dict[str, tuple | Exception] = {}
+
+    def prepare(job: Job) -> tuple[Protocol, Any, dict[str, Any], list[str]]:
+        """The job's protocol, configuration, compare keywords and the methods that can be built (once)."""
+        if job.key not in prepared:
+            protocol = job_protocol(job)
+            try:
+                overridden = _job_overrides(job, protocol, overrides, plan.quick)
+                config = resolve_config(protocol.training, protocol.path, None, overridden)
+                kwargs = {**compare_kwargs, "split_manifest": manifest_for(protocol.name, manifests)}
+                prepared[job.key] = (protocol, config, kwargs, _creatable(job, config, protocol.task, failed, echo))
+            except Exception as exc:
+                prepared[job.key] = exc
+        result = prepared[job.key]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    owners = owners_of(plan, manifests)
+    unfinished = ""
+    if launcher is not None:
+        unfinished = fan_out_plan(plan, seeds, out, launcher, owners, prepare, roots, compare_kwargs, echo_and_refresh)
     try:
         for i, job in enumerate(plan.jobs.values()):
             echo(f"[reproduce] job {i + 1}/{len(plan.jobs)}: {job.describe()} — {', '.join(job.methods)}")
-            owner = first_with_base.setdefault(base_key(job), job)
-            # a job whose samples come from another manifest (or none) than the owner's trains its own session 0
-            same_samples = manifest_for(job_protocol(owner).name, manifests) == manifest_for(
-                job_protocol(job).name, manifests
-            )
-            if owner is not job and same_samples:
+            owner = owners[job.key]
+            if owner is not job:
                 for seed in seeds:
                     source = out / owner.key / f"seed-{seed}"
                     for base in sorted(source.glob("base*")) if source.is_dir() else []:  # base, base-<key>
-                        _share_base(base, out / job.key / f"seed-{seed}" / base.name)
-            protocol = job_protocol(job)
+                        share_base(base, out / job.key / f"seed-{seed}" / base.name)
             try:
-                config = resolve_config(
-                    protocol.training, protocol.path, None, _job_overrides(job, protocol, overrides, plan.quick)
-                )
-                kwargs = {**compare_kwargs, "split_manifest": manifest_for(protocol.name, manifests)}
-                methods = _creatable(job, config, protocol.task, failed, echo)
+                protocol, config, kwargs, methods = prepare(job)
+                if methods and launcher is not None and not cells_finished(job, protocol, methods, seeds, out):
+                    raise TrainingError(f"its launcher jobs did not all finish: {unfinished}")
                 if methods:
                     run_compare(
                         protocol, config, methods, seeds, out / job.key, echo=echo_and_refresh,
@@ -356,21 +362,6 @@ def _creatable(job: Job, config: Any, task: str, failed: dict[str, str], echo: C
             continue
         usable.append(method)
     return usable
-
-
-def manifest_for(protocol: str, manifests: str | Path | Sequence[str | Path] | None) -> str | None:
-    """The split manifest (``--split-manifest``, one or several) written by a run of ``protocol``, or None: each
-    job on that protocol reuses its samples, the table's other jobs select their own."""
-    if manifests is None:
-        return None
-    for path in [manifests] if isinstance(manifests, (str, Path)) else manifests:
-        try:
-            made_for = json.loads(Path(path).read_text()).get("protocol")
-        except (OSError, ValueError, AttributeError):
-            raise ConfigError(f"--split-manifest {path}: not a readable manifest.json of a run folder") from None
-        if made_for == protocol:
-            return str(path)
-    return None
 
 
 def run_reproduce(

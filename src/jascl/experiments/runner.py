@@ -404,8 +404,8 @@ def run_benchmark(
             "classes": {str(c.id): c.name for c in protocol.classes},
             "methods": {},
         }
-        for method in built:  # every method's folder is checked before anything trains
-            check_method_options(out / method.name, method.name, config)
+        for method in built if stage != "bases" else []:  # every method's folder is checked before anything trains
+            check_method_options(out / method.name, method.name, config)  # (a base job trains none of them)
         if stage == "files":
             return {"bases": missing_bases(out, built)}
         if stage == "bases":  # a launcher's base job
