@@ -285,12 +285,15 @@ def test_cli_lists_tables_and_prints_a_plan(capsys):
     # (8 x 32.8 = 262.4 h); every one of the 28 methods trains sessions 1-2 (28 x 9.02 = 252.56 h): 514.96 h per
     # seed, 1029.92 h for 2
     assert "about 1030 GPU-hours" in out and "base sessions 16 x 32.8 h = 525 h" in " ".join(out.split())
+    # with a launcher and GPUs to spare: one base, then sessions 1-2 (32.8 + 4.1 + 4.92 = 41.82 h)
+    assert "a GPU for every job at once: at least 42 h of wall time" in " ".join(out.split())
     assert "share the stochastic-classifier session-0 base: jascl" in out
     # JASCL's keyed base counted once per base: med-disjoint 32.8 + sessions 1-4 (4.1 + 4.92 + 3.28 + 2.46) h, med-ss
     # at the semi-supervised rate (5.3 h per 25 x 200): 42.4 + (5.3 + 6.36 + 4.24 + 3.18) h, and the med-ss job
     # with borrowed unlabelled data reuses med-ss's base: 19.08 h; 47.56 + 61.48 + 19.08 = 128.12
     assert main(["reproduce", "tab:unlabeled_effect", "--dry-run", "--seeds", "1"]) == 0
-    assert "about 128 GPU-hours" in " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "about 128 GPU-hours" in out and "at least 61 h of wall time" in out  # med-ss: 42.4 + 19.08 h
     assert main(["reproduce", "tab_nope"]) == 2
     assert "no paper table 'tab_nope'" in capsys.readouterr().err
 

@@ -91,6 +91,7 @@ class Estimate:
     incremental_hours: float = 0.0
     base_sessions: int = 0
     incremental_sessions: int = 0
+    longest_hours: float = 0.0  # a session 0, then the longest sessions after it: the wall time with GPUs to spare
     notes: list[str] = dataclasses.field(default_factory=list)
     embedded: list[str] = dataclasses.field(default_factory=list)
 
@@ -109,7 +110,8 @@ def _epochs(job: Job, protocol: Protocol, quick: bool) -> tuple[int, int]:
 
 def estimate(plan: Plan, seeds: int) -> Estimate:
     """The plan's GPU-hours: every shared base (the vanilla one, or a family's keyed one) counted once per base
-    and seed, every other session once per method and seed, each costed by its size (module docstring)."""
+    and seed, every other session once per method and seed, each costed by its size (module docstring); and its
+    longest chain, one job's session 0 and the sessions after it (a launcher's wall time with GPUs to spare)."""
     out = Estimate()
     bases: set[tuple] = set()
     for job in plan.jobs.values():
@@ -154,6 +156,7 @@ def estimate(plan: Plan, seeds: int) -> Estimate:
         out.base_sessions += base_runs * seeds
         out.incremental_hours += (shared + own) * incremental * seeds
         out.incremental_sessions += (shared + own) * (n - 1) * seeds
+        out.longest_hours = max(out.longest_hours, hours(0) + incremental)
     return out
 
 
@@ -168,6 +171,10 @@ def describe_estimate(plan: Plan, seeds: int) -> list[str]:
             f"{est.incremental_sessions} x {_per(est.incremental_hours, est.incremental_sessions)} h = "
             f"{est.incremental_hours:.0f} h; each session costed by labelled samples x epochs against the paper's "
             "compute table: " + "; ".join(t.what for t in TIMINGS.values()) + ")"
+        )
+        lines.append(
+            f"  with --launcher and a GPU for every job at once: at least {est.longest_hours:.0f} h of wall time (a "
+            "session-0 base, then the longest cell after it; the jobs of every row and seed run side by side)"
         )
         lines += [f"  ({note})" for note in est.notes]
     if est.embedded:
