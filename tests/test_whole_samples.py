@@ -1,6 +1,7 @@
 """Whole samples in methods' statistics passes: batched only when they share a shape, volumes larger than the patch
 through sliding windows, kept samples cut to the patch (jascl.methods.common, jascl.networks.base)."""
 
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -252,3 +253,73 @@ def test_ewcs_fisher_takes_its_gradients_on_training_crops_of_volumes_and_on_who
         fisher, anchors = EWCPlugin().session_fisher(state)
         assert state.model.backbone.seen == seen
         assert set(fisher) == set(anchors) == {"classifier.weight"} and bool((fisher["classifier.weight"] > 0).any())
+
+
+def _class_sums(batches) -> dict[int, tuple[torch.Tensor, int]]:
+    """C-FSCIL's and NC-FSCIL's statistics: every class's feature sum and pixel count over the batches."""
+    out: dict[int, tuple[torch.Tensor, int]] = {}
+    for features, labels in batches:
+        flat = features.movedim(1, -1)
+        for c in labels.unique().tolist():
+            s, n = out.get(c, (0.0, 0))
+            out[c] = (s + flat[labels == c].double().sum(0), n + int((labels == c).sum()))
+    return out
+
+
+def test_volumes_too_large_to_hold_come_in_pieces_with_the_whole_passes_class_statistics(monkeypatch):
+    """``eval_features(pieces=True)``: above the bound, one sample at a time in the prototype pass's blocks; the
+    class sums, counts and FeCAM's Gaussians are the whole pass's. Per-sample statistics (PIFS, GAPS) keep
+    whole samples: without ``pieces`` nothing changes."""
+    from jascl.engine.tasks import segmentation
+    from jascl.methods.baselines.fewshot._shared import eval_features
+    from jascl.methods.baselines.fewshot.fecam import GaussianAccumulator
+
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(2, 1, 12, 10, 9, generator=gen).numpy()
+    labels = torch.randint(0, 3, (2, 12, 10, 9), generator=gen).to(torch.uint8).numpy()
+    state = state_of(images, labels, batch_size=2, patch=[8, 8, 8])
+    state.device = torch.device("cpu")
+    model = pointwise_model(3)
+
+    def passes(pieces: bool) -> tuple[list, dict, dict]:
+        batches = list(eval_features(state, model, labelled_loader(state), pieces=pieces))
+        gauss = GaussianAccumulator([0, 1, 2], beta=0.5)
+        for features, lab in batches:
+            gauss.update(features, lab)
+        return [tuple(f.shape) for f, _ in batches], _class_sums(batches), gauss.compute()
+
+    whole_shapes, whole_sums, whole_gauss = passes(True)  # 2 x 3 x 1080 elements: under the bound, one batch
+    assert whole_shapes == [(2, 3, 12, 10, 9)]
+    monkeypatch.setattr(segmentation, "PROTOTYPE_BLOCK_ELEMENTS", 1)  # nothing fits: the finest blocks
+    shapes, sums, gauss = passes(True)
+    assert len(shapes) == 2 * 8 and all(s[0] == 1 for s in shapes)  # 2 chunks per axis, one sample at a time
+    assert sum(math.prod(s[2:]) for s in shapes) == 2 * 12 * 10 * 9  # the blocks tile each volume once
+    assert sums.keys() == whole_sums.keys() == {0, 1, 2}
+    for c, (s, n) in sums.items():
+        assert n == whole_sums[c][1]
+        torch.testing.assert_close(s, whole_sums[c][0], rtol=1e-9, atol=1e-9)
+        for got, expected in zip(gauss[c], whole_gauss[c]):
+            torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(expected), rtol=1e-6, atol=1e-9)
+    assert passes(False)[0] == whole_shapes  # without pieces: whole samples even above the bound
+
+
+@pytest.mark.parametrize(
+    "module, cls, collect",
+    [("fecam", "FeCAMPlugin", "_collect"), ("cfscil", "CFSCILPlugin", "_collect_gaam"),
+     ("ncfscil", "NCFSCILPlugin", "_collect_memory")],
+)  # fmt: skip
+def test_the_class_statistics_passes_of_fecam_and_the_fscil_methods_take_pieces(module, cls, collect, monkeypatch):
+    import importlib
+
+    mod = importlib.import_module(f"jascl.methods.baselines.fewshot.{module}")
+    asked = []
+
+    def recorded(state, model, loader, pieces=False):
+        asked.append(pieces)
+        return iter(())
+
+    monkeypatch.setattr(mod, "eval_features", recorded)
+    monkeypatch.setattr(mod, "labelled_loader", lambda state: [])
+    state = SimpleNamespace(session=SimpleNamespace(index=1, classes=[3]), model=None)
+    getattr(getattr(mod, cls)(), collect)(state)
+    assert asked == [True]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -231,17 +231,34 @@ def accumulate_prototypes(
         for acc in accs:
             acc.update(features, labels)
         return
+    pieces = block_features(model, images, labels, blocks, roi, sw_batch_size, overlap)
+    for b, features, piece in pieces:
+        for acc in accs:
+            acc.add_piece(features, piece)
+        del features
+        if b == len(blocks) - 1:  # the sample's last block
+            for acc in accs:
+                acc.end_sample()
+
+
+def block_features(
+    model: Segmenter,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    blocks: Sequence[Block],
+    roi: Sequence[int] | None,
+    sw_batch_size: int = 1,
+    overlap: float = 0.25,
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(block index, features (1, D, *target), labels (1, *target)) of every block of every sample of a batch
+    (B, C, *spatial), one sample after another: the stitched features of each block's target, those of the whole
+    sample there (:func:`prototype_blocks`), without ever holding the whole sample's."""
     for b in range(images.shape[0]):
-        for block in blocks:
+        for i, block in enumerate(blocks):
             source: tuple[Any, ...] = (slice(b, b + 1), slice(None), *block.source)
             local: tuple[Any, ...] = (..., *block.local)
             target: tuple[Any, ...] = (slice(b, b + 1), *block.target)
-            features = whole_sample_features(model, images[source], roi, sw_batch_size, overlap)[local]
-            for acc in accs:
-                acc.add_piece(features, labels[target])
-            del features
-        for acc in accs:
-            acc.end_sample()
+            yield i, whole_sample_features(model, images[source], roi, sw_batch_size, overlap)[local], labels[target]
 
 
 #: stitched feature elements a prototype pass holds at once over one volume (the evaluator's bound, 2 GiB in float32)

@@ -373,7 +373,7 @@ class CFSCILPlugin(Plugin):
         classes = [0, *state.session.classes]
         sums: dict[int, torch.Tensor] = {}
         counts: dict[int, int] = {}
-        for features, labels in eval_features(state, state.model, labelled_loader(state)):
+        for features, labels in eval_features(state, state.model, labelled_loader(state), pieces=True):
             lab = align_labels(labels, features.shape[2:])
             flat = features.movedim(1, -1)
             for c in classes:

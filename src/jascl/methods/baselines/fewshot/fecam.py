@@ -264,7 +264,7 @@ class FeCAMPlugin(Plugin):
         if t == 0 or self.options.background == "every_session":
             classes = [0, *classes]
         acc = GaussianAccumulator(classes, self.options.beta)
-        for features, labels in eval_features(state, state.model, labelled_loader(state)):
+        for features, labels in eval_features(state, state.model, labelled_loader(state), pieces=True):
             acc.update(features, labels)
         for c, value in acc.compute().items():
             self.stats[(t, c)] = value
