@@ -6,10 +6,15 @@ before blocks) and once with ``--max-elements``, each in a process of its own so
 pass's; prints both peaks, the seconds, the number of blocks, and the largest difference between the two passes'
 prototypes (per-sample prototypes of 8 classes and their complements, and the class means).
 
+``--statistics fecam``: FeCAM's class-statistics pass instead (``eval_features`` into its Gaussian accumulator,
+as C-FSCIL's and NC-FSCIL's class means also go): whole is ``pieces=False`` (every batch whole, logits and
+features stitched), blocked ``pieces=True``; the difference is over the class means and covariances.
+
 Usage::
 
     python benchmarks/prototype_pass_memory.py
     python benchmarks/prototype_pass_memory.py --size 192 192 160 --max-elements 67108864
+    python benchmarks/prototype_pass_memory.py --statistics fecam
 """
 
 from __future__ import annotations
@@ -42,13 +47,32 @@ def one_pass(args: argparse.Namespace) -> None:
     segmentation.PROTOTYPE_BLOCK_ELEMENTS = bound
     blocks = segmentation.prototype_blocks(image, args.roi, args.overlap, args.channels)
     start = time.perf_counter()
-    with torch.no_grad():
-        segmentation.accumulate_prototypes(model, image, labels, accs, args.roi, args.sw_batch_size, args.overlap)
+    if args.statistics == "fecam":
+        results = [fecam_statistics(args, model, image, labels)]
+    else:
+        with torch.no_grad():
+            segmentation.accumulate_prototypes(model, image, labels, accs, args.roi, args.sw_batch_size, args.overlap)
+        results = [r.result(a) for r, a in zip(requests, accs)]
     seconds = time.perf_counter() - start
-    results = [r.result(a) for r, a in zip(requests, accs)]
     torch.save(results, args.out)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"peak_mib": peak, "seconds": seconds, "blocks": len(blocks) if blocks else 1}))
+
+
+def fecam_statistics(args: argparse.Namespace, model, image: torch.Tensor, labels: torch.Tensor) -> dict:
+    """FeCAM's pass over the volume: class -> mean, covariance (as tensors, for the comparison)."""
+    from types import SimpleNamespace
+
+    from jascl.methods.baselines.fewshot._shared import eval_features
+    from jascl.methods.baselines.fewshot.fecam import GaussianAccumulator
+
+    config = SimpleNamespace(patch_size=args.roi, sw_batch_size=args.sw_batch_size, sw_overlap=args.overlap)
+    state = SimpleNamespace(config=config, device=torch.device("cpu"))
+    acc = GaussianAccumulator(list(range(args.classes)), beta=0.5)
+    for features, lab in eval_features(state, model, [{"image": image, "label": labels}], args.mode == "blocked"):
+        acc.update(features, lab)
+    stats = acc.compute()
+    return {f"{c}.{k}": torch.as_tensor(v[k]) for c, v in stats.items() for k in (0, 1)}
 
 
 def main() -> None:
@@ -63,6 +87,7 @@ def main() -> None:
         "--max-elements", type=int, default=2**29, help="the blocked pass's bound (default: the pass's, 2^29)"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--statistics", choices=("prototypes", "fecam"), default="prototypes")
     parser.add_argument("--mode", choices=("whole", "blocked"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
