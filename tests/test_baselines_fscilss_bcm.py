@@ -286,3 +286,29 @@ def test_bcm_keeps_the_base_model_and_refines_its_prediction_with_the_mapped_ref
         expected = refine(base_pred.reshape(-1), x, [Refiner(refiner.base_row, [3], refiner.weights)])
     assert logits.shape == (1, 4, 4, 4) and torch.equal(logits.argmax(1).reshape(-1), expected)
     assert set(logits.unique().tolist()) <= {0.0, -30.0}
+
+
+def test_the_pixel_sample_keeps_the_k_smallest_keys_in_the_order_offered_in_bounded_memory():
+    from jascl.methods.baselines.fewshot._shared import PixelSample
+
+    rows = torch.arange(10.0).unsqueeze(1)  # 10 pixels, one feature each: their own index
+    sample = PixelSample(3, torch.Generator().manual_seed(5))
+    for chunk in (rows[:4], rows[4:5], rows[5:]):
+        sample.offer(chunk, chunk[:, 0].long())
+        assert len(sample.keys) <= 3  # never more kept than k
+    keys = torch.cat([torch.rand(n, generator=g, dtype=torch.float64) for g in [torch.Generator().manual_seed(5)]
+                      for n in (4, 1, 5)])  # fmt: skip
+    x, y = sample.result()
+    expected = keys.topk(3, largest=False).indices.sort().values  # the 3 smallest keys, in the order offered
+    assert torch.equal(y, expected) and torch.equal(x[:, 0], expected.double().float())
+    few = PixelSample(20, torch.Generator().manual_seed(5))
+    few.offer(rows, rows[:, 0])
+    assert torch.equal(few.result()[0], rows)  # at most k rows: all of them, as offered
+    # uniform: over draws, every one of 10 pixels is kept with probability 3/10 (2000 draws: 600 +- 3 sd of 20.5)
+    counts = torch.zeros(10)
+    for seed in range(2000):
+        s = PixelSample(3, torch.Generator().manual_seed(seed))
+        s.offer(rows[:6], torch.arange(6))
+        s.offer(rows[6:], torch.arange(6, 10))
+        counts[s.result()[1]] += 1
+    assert counts.sum() == 6000 and bool(((counts - 600).abs() < 62).all()), counts

@@ -29,7 +29,8 @@ classifier for a :class:`BCMHead` that applies the rule with the refiners of eve
 **Deviations.** Several sessions: each session adds its own refiners; a pixel with refiners from several sessions
 takes the most probable of their novel predictions (BCM has one novel step). Base classes taught again in a new
 domain (recurring) are left to the base model, as any base class. At most ``pixels`` labelled pixels per session
-are used (a seeded random subset; bounded cost on volumes). The logistic regression is fitted with L-BFGS in
+are used (a seeded uniform random subset, drawn as the pixels come: :class:`jascl.methods.baselines.fewshot._shared.PixelSample`; bounded cost and
+memory on volumes, whose pixels' features are taken in the prototype pass's blocks). The logistic regression is fitted with L-BFGS in
 torch on scikit-learn's objective (the official code uses scikit-learn-intelex); the under-sampling draws are
 seeded. The shot-wise ensemble (official ``ensemble: false`` by default) and the feature power ``beta`` (1.0) are
 not implemented. The head outputs one-hot logits (0 for the predicted row, -30 elsewhere).
@@ -47,7 +48,7 @@ from jascl.data.sampling import derive_seed
 from jascl.engine.plugin import Method, Plugin
 from jascl.engine.prototypes import align_labels
 from jascl.methods.baselines.fewshot._bcm_refiner import Refiner, fit_refiner, mine_base_classes, refine
-from jascl.methods.baselines.fewshot._shared import eval_features
+from jascl.methods.baselines.fewshot._shared import PixelSample, eval_features
 from jascl.methods.common import labelled_loader
 from jascl.methods.options import option
 from jascl.methods.registry import METHODS
@@ -133,20 +134,15 @@ class BCMPlugin(Plugin):
 
     def _pixels(self, state: LoopState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Features (N, D), labels (N,) and the base model's base-row prediction (N,) of the labelled pixels."""
-        xs, ys, preds = [], [], []
-        for features, labels in eval_features(state, state.model, labelled_loader(state)):
+        g = torch.Generator().manual_seed(derive_seed(state.seed, "bcm-pixels", state.session.index))
+        sample = PixelSample(self.options.pixels, g)  # (a session's every pixel would not fit: volumes)
+        for features, labels in eval_features(state, state.model, labelled_loader(state), pieces=True):
             labels = align_labels(labels, features.shape[2:])
             with torch.no_grad():
                 pred = state.model.classifier(features)[:, : len(self.base_classes)].argmax(dim=1)
             valid = labels != IGNORE_INDEX
-            xs.append(features.movedim(1, -1)[valid].cpu())
-            ys.append(labels[valid].cpu())
-            preds.append(pred[valid].cpu())
-        x, y, p = torch.cat(xs), torch.cat(ys), torch.cat(preds)
-        if len(y) > self.options.pixels:
-            g = torch.Generator().manual_seed(derive_seed(state.seed, "bcm-pixels", state.session.index))
-            keep = torch.randperm(len(y), generator=g)[: self.options.pixels].sort().values
-            x, y, p = x[keep], y[keep], p[keep]
+            sample.offer(features.movedim(1, -1)[valid].cpu(), labels[valid].cpu(), pred[valid].cpu())
+        x, y, p = sample.result()
         return x, y, p
 
     def fit(self, state: LoopState) -> None:
