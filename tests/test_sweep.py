@@ -126,7 +126,7 @@ def test_under_a_split_manifest_a_launcher_trains_each_k_shot_point_its_own_base
     assert not (tmp_path / "s" / "base").exists()
 
 
-def test_sweep_takes_the_launcher_options(toy_protocol, tmp_path, capsys):
+def test_sweep_takes_the_launcher_options(toy_protocol, tmp_path, capsys, monkeypatch):
     protocol = tmp_path / "toy.yaml"
     protocol.write_text(yaml.safe_dump(toy_protocol_dict(2)))
     code = main(["sweep", "--protocol", str(protocol), "--grid", "eps", "--launcher-opt", "parallel=2",
@@ -134,3 +134,9 @@ def test_sweep_takes_the_launcher_options(toy_protocol, tmp_path, capsys):
     assert code == 2
     assert capsys.readouterr().err == "jascl: error: --launcher-opt needs --launcher local or --launcher slurm\n"
     assert not (tmp_path / "s").exists()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no srun: not a SLURM node
+    code = main(
+        ["sweep", "--protocol", str(protocol), "--grid", "eps", "--launcher", "slurm", "--out", str(tmp_path / "s")]
+    )
+    assert code == 2 and '--launcher slurm: Could not detect "srun"' in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()  # refused before the sweep's folder or any point was prepared

@@ -79,6 +79,7 @@ def fan_out(
     from jascl.experiments.runner import run_benchmark
     from jascl.methods.registry import create_method
 
+    launcher.check()
     trained_by: dict[Path, str] = {}  # a base folder (links resolved) -> the label of the job that trains it
     bases: list[JobSpec] = []
     cells: list[JobSpec] = []

@@ -127,6 +127,14 @@ class Launcher:
         processes = min(self.slots, n_jobs) * self.devices
         return dataclasses.replace(config, threads=max(1, usable_cores() // processes))
 
+    def check(self) -> None:
+        """Refuse, before anything is prepared or written, a launcher that cannot submit here (SLURM off a SLURM
+        node): the executor is made once in a temporary folder."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            self.executor(Path(folder))
+
     def executor(self, folder: Path) -> Any:
         """A submitit executor for this launcher, logging into ``folder``."""
         try:

@@ -280,6 +280,8 @@ def run_plan(
     out = Path(out)
     check_roots(plan, roots)
     launcher = compare_kwargs.pop("launcher", None)
+    if launcher is not None:
+        launcher.check()  # (SLURM off a SLURM node: refused before anything is written)
     manifests = compare_kwargs.get("split_manifest")
     names = {job_protocol(job).name for job in plan.jobs.values()}
     for path in [manifests] if isinstance(manifests, (str, Path)) else manifests or []:

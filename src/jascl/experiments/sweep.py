@@ -141,6 +141,8 @@ def run_sweep(
     unknown = [g for g in grids if g not in GRIDS]
     if unknown or not grids:
         raise ConfigError(f"--grid {','.join(unknown) or '(none)'}: choose from {', '.join(GRIDS)}")
+    if launcher is not None:
+        launcher.check()  # (before the sweep's folder is made)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     base_config = resolve_config(protocol.training, protocol.path, config_file, list(overrides))
