@@ -512,3 +512,35 @@ def test_subspace_keeps_anchors_and_one_exemplar_per_class(runs):
     _, probe = out["subspace"]
     assert {"subspace_base", "subspace_pull", "subspace_replay"} <= set(probe.terms[1])
     assert "subspace_novel" not in probe.terms[1]  # no earlier incremental session in a two-session protocol
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 9, 7), (2, 3, 5, 6, 4)])
+def test_fecams_accumulator_takes_a_large_batch_in_slabs_with_the_same_gaussians(shape, monkeypatch):
+    """Above CHUNK_PIXELS pixels a batch goes one sample at a time in slabs of the first spatial axis: the same
+    counts, means and covariances (sums in another order), and each class's copies bounded by the chunk."""
+    from jascl.methods.baselines.fewshot import fecam
+
+    gen = torch.Generator().manual_seed(0)
+    features = torch.randn(*shape, generator=gen)
+    labels = torch.randint(0, 3, (shape[0], *shape[2:]), generator=gen)
+    whole = GaussianAccumulator([0, 1, 2], beta=0.5)
+    whole.update(features, labels)
+    monkeypatch.setattr(fecam, "CHUNK_PIXELS", 2 * math.prod(shape[3:]))  # two rows of the first axis at a time
+    copies = []
+    real_add = GaussianAccumulator._add
+
+    def recorded(self, flat, lab):
+        copies.append(lab.numel())
+        return real_add(self, flat, lab)
+
+    monkeypatch.setattr(GaussianAccumulator, "_add", recorded)
+    slabs = GaussianAccumulator([0, 1, 2], beta=0.5)
+    slabs.update(features, labels)
+    rows = shape[2]
+    assert len(copies) == shape[0] * math.ceil(rows / 2) and max(copies) == 2 * math.prod(shape[3:])
+    expected, got = whole.compute(), slabs.compute()
+    assert got.keys() == expected.keys() == {0, 1, 2}
+    for c in got:
+        assert got[c][2] == expected[c][2]
+        torch.testing.assert_close(got[c][0], expected[c][0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got[c][1], expected[c][1], rtol=1e-6, atol=1e-7)

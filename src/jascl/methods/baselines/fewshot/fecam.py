@@ -125,6 +125,12 @@ def mahalanobis_sq(x: torch.Tensor, mean: torch.Tensor, precision: torch.Tensor)
     return ((d @ precision) * d).sum(dim=1)
 
 
+#: pixels :meth:`GaussianAccumulator.update` takes at once: a class's float64 copy of its pixels' features and their
+#: Tukey transform are bounded by it (256 MiB each at 32 channels), not by the volume (a background of 17 million
+#: voxels of a paper-scale CT: 4.3 GB each)
+CHUNK_PIXELS = 1 << 20
+
+
 class GaussianAccumulator:
     """Streams, per class, the pixel count, the mean of raw features and the covariance of Tukey-transformed ones."""
 
@@ -138,9 +144,20 @@ class GaussianAccumulator:
 
     @torch.no_grad()
     def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
-        """features (B, C, *spatial'), labels (B, *spatial) class ids (resized to the features, nearest)."""
+        """features (B, C, *spatial'), labels (B, *spatial) class ids (resized to the features, nearest). A batch of
+        more than :data:`CHUNK_PIXELS` pixels goes one sample at a time, in slabs along the first spatial axis of at
+        most that many pixels (the same pixels; the sums in another order)."""
         lab = align_labels(labels, features.shape[2:])
-        flat = features.movedim(1, -1)
+        if lab.numel() <= CHUNK_PIXELS:
+            self._add(features.movedim(1, -1), lab)
+            return
+        per_row = max(1, lab[0, 0].numel())  # pixels of one index along the first spatial axis
+        step = max(1, CHUNK_PIXELS // per_row)
+        for b in range(lab.shape[0]):
+            for start in range(0, lab.shape[1], step):
+                self._add(features[b, :, start : start + step].movedim(0, -1), lab[b, start : start + step])
+
+    def _add(self, flat: torch.Tensor, lab: torch.Tensor) -> None:
         for c in self.classes:
             mask = lab == c
             if not mask.any():
