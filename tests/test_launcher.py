@@ -96,11 +96,12 @@ def test_local_launcher_gives_the_sequential_results_and_reruns_only_missing_cel
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert launched["methods"] == sequential["methods"]
     assert (tmp_path / "jobs" / "launcher").is_dir()  # submitit's job logs
-    # delete one cell's last session: the rerun submits that cell only and gives the same table
+    # delete one cell's last session: the rerun submits that cell only and gives the same table (its job runs in
+    # this process: what is submitted does not depend on where jobs run, and a process costs 5 s of imports)
     shutil.rmtree(tmp_path / "jobs" / "seed-3" / "vanilla" / "s1-inc")
     messages.clear()
     again = run_compare(
-        toy_protocol, config, methods, [3], tmp_path / "jobs", launcher=Launcher("local", parallel=2, poll_s=0.2),
+        toy_protocol, config, methods, [3], tmp_path / "jobs", launcher=InProcessLauncher("local", parallel=2, poll_s=0),
         **{**kw, "echo": messages.append},
     )  # fmt: skip
     assert [m for m in messages if m.startswith("[launcher] submitted")] == [
