@@ -271,8 +271,9 @@ def run_plan(
 
     A job that raises (other than a stop request) is recorded as failed and the next job runs. With a
     ``launcher`` (in ``compare_kwargs``) the bases and cells of every job and seed are one set of jobs first
-    (:func:`~jascl.experiments.reproduce_jobs.fan_out_plan`), all jobs' cells side by side; each job's compare then only collects, and a job with a cell
-    that did not finish is failed with the launcher's error (nothing trains in this process)."""
+    (:func:`~jascl.experiments.reproduce_jobs.fan_out_plan`), all jobs' cells side by side; each job's compare
+    then only collects, and a job with a cell that did not finish is failed with the launcher's error (nothing
+    trains in this process)."""
     from jascl.engine.config import resolve_config
     from jascl.engine.stop import Stopped
     from jascl.experiments.compare import run_compare
