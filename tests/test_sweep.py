@@ -10,7 +10,7 @@ from jascl.cli import main
 from jascl.engine.config import resolve_config
 from jascl.experiments.runner import run_benchmark
 from jascl.experiments.sweep import GRIDS, run_sweep, with_shots, write_sweep
-from jascl.protocols import get_protocol
+from jascl.protocols import get_protocol, parse_protocol
 
 
 def test_grids_are_the_papers_values():
@@ -25,6 +25,14 @@ def test_with_shots_changes_only_incremental_sessions():
     p = with_shots(get_protocol("synthetic-2d"), 3)
     assert [s.shots for s in p.sessions] == [None, 3, 3, 3] and p.sessions[0].train == 160
     assert p.sessions[1].num_labelled == 6 and p.name == "synthetic-2d-k3"
+    spec = toy_protocol_dict(2)
+    spec["sessions"][0] = {
+        **{k: v for k, v in spec["sessions"][0].items() if k != "train"},
+        "shots": 2,
+    }  # a few-shot session 0 is kept: the points share its base
+    few = parse_protocol(spec, source="toy.yaml")
+    k1 = with_shots(few, 1)
+    assert [s.shots for s in k1.sessions] == [2, 1] and k1.session0_of == ("toy-2d",)
 
 
 def test_sweep_files_quote_point_names(tmp_path):

@@ -62,8 +62,11 @@ GRIDS: dict[str, list[dict[str, object]]] = {
 
 
 def with_shots(protocol: Protocol, shots: int) -> Protocol:
-    """The protocol with K = ``shots`` in every incremental session."""
-    sessions = tuple(s if s.shots is None else dataclasses.replace(s, shots=shots) for s in protocol.sessions)
+    """The protocol with K = ``shots`` in every incremental session (the paper's K). Session 0 is kept as it is,
+    also where it is a few-shot one itself, so every point starts from the protocol's base (``session0_of``)."""
+    sessions = tuple(
+        s if t == 0 or s.shots is None else dataclasses.replace(s, shots=shots) for t, s in enumerate(protocol.sessions)
+    )
     return renamed_variant(protocol, f"{protocol.name}-k{shots}", sessions=sessions)
 
 
