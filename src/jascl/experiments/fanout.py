@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,18 @@ class RunSpec:
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     borrows: Mapping[str, Path] = dataclasses.field(default_factory=dict)
     bases_only: bool = False
+
+
+def share_base(source: Path, link: Path) -> None:
+    """Point ``link`` at the finished base model ``source`` (a relative symlink, else a copy): how a run folder
+    without a launcher takes a base trained in another folder (a sweep's, an earlier row's of a reproduction)."""
+    if link.exists() or link.is_symlink() or not (source / "metrics.json").exists():
+        return
+    link.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.symlink(os.path.relpath(source, link.parent), link)
+    except OSError:  # file systems without symlinks
+        shutil.copytree(source, link)
 
 
 def _borrow(source: Path, link: Path) -> bool:

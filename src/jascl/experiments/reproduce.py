@@ -42,7 +42,8 @@ from typing import Any
 
 from jascl.errors import ConfigError, JasclError, TrainingError
 from jascl.experiments.compare import mean_std
-from jascl.experiments.reproduce_jobs import cells_finished, fan_out_plan, manifest_for, owners_of, share_base
+from jascl.experiments.fanout import share_base
+from jascl.experiments.reproduce_jobs import cells_finished, fan_out_plan, manifest_for, owners_of
 from jascl.experiments.reproduce_plan import (
     PERCENT_METRICS,
     QUICK_EPOCH_DIVISOR,

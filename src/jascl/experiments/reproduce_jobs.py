@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jascl.errors import ConfigError, TrainingError
 from jascl.experiments.reproduce_plan import VANILLA_BASE, Job, Plan, base_key, job_protocol, method_base, roots_for
 from jascl.protocols.schema import Protocol
+
+if TYPE_CHECKING:
+    from jascl.experiments.launcher import Launcher
 
 
 def manifest_for(protocol: str, manifests: str | Path | Sequence[str | Path] | None) -> str | None:
@@ -29,17 +30,6 @@ def manifest_for(protocol: str, manifests: str | Path | Sequence[str | Path] | N
         if made_for == protocol:
             return str(path)
     return None
-
-
-def share_base(source: Path, link: Path) -> None:
-    """Point ``link`` at an earlier job's finished base model (a relative symlink, else a copy)."""
-    if link.exists() or not (source / "metrics.json").exists():
-        return
-    link.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.symlink(os.path.relpath(source, link.parent), link)
-    except OSError:
-        shutil.copytree(source, link)
 
 
 def owners_of(plan: Plan, manifests: Any) -> dict[str, Job]:
@@ -60,7 +50,7 @@ def cells_finished(job: Job, protocol: Protocol, methods: Sequence[str], seeds: 
     return all(cell_finished(out / job.key / f"seed-{s}", m, protocol) for m in methods for s in seeds)
 
 
-def fan_out_plan(plan: Plan, seeds: Sequence[int], out: Path, launcher: Any, owners: Mapping[str, Job],
+def fan_out_plan(plan: Plan, seeds: Sequence[int], out: Path, launcher: Launcher, owners: Mapping[str, Job],
              prepare: Callable[[Job], tuple], roots: Mapping[str, Any] | None, compare_kwargs: Mapping[str, Any],
              echo: Callable[[str], None]) -> str:  # fmt: skip
     """Every job's and seed's bases and cells as one set of launcher jobs (:func:`jascl.experiments.fanout.fan_out`);

@@ -31,8 +31,6 @@ import csv
 import dataclasses
 import io
 import math
-import os
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -41,6 +39,7 @@ from jascl.data.sessions import load_sessions
 from jascl.engine.config import RunConfig, resolve_config
 from jascl.errors import ConfigError
 from jascl.experiments.bases import VANILLA, base_folders, ensure_base, restorers
+from jascl.experiments.fanout import RunSpec, fan_out, share_base
 from jascl.experiments.runner import run_benchmark
 from jascl.fileio import atomic_write_text
 from jascl.methods.registry import create_method
@@ -139,7 +138,7 @@ def run_sweep(
     ``roots`` / ``roots_file``: dataset roots (protocols on datasets); ``split_manifest``: a run's
     ``manifest.json`` whose samples every point reuses, but the points of the ``shots`` grid (another K
     selects its own samples). ``launcher``: the shared bases, then every point, run as jobs first
-    (:func:`jascl.experiments.launcher.fan_out`: the points at once, each once the base it starts from is
+    (:func:`jascl.experiments.fanout.fan_out`: the points at once, each once the base it starts from is
     complete); the table is then collected by the same code, from the same folders, as without one."""
     unknown = [g for g in grids if g not in GRIDS]
     if unknown or not grids:
@@ -154,8 +153,6 @@ def run_sweep(
     # the base the method starts from (none if its session 0 is its own, or no point starts from it)
     shared = list(base_folders([built])) if any(p.keeps_session0 for p in points) else []
     if launcher is not None:
-        from jascl.experiments.fanout import RunSpec, fan_out
-
         specs = [RunSpec(protocol, base_config, (method,), out, "for every point", {"split_manifest": split_manifest},
                          bases_only=True)] if shared else []  # fmt: skip
         for point in points:
@@ -182,12 +179,7 @@ def run_sweep(
     for point in points:
         point.folder.mkdir(parents=True, exist_ok=True)
         for name in shared if point.keeps_session0 else []:
-            link = point.folder / name
-            if not (link.exists() or link.is_symlink()):
-                try:
-                    os.symlink(os.path.relpath(out / name, point.folder), link)
-                except OSError:  # file systems without symlinks
-                    shutil.copytree(out / name, link)
+            share_base(out / name, point.folder / name)
         echo(f"[sweep] {point.grid}: {point.name}")
         results = run_benchmark(
             point.protocol,
