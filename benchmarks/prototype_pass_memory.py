@@ -9,12 +9,15 @@ prototypes (per-sample prototypes of 8 classes and their complements, and the cl
 ``--statistics fecam``: FeCAM's class-statistics pass instead (``eval_features`` into its Gaussian accumulator,
 as C-FSCIL's and NC-FSCIL's class means also go): whole is ``pieces=False`` (every batch whole, logits and
 features stitched), blocked ``pieces=True``; the difference is over the class means and covariances.
+``--statistics per-sample``: PIFS's prototype initialisation, then GAPS's scene embedding, through
+``sample_pieces`` (whole: the pass's bound lifted, as both took every volume before; blocked: the bound).
 
 Usage::
 
     python benchmarks/prototype_pass_memory.py
     python benchmarks/prototype_pass_memory.py --size 192 192 160 --max-elements 67108864
     python benchmarks/prototype_pass_memory.py --statistics fecam
+    python benchmarks/prototype_pass_memory.py --statistics per-sample
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def one_pass(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     if args.statistics == "fecam":
         results = [fecam_statistics(args, model, image, labels)]
+    elif args.statistics == "per-sample":
+        results = [per_sample_statistics(args, model, image, labels)]
     else:
         with torch.no_grad():
             segmentation.accumulate_prototypes(model, image, labels, accs, args.roi, args.sw_batch_size, args.overlap)
@@ -75,6 +80,25 @@ def fecam_statistics(args: argparse.Namespace, model, image: torch.Tensor, label
     return {f"{c}.{k}": torch.as_tensor(v[k]) for c, v in stats.items() for k in (0, 1)}
 
 
+def per_sample_statistics(args: argparse.Namespace, model, image: torch.Tensor, labels: torch.Tensor) -> dict:
+    """PIFS's prototypes and GAPS's scene embedding of the volume (``sample_pieces``: whole below the bound that
+    ``one_pass`` sets, in blocks above it)."""
+    from types import SimpleNamespace
+
+    from jascl.methods.baselines.fewshot._gaps_features import scene_embeddings
+    from jascl.methods.baselines.fewshot._shared import sample_pieces
+    from jascl.methods.baselines.fewshot.pifs import pifs_prototypes
+
+    config = SimpleNamespace(
+        patch_size=args.roi, sw_batch_size=args.sw_batch_size, sw_overlap=args.overlap, batch_size=1
+    )
+    state = SimpleNamespace(config=config, device=torch.device("cpu"))
+    pieces = sample_pieces(state, model, [{"image": image, "label": labels}])
+    out = {f"pifs.{c}": v for c, v in pifs_prototypes(pieces, list(range(1, args.classes))).items()}
+    out["gaps.scene"] = scene_embeddings(state, model, [image[0]])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, nargs=3, default=[288, 288, 224])
@@ -87,7 +111,7 @@ def main() -> None:
         "--max-elements", type=int, default=2**29, help="the blocked pass's bound (default: the pass's, 2^29)"
     )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--statistics", choices=("prototypes", "fecam"), default="prototypes")
+    parser.add_argument("--statistics", choices=("prototypes", "fecam", "per-sample"), default="prototypes")
     parser.add_argument("--mode", choices=("whole", "blocked"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()

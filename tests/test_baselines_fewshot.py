@@ -193,7 +193,7 @@ def test_pifs_initialisation_is_the_normalised_prototype_of_normalised_pixels():
     lab = torch.tensor([[[7, 7, 0]]])
     f1 = torch.tensor([[[0.0]], [[5.0]]])[None]
     lab1 = torch.tensor([[[7]]])
-    protos = pifs_prototypes([(f, lab), (f1, lab1)], [7, 9])
+    protos = pifs_prototypes([(0, f, lab), (1, f1, lab1)], [7, 9])  # (sample, features, labels) pieces
     per_image0 = torch.tensor([0.6 + 1.0, 0.8 + 0.0])
     per_image0 = per_image0 / per_image0.norm()
     expected = per_image0 + torch.tensor([0.0, 1.0])
@@ -201,6 +201,13 @@ def test_pifs_initialisation_is_the_normalised_prototype_of_normalised_pixels():
     assert set(protos) == {7}  # class 9 absent
     assert torch.allclose(protos[7], expected, atol=1e-6)
     assert protos[7].norm().item() == pytest.approx(1.0)
+    # image 0 in two pieces (a volume taken in blocks): its pixels' sum is normalised once, at its end
+    split = [(0, f[..., :1], lab[..., :1]), (0, f[..., 1:], lab[..., 1:]), (1, f1, lab1)]
+    assert torch.allclose(pifs_prototypes(split, [7, 9])[7], expected, atol=1e-6)
+    # were the pieces taken as images, each would be normalised: (0.6, 0.8) + (1, 0) + (0, 1), another direction
+    wrong = torch.tensor([1.6, 1.8]) / torch.tensor([1.6, 1.8]).norm()
+    as_images = pifs_prototypes([(0, f[..., :1], lab[..., :1]), (1, f[..., 1:], lab[..., 1:]), (2, f1, lab1)], [7])
+    assert torch.allclose(as_images[7], wrong, atol=1e-6) and not torch.allclose(wrong, expected, atol=1e-3)
 
 
 def test_pifs_distillation_hand_value_and_narrowing_to_the_teacher_classes():
@@ -472,7 +479,7 @@ def test_gaps_trains_on_synthetic_batches_only_and_stores_its_memory(runs):
 def test_pifs_imprints_normalised_prototypes_and_distils_from_the_warm_teacher(runs, tmp_path):
     from jascl.data.synthetic import load_or_generate
     from jascl.engine.prototypes import PrototypeStore
-    from jascl.methods.baselines.fewshot._shared import eval_features
+    from jascl.methods.baselines.fewshot._shared import sample_pieces
     from jascl.methods.baselines.fewshot.pifs import PIFSPlugin
     from jascl.methods.common import labelled_loader
 
@@ -482,7 +489,7 @@ def test_pifs_imprints_normalised_prototypes_and_distils_from_the_warm_teacher(r
         def before_session(self, state):
             if state.session.index == 1:
                 self.rows = state.model.classifier.weight.detach().clone()
-                self.expected = pifs_prototypes(eval_features(state, state.model, labelled_loader(state)), [3])
+                self.expected = pifs_prototypes(sample_pieces(state, state.model, labelled_loader(state)), [3])
                 self.teacher_rows = pifs.teacher.classifier.weight.detach().clone()
 
     toy_protocol, toy_config, root, _ = runs

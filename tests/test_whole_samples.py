@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -268,8 +269,7 @@ def _class_sums(batches) -> dict[int, tuple[torch.Tensor, int]]:
 
 def test_volumes_too_large_to_hold_come_in_pieces_with_the_whole_passes_class_statistics(monkeypatch):
     """``eval_features(pieces=True)``: above the bound, one sample at a time in the prototype pass's blocks; the
-    class sums, counts and FeCAM's Gaussians are the whole pass's. Per-sample statistics (PIFS, GAPS) keep
-    whole samples: without ``pieces`` nothing changes."""
+    class sums, counts and FeCAM's Gaussians are the whole pass's. Without ``pieces`` nothing changes."""
     from jascl.engine.tasks import segmentation
     from jascl.methods.baselines.fewshot._shared import eval_features
     from jascl.methods.baselines.fewshot.fecam import GaussianAccumulator
@@ -301,6 +301,53 @@ def test_volumes_too_large_to_hold_come_in_pieces_with_the_whole_passes_class_st
         for got, expected in zip(gauss[c], whole_gauss[c]):
             torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(expected), rtol=1e-6, atol=1e-9)
     assert passes(False)[0] == whole_shapes  # without pieces: whole samples even above the bound
+
+
+def test_per_sample_statistics_of_pifs_and_gaps_add_up_over_a_volumes_pieces(monkeypatch):
+    """``sample_pieces``: every sample numbered, above the bound in blocks that come one after another; PIFS's
+    prototypes (per-image sums normalised at each image's end), GAPS's memory scores and scene embeddings are
+    the whole pass's, and the scores are GAPS's formula computed here by hand."""
+    from jascl.engine.tasks import segmentation
+    from jascl.methods.baselines.fewshot._gaps_features import memory_scores, scene_embeddings
+    from jascl.methods.baselines.fewshot._shared import sample_pieces
+    from jascl.methods.baselines.fewshot.pifs import pifs_prototypes
+
+    gen = torch.Generator().manual_seed(1)
+    images = torch.randn(5, 1, 12, 10, 9, generator=gen)
+    labels = torch.randint(0, 3, (5, 12, 10, 9), generator=gen).to(torch.uint8)
+    labels[3] = 0  # an image without class 1 or 2 gets no score
+    state = state_of(images.numpy(), labels.numpy(), batch_size=2, patch=[8, 8, 8])
+    state.device, state.seen = torch.device("cpu"), [0, 1]
+    model = state.model = pointwise_model(3)
+
+    def passes():
+        numbers = [s for s, _, _ in sample_pieces(state, model, labelled_loader(state))]
+        protos = pifs_prototypes(sample_pieces(state, model, labelled_loader(state)), [1, 2])
+        return numbers, protos, memory_scores(state, [1]), scene_embeddings(state, model, list(images))
+
+    numbers, protos, scores, embeddings = passes()
+    assert numbers == [0, 1, 2, 3, 4]  # under the bound: whole samples, in order
+    with torch.no_grad():
+        features = model.forward_features(images).features
+    w = F.normalize(model.classifier.weight.detach().float(), dim=1)[1]
+    by_hand = []
+    for i in (0, 1, 2, 4):
+        mask = labels[i] == 1
+        pooled = F.normalize(F.normalize(features[i], dim=0)[:, mask].mean(dim=1), dim=0)
+        by_hand.append((float(pooled @ w) / float(mask.float().mean()), i))
+    assert [i for _, i in scores[1]] == [i for _, i in by_hand]
+    np.testing.assert_allclose([v for v, _ in scores[1]], [v for v, _ in by_hand], rtol=1e-5)
+    torch.testing.assert_close(embeddings, F.normalize(features.flatten(2).mean(-1), dim=1))
+
+    monkeypatch.setattr(segmentation, "PROTOTYPE_BLOCK_ELEMENTS", 1)  # nothing fits: the finest blocks
+    blocked_numbers, blocked_protos, blocked_scores, blocked_embeddings = passes()
+    assert blocked_numbers == [s for s in range(5) for _ in range(8)]  # 2 chunks per axis, one sample after another
+    assert blocked_protos.keys() == protos.keys() == {1, 2}
+    for c in protos:
+        torch.testing.assert_close(blocked_protos[c], protos[c], rtol=1e-5, atol=1e-6)
+    assert [i for _, i in blocked_scores[1]] == [i for _, i in scores[1]]
+    np.testing.assert_allclose([v for v, _ in blocked_scores[1]], [v for v, _ in scores[1]], rtol=1e-5)
+    torch.testing.assert_close(blocked_embeddings, embeddings, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,8 +23,8 @@ def eval_features(
     """Yield (features (B, C, *spatial'), labels (B, *spatial)) of every batch in eval mode, no gradient, on the
     run's device; volumes larger than the training patch through sliding windows (:func:`whole_forward`).
 
-    ``pieces``: for statistics that add up over pixels (class sums and counts, covariances), never per-sample
-    ones. A batch whose stitched features would pass the prototype pass's bound
+    ``pieces``: for statistics that add up over pixels (class sums and counts, covariances); per-sample ones take
+    :func:`sample_pieces`. A batch whose stitched features would pass the prototype pass's bound
     (:data:`jascl.engine.tasks.segmentation.PROTOTYPE_BLOCK_ELEMENTS`, 2 GiB) then comes one sample at a time in
     blocks (:func:`jascl.engine.tasks.segmentation.block_features`), each with the whole sample's feature values
     over its part: at the paper's scale a 288 x 288 x 224 CT at 32 channels holds 2.4 GB of features whole.
@@ -32,21 +32,69 @@ def eval_features(
 
     The train/eval mode of every module is restored when the iteration ends.
     """
+    for _, features, labels in _passes(state, model, loader, pieces):
+        yield features, labels
+
+
+def sample_pieces(
+    state: LoopState, model: Segmenter, loader: DataLoader
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Yield (sample, features (1, C, *spatial'), labels (1, *spatial)) of every sample of ``loader`` in order,
+    numbered from 0, as :func:`eval_features` with ``pieces`` computes them: a sample whole, or, where its batch's
+    stitched features would pass the bound, in blocks that come one after another with the sample's number.
+
+    For statistics per sample (PIFS's per-image prototypes, GAPS's per-image scores and scene embeddings): reduce
+    each piece to sums over its pixels and finish each sample when its last piece has come (:func:`per_sample`).
+    """
+    for first, features, labels in _passes(state, model, loader, pieces=True):
+        for b in range(labels.shape[0]):
+            yield first + b, features[b : b + 1], labels[b : b + 1]
+
+
+def per_sample(
+    pieces: Iterable[tuple[int, torch.Tensor, torch.Tensor]],
+    reduce: Callable[[torch.Tensor, torch.Tensor], dict[Hashable, torch.Tensor]],
+) -> Iterator[tuple[int, dict[Hashable, torch.Tensor]]]:
+    """Yield (sample, totals) at the end of every sample of ``pieces`` (:func:`sample_pieces`): ``totals`` maps each
+    key ``reduce(features, labels)`` gave for some piece of the sample to the sum of its values over those pieces
+    (a key is left out of the pieces without it). Only one sample's totals are held at a time."""
+    current: int | None = None
+    totals: dict[Hashable, torch.Tensor] = {}
+    for sample, features, labels in pieces:
+        if sample != current:
+            if current is not None:
+                yield current, totals
+            current, totals = sample, {}
+        for key, value in reduce(features, labels).items():
+            totals[key] = totals[key] + value if key in totals else value
+    if current is not None:
+        yield current, totals
+
+
+def _passes(
+    state: LoopState, model: Segmenter, loader: DataLoader, pieces: bool
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(number of the first sample, features, labels) of every batch, or of every block of one sample, for
+    :func:`eval_features` (which see)."""
     from jascl.engine.tasks.segmentation import block_features, prototype_blocks
 
     cfg = state.config
+    first = 0
     with eval_mode(model), torch.no_grad():
         for batch in loader:
             images, labels = batch["image"].to(state.device), batch["label"].to(state.device)
             channels = model.backbone.feature_channels
             blocks = prototype_blocks(images, cfg.patch_size, cfg.sw_overlap, channels) if pieces else None
             if blocks is None:
-                yield whole_forward(state, model, images).features.float(), labels
-                continue
-            for _, features, piece in block_features(
-                model, images, labels, blocks, cfg.patch_size, cfg.sw_batch_size, cfg.sw_overlap
-            ):
-                yield features.float(), piece
+                yield first, whole_forward(state, model, images).features.float(), labels
+            else:
+                sample = first
+                for i, features, piece in block_features(
+                    model, images, labels, blocks, cfg.patch_size, cfg.sw_batch_size, cfg.sw_overlap
+                ):
+                    yield sample, features.float(), piece
+                    sample += i == len(blocks) - 1  # the sample's last block
+            first += images.shape[0]
 
 
 class PixelSample:

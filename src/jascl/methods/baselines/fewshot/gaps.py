@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jascl.engine.plugin import Method, Plugin
-from jascl.methods.baselines.fewshot._shared import eval_features
+from jascl.methods.baselines.fewshot._gaps_features import memory_scores, scene_embeddings
 from jascl.methods.common import frozen_copy, labelled_loader, patch_around
 from jascl.methods.options import check_options, freeze_option, freeze_policy, option
 from jascl.methods.registry import METHODS
@@ -244,19 +244,6 @@ class PoolEntry:
         return cls(class_id, image, mask, ci, cm)
 
 
-def _scene_embeddings(state: LoopState, model, images: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(C, *spatial) images -> (N, D) normalised global averages of the features; batched ``batch_size`` at a
-    time when the images share one shape, else one at a time (real datasets vary in size)."""
-    size = state.config.batch_size if len({tuple(i.shape) for i in images}) == 1 else 1
-    out = []
-    loader = [
-        {"image": torch.stack(list(images[i : i + size])), "label": torch.zeros(0)} for i in range(0, len(images), size)
-    ]
-    for features, _ in eval_features(state, model, loader):
-        out.append(F.normalize(features.flatten(2).mean(-1), dim=1).cpu())
-    return torch.cat(out) if out else torch.zeros(0, 0)
-
-
 class GAPSPlugin(Plugin):
     """Guided copy-paste synthesis of every incremental training batch (see module docstring)."""
 
@@ -285,24 +272,7 @@ class GAPSPlugin(Plugin):
         rng = np.random.default_rng([state.seed, 104729])
         classes = list(state.session.classes)
         self.num_base_classes = len(state.seen)
-        weight = F.normalize(state.model.classifier.weight.detach().float(), dim=1)
-        row_of = {c: r for r, c in enumerate(state.seen)}
-        scores: dict[int, list[tuple[float, int]]] = {c: [] for c in classes}
-        images, labels = [], []
-        index = 0
-        for features, lab in eval_features(state, state.model, labelled_loader(state)):
-            features = F.normalize(resize(features, lab.shape[1:]), dim=1)
-            for b in range(lab.shape[0]):
-                for c in classes:
-                    mask = lab[b] == c
-                    if mask.any():
-                        pooled = F.normalize(features[b][:, mask].mean(dim=1), dim=0)
-                        cos = float(pooled @ weight[row_of[c]].to(pooled))
-                        scores[c].append((cos / float(mask.float().mean()), index + b))
-            index += lab.shape[0]
-        for batch in labelled_loader(state):
-            images.extend(batch["image"])
-            labels.extend(batch["label"])
+        scores = memory_scores(state, classes)
         per_class = 2 * max(1, o.memory_size // max(1, len(classes)))
         chosen: set[int] = set()
         for c in classes:
@@ -310,10 +280,12 @@ class GAPSPlugin(Plugin):
             chosen.update(ranked[p] for p in uniform_interval_pick(len(ranked), per_class, rng))
         chosen_list = sorted(chosen)
         keep = rng.choice(chosen_list, size=min(o.memory_size, len(chosen_list)), replace=False) if chosen_list else []
-        # kept at the patch's size, around a taught pixel (whole samples vary in size on real data)
-        kept = [patch_around(images[i], labels[i], state.config.patch_size, rng) for i in sorted(int(k) for k in keep)]
-        self.memory_images = [image.clone() for image, _ in kept]
-        self.memory_labels = [label.clone() for _, label in kept]
+        # a second pass keeps the chosen images alone, cut to the patch around a taught pixel (in index order)
+        kept, patch = {int(k) for k in keep}, state.config.patch_size
+        samples = (s for batch in labelled_loader(state) for s in zip(batch["image"], batch["label"]))
+        patches = [[t.clone() for t in patch_around(*s, patch, rng)] for i, s in enumerate(samples) if i in kept]
+        self.memory_images = [image for image, _ in patches]
+        self.memory_labels = [label for _, label in patches]
 
     def after_training(self, state: LoopState) -> None:
         if state.session.index == 0:
@@ -346,10 +318,10 @@ class GAPSPlugin(Plugin):
         self._classes = [c for c in state.session.classes if c in support]
         if not self._classes:
             raise RuntimeError(f"GAPS: session {t} has no labelled pixels of its classes")
-        memory_emb = _scene_embeddings(state, state.model, self.memory_images)
+        memory_emb = scene_embeddings(state, state.model, self.memory_images)
         self._context = {}
         for c, images in support.items():
-            emb = _scene_embeddings(state, state.model, images)
+            emb = scene_embeddings(state, state.model, images)
             self._context[c] = context_candidates(emb, memory_emb, o.context_fraction)
         if o.freeze_bn:
             for m in state.model.modules():

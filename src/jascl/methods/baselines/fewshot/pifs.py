@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from jascl.engine.plugin import Method, Plugin
-from jascl.methods.baselines.fewshot._shared import eval_features
+from jascl.methods.baselines.fewshot._shared import per_sample, sample_pieces
 from jascl.methods.common import frozen_copy, labelled_loader
 from jascl.methods.options import freeze_option, freeze_policy
 from jascl.methods.registry import METHODS
@@ -58,40 +58,41 @@ if TYPE_CHECKING:
     from jascl.engine.state import LoopState
 
 
-def pifs_prototype_sums(features: torch.Tensor, labels: torch.Tensor, classes: list[int]) -> dict[int, torch.Tensor]:
-    """Per-batch sums of normalised per-image class vectors (the inner part of PIFS's initialisation).
+def pifs_piece_sums(features: torch.Tensor, labels: torch.Tensor, classes: list[int]) -> dict[int, torch.Tensor]:
+    """The inner sums of PIFS's initialisation over one sample, or one piece of it.
 
     Args:
-        features: (B, C, *spatial') features before the classifier; resized to
+        features: (1, C, *spatial') features before the classifier; resized to
             the labels' size (bilinear/trilinear, as the official code upsamples).
-        labels: (B, *spatial) class ids (global ids or rows; matched against ``classes``).
+        labels: (1, *spatial) class ids (global ids or rows; matched against ``classes``).
         classes: the classes to collect.
 
     Returns:
-        class -> (C,) sum over the images containing it of n(sum_{pixels of c} n(f_p)).
-        Classes absent from the batch are left out.
+        class -> (C,) sum over the class's pixels of n(f_p); classes absent from the piece are left out.
     """
     features = F.normalize(resize(features.float(), labels.shape[1:]), dim=1)
-    flat, lab = features.flatten(2), labels.flatten(1)
+    flat, lab = features.flatten(2)[0], labels.flatten(1)[0]
     out: dict[int, torch.Tensor] = {}
-    for b in range(features.shape[0]):
-        for c in classes:
-            mask = lab[b] == c
-            if mask.any():
-                v = F.normalize(flat[b][:, mask].sum(dim=1), dim=0)
-                out[c] = out[c] + v if c in out else v
+    for c in classes:
+        mask = lab == c
+        if mask.any():
+            out[c] = flat[:, mask].sum(dim=1)
     return out
 
 
-def pifs_prototypes(batches, classes: list[int]) -> dict[int, torch.Tensor]:
-    """PIFS classifier initialisation w_c = n(sum_i n(sum_p n(f_p))) over (features, labels) batches.
+def pifs_prototypes(pieces, classes: list[int]) -> dict[int, torch.Tensor]:
+    """PIFS classifier initialisation w_c = n(sum_i n(sum_p n(f_p))) over the (sample, features, labels) pieces of
+    :func:`jascl.methods.baselines.fewshot._shared.sample_pieces`: the inner sum adds up over a sample's pieces
+    (a volume too large to hold whole comes in blocks), and is normalised once the sample's last piece has come.
 
     Returns:
         class -> (C,) unit vector, for the classes that occur.
     """
     sums: dict[int, torch.Tensor] = {}
-    for features, labels in batches:
-        for c, v in pifs_prototype_sums(features, labels, classes).items():
+    for _, totals in per_sample(pieces, lambda f, lab: pifs_piece_sums(f, lab, classes)):
+        for c, v in totals.items():
+            assert isinstance(c, int)
+            v = F.normalize(v, dim=0)
             sums[c] = sums[c] + v if c in sums else v
     return {c: F.normalize(v, dim=0) for c, v in sums.items()}
 
@@ -150,7 +151,7 @@ class PIFSPlugin(Plugin):
         new = state.seen[len(state.previous_seen) :]
         if new:
             loader = labelled_loader(state)
-            protos = pifs_prototypes(eval_features(state, state.model, loader), new)
+            protos = pifs_prototypes(sample_pieces(state, state.model, loader), new)
             with torch.no_grad():
                 for row, c in enumerate(state.seen):
                     if c in protos:  # a class without labelled pixels keeps the loop's initialisation
