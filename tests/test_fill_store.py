@@ -1,9 +1,15 @@
 """A run on datasets preprocesses the samples it reads in parallel before it trains, when the store lacks them
 (``prepare_workers``, :func:`jascl.data.prepare.fill_store`; issue 33): the same entries the first access would
 write, nothing below the threshold or with ``prepare_workers=0``, and a sample that cannot be prepared stops the
-run with its one line after the others were written."""
+run with its one line after the others were written. Ctrl-C and a run's stop request end the workers at once and
+keep what they wrote."""
 
+import multiprocessing
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fixtures import medical as fxm  # noqa: E402
 from jascl.data import prepare  # noqa: E402
+from jascl.data.layouts import LAYOUTS  # noqa: E402
+from jascl.data.layouts.msd import MSDLayout  # noqa: E402
 from jascl.data.real import open_sources, resolve_roots  # noqa: E402
 from jascl.data.real.storage import SampleStore  # noqa: E402
 from jascl.data.real.store import open_entry  # noqa: E402
@@ -173,3 +181,144 @@ def test_a_pool_that_broke_before_any_sample_also_names_an_unguarded_script():
         "sample; from a Python script that calls jascl at its top level, the workers re-import the script: put the "
         """call under 'if __name__ == "__main__":'; the 0 complete entries are kept"""
     )
+
+
+# --------------------------------------------------------------------------------------------- stopping
+
+
+class SlowMSD(MSDLayout):
+    """The msd layout, except that reading ``case_002`` or ``case_003`` waits (up to a minute) while ``<root>/SLOW``
+    exists: the pool is stopped while two workers are inside those samples."""
+
+    name = "msd-slow-test"
+
+    def read(self, record):
+        deadline = time.monotonic() + 60
+        while record.id in ("case_002", "case_003") and (self.root / "SLOW").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return super().read(record)
+
+
+if "msd-slow-test" not in LAYOUTS:
+    LAYOUTS.register("msd-slow-test")(SlowMSD)
+
+
+@pytest.fixture
+def slow(copy):
+    protocol, roots = copy
+    spec = {**SPEC, "datasets": {"ct": {**SPEC["datasets"]["ct"], "layout": "msd-slow-test"}}}
+    (roots["ct"] / "SLOW").touch()
+    yield parse_protocol(spec, "fill.yaml"), roots
+    (roots["ct"] / "SLOW").unlink(missing_ok=True)  # lets a worker left behind by a failure finish
+
+
+def _store(protocol, roots, cache: Path) -> SampleStore:
+    return SampleStore(protocol, open_sources(protocol, resolve_roots(protocol, roots), cache, lambda *a: None), cache)
+
+
+def _workers(others: set) -> list:
+    """The child processes of this one but ``others`` (those an earlier test in this process may have left)."""
+    return [p for p in multiprocessing.active_children() if p not in others]
+
+
+def _complete(store, refs) -> list[bool]:
+    return [open_entry(store.entry_path(r)) is not None for r in refs]
+
+
+def test_a_stop_request_ends_the_fill_at_once_and_keeps_what_was_written(slow, tmp_path, monkeypatch):
+    protocol, roots = slow
+    others = set(multiprocessing.active_children())
+    monkeypatch.setattr(prepare, "FILL_MIN_ENTRIES", 2)
+    monkeypatch.setattr(prepare, "FILL_MIN_BYTES", 0)
+    store = _store(protocol, roots, tmp_path / "cache")
+    refs = [f"ct/case_00{i}" for i in range(4)]
+    said: list[str] = []
+    # one worker per sample: case_000 and case_001 are written, case_002 and case_003 wait; then the stop
+    report = prepare.fill_store(store, refs, 2, said.append, False, stop=lambda: all(_complete(store, refs[:2])))
+    assert report.stopped and (report.samples, report.built) == (4, 2)
+    assert _complete(store, refs) == [True, True, False, False]  # the waiting samples were abandoned, not finished
+    assert _workers(others) == []  # the workers were ended
+    assert said[-1].startswith("[data] stopped after 2 of 4 sample(s) in ") and said[-1].endswith(
+        "; the entries written are kept"
+    )
+    (roots["ct"] / "SLOW").unlink()
+    report = prepare.fill_store(store, refs, 2, said.append, False, stop=lambda: False)
+    assert not report.stopped and (report.samples, report.built) == (2, 2) and all(_complete(store, refs))
+
+
+def test_ctrl_c_ends_prepare_at_once_workers_ignore_it_and_prepare_resumes(slow, tmp_path):
+    """A terminal's Ctrl-C reaches the main process and every worker: the workers go on (they ignore it), the main
+    process ends them and says what is kept, and the next prepare builds the rest."""
+    protocol, roots = slow
+    others = set(multiprocessing.active_children())
+    cache = tmp_path / "cache"
+    entries = _store(protocol, roots, cache)
+    refs = [f"ct/case_00{i}" for i in range(4)]
+    alive: list[bool] = []
+
+    def ctrl_c() -> None:
+        while not all(_complete(entries, refs[:2])):
+            time.sleep(0.05)
+        workers = _workers(others)
+        for process in workers:
+            os.kill(process.pid, signal.SIGINT)
+        time.sleep(0.5)
+        alive.extend(p.is_alive() for p in workers)
+        if not said[-1].startswith("[prepare] interrupted"):  # (a worker's KeyboardInterrupt would have ended it)
+            alive.append("main")
+            os.kill(os.getpid(), signal.SIGINT)
+
+    said: list[str] = []
+    thread = threading.Thread(target=ctrl_c, daemon=True)
+    thread.start()
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare_protocol(protocol, roots, cache_dir=cache, workers=2, echo=said.append, progress=False)
+    thread.join()
+    assert alive == [True, True, "main"]  # the workers ignored their Ctrl-C; the main process's ended prepare
+    assert _workers(others) == []
+    assert said[-1] == (
+        f"[prepare] interrupted: 2 of 5 entries are complete in {cache / 'real' / 'store'}, and kept; run the same "
+        "command again to resume"
+    )
+    assert _complete(entries, refs) == [True, True, False, False]
+    (roots["ct"] / "SLOW").unlink()
+    report = prepare.prepare_protocol(protocol, roots, cache_dir=cache, workers=2, echo=said.append, progress=False)
+    assert (report.complete, report.built, report.problems) == (2, 3, [])
+
+
+def test_a_run_asked_to_stop_while_it_fills_the_store_stops_before_its_first_session(
+    slow, tmp_path, monkeypatch, capsys
+):
+    import yaml
+
+    from jascl.cli import main
+    from jascl.engine.stop import REQUEST
+
+    protocol, roots = slow
+    others = set(multiprocessing.active_children())
+    monkeypatch.setattr(prepare, "FILL_MIN_ENTRIES", 2)
+    monkeypatch.setattr(prepare, "FILL_MIN_BYTES", 0)
+    path = tmp_path / "fill.yaml"
+    path.write_text(yaml.safe_dump({**SPEC, "datasets": {"ct": {**SPEC["datasets"]["ct"], "layout": "msd-slow-test"}}}))
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    entries = _store(protocol, roots, cache)
+    refs = [f"ct/case_00{i}" for i in range(4)]
+
+    returned = threading.Event()
+
+    def stop_request() -> None:  # what the run's handler records on Ctrl-C or SIGTERM
+        while not all(_complete(entries, refs[:2])) and not returned.is_set():
+            time.sleep(0.05)
+        REQUEST.request(signal.SIGTERM)
+
+    thread = threading.Thread(target=stop_request, daemon=True)
+    thread.start()
+    args = ["run", "--protocol", str(path), "--root", f"ct={roots['ct']}", "--cache-dir", str(cache), "--out", str(out)]
+    code = main([*args, "--methods", "vanilla", "--set", "prepare_workers=2", "--set", "patch_size=[32,32,32]"])
+    returned.set()
+    thread.join()
+    assert code == 128 + signal.SIGTERM
+    assert _complete(entries, refs) == [True, True, False, False] and _workers(others) == []
+    said = " ".join(capsys.readouterr().out.split())  # (the console wraps lines)
+    assert "[data] stopped after 2 of 4 sample(s) in " in said
+    assert "stopped on SIGTERM before base session 0 (base); the sessions before it are saved; continue with" in said

@@ -271,7 +271,7 @@ def cmd_data_check(args: argparse.Namespace) -> int:
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
-    """``jascl data prepare``: fill the preprocessed store; exit 2 if any sample could not be prepared."""
+    """``jascl data prepare``: fill the preprocessed store; exit 2 if any sample could not be prepared, 130 on Ctrl-C."""
     from jascl.data.prepare import prepare_protocol
     from jascl.data.real import parse_root_args
     from jascl.protocols import get_protocol
@@ -279,16 +279,19 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     protocol = get_protocol(args.protocol)
     print(f"jascl data prepare: protocol {protocol.name} (file {protocol.path})")
     progress = False if args.no_progress else None
-    report = prepare_protocol(
-        protocol,
-        parse_root_args(args.root),
-        args.roots,
-        args.cache_dir,
-        args.workers,
-        echo=print,
-        progress=progress,
-        remove_outdated=args.remove_outdated,
-    )
+    try:
+        report = prepare_protocol(
+            protocol,
+            parse_root_args(args.root),
+            args.roots,
+            args.cache_dir,
+            args.workers,
+            echo=print,
+            progress=progress,
+            remove_outdated=args.remove_outdated,
+        )
+    except KeyboardInterrupt:  # Ctrl-C: the workers are ended and prepare said what is kept
+        return 130
     for line in report.problems:
         print(f"error: {line}")
     rate = f" ({report.built / report.seconds:.2f} per second)" if report.built and report.seconds else ""

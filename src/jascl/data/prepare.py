@@ -13,6 +13,8 @@ the label files again.
 
 Resumable: an entry is written as a temporary folder renamed into place, so an interrupted
 ``prepare`` (Ctrl-C, a killed worker, a power cut) leaves complete entries and temporary folders only;
+Ctrl-C is the main process's alone (the workers ignore it): it ends the workers at once, abandoning the
+samples in progress, keeps the label index read so far, and says how many entries are complete;
 the next ``prepare`` skips the complete ones, removes the temporary folders of processes that no
 longer run, and builds the rest. A sample that cannot be read or preprocessed is one problem line
 (naming its file and the fix); the others are prepared all the same.
@@ -25,6 +27,7 @@ import multiprocessing
 import os
 import resource
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -65,6 +68,7 @@ class PrepareReport:
         seconds: wall time of the preprocessing.
         worker_peak_rss_mib: the largest peak resident memory of a worker process.
         store: the store's folder.
+        stopped: whether the preprocessing was stopped (``stop``) before every sample was done.
     """
 
     samples: int = 0
@@ -75,6 +79,7 @@ class PrepareReport:
     seconds: float = 0.0
     worker_peak_rss_mib: float = 0.0
     store: Path | None = None
+    stopped: bool = False
 
 
 def default_workers() -> int:
@@ -97,6 +102,10 @@ def _start_worker(protocol: Protocol, sources: Mapping[str, DatasetSource], cach
     import torch
 
     torch.set_num_threads(threads)  # the workers share the cores
+    # a terminal's Ctrl-C reaches the whole process group: the main process alone acts on it (_run_pool ends the
+    # workers); otherwise each worker would print a traceback, and in a run the first Ctrl-C, a stop request,
+    # would come back from the workers as an abort
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     keep_freed_memory()  # the next volume reuses this one's pages (1.6 x faster per volume; jascl.data.heap)
     _STORE = SampleStore(protocol, sources, cache)
 
@@ -212,7 +221,14 @@ def prepare_protocol(
     )
     start = time.perf_counter()
     if todo:
-        _run_pool(protocol, sources, cache, todo, workers, report, progress)
+        try:
+            _run_pool(protocol, sources, cache, todo, workers, report, progress)
+        except KeyboardInterrupt:
+            echo(
+                f"[prepare] interrupted: {report.complete + report.built} of {report.samples} entries are complete "
+                f"in {report.store}, and kept; run the same command again to resume"
+            )
+            raise
     report.seconds = time.perf_counter() - start
     return report
 
@@ -232,6 +248,7 @@ def fill_store(
     workers: int = -1,
     echo: Callable[[str], None] = print,
     progress: bool | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> PrepareReport:
     """Preprocess, in parallel, the store entries of ``refs`` that are missing: what a run does before it trains
     when ``jascl data prepare`` has not filled the store (``prepare_workers``), so that its first pass, which it
@@ -240,7 +257,9 @@ def fill_store(
 
     Nothing is done when fewer than :data:`FILL_MIN_ENTRIES` entries are missing, when their files hold less than
     :data:`FILL_MIN_BYTES`, or with one worker (``workers``: -1 for :func:`default_workers`); the run then builds
-    them on first access as before.
+    them on first access as before. ``stop`` (a run's stop request) is asked twice a second: when it says yes, the
+    workers are ended, the entries written are kept and the report is returned with ``stopped`` set (the run then
+    stops before its first session).
 
     Raises:
         DataError: a sample that cannot be prepared (the first one's line and how many), after every other entry
@@ -270,8 +289,15 @@ def fill_store(
         workers,
         report,
         progress,
+        stop,
     )
     report.seconds = time.perf_counter() - start
+    if report.stopped:
+        echo(
+            f"[data] stopped after {report.built} of {len(missing)} sample(s) in {report.seconds:.0f} s; the entries "
+            "written are kept"
+        )
+        return report
     echo(f"[data] {report.built} sample(s) preprocessed in {report.seconds:.0f} s")
     if report.problems:
         more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
@@ -300,7 +326,15 @@ def _run_pool(
     workers: int,
     report: PrepareReport,
     progress: bool | None,
+    stop: Callable[[], bool] | None = None,
 ) -> None:
+    """Build and index ``todo`` in ``workers`` processes, filling ``report``.
+
+    ``stop`` is asked about twice a second (a run passes its stop request: Ctrl-C, SIGTERM): when it says yes,
+    the workers are ended and ``report.stopped`` is set. A ``KeyboardInterrupt`` (Ctrl-C where nothing handles
+    it) ends them the same way and is raised again. Either way the entries complete so far and the label index
+    read so far are kept; the samples in progress leave temporary folders, which the next ``prepare`` removes.
+    """
     from tqdm import tqdm
 
     cpus = usable_cores()
@@ -317,37 +351,57 @@ def _run_pool(
     pending = list(reversed(todo))
     running: dict[Any, str] = {}
     finished = False  # whether a worker has returned a sample
+    ended = False  # whether _end_workers ended the pool
+    others = set(multiprocessing.active_children())  # processes that are not the pool's workers
+    pool = ProcessPoolExecutor(
+        workers, mp_context=worker_context(), initializer=_start_worker, initargs=(protocol, sources, cache, threads)
+    )
     try:
-        with ProcessPoolExecutor(
-            workers,
-            mp_context=worker_context(),
-            initializer=_start_worker,
-            initargs=(protocol, sources, cache, threads),
-        ) as pool:
-            while pending or running:
-                while pending and len(running) < 2 * workers:  # a short queue: a dead worker takes little with it
-                    ref, build, sig = pending.pop()
-                    running[pool.submit(_prepare_one, ref, build, sig)] = ref
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    ref, built, presence, problem, rss = future.result()  # raises while the ref is running
-                    running.pop(future)
-                    finished = True
-                    report.built += built
-                    report.worker_peak_rss_mib = max(report.worker_peak_rss_mib, rss)
-                    if problem is not None:
-                        report.problems.append(problem)
-                    if presence is not None:
-                        found.setdefault(ref.split("/", 1)[0], {})[ref.split("/", 1)[1]] = presence
-                        report.indexed += 1
-                    bar.update(1)
-                if sum(len(v) for v in found.values()) >= 200:
-                    flush()
+        while pending or running:
+            while pending and len(running) < 2 * workers:  # a short queue: a dead worker takes little with it
+                ref, build, sig = pending.pop()
+                running[pool.submit(_prepare_one, ref, build, sig)] = ref
+            done, _ = wait(running, timeout=None if stop is None else 0.5, return_when=FIRST_COMPLETED)
+            for future in done:
+                ref, built, presence, problem, rss = future.result()  # raises while the ref is running
+                running.pop(future)
+                finished = True
+                report.built += built
+                report.worker_peak_rss_mib = max(report.worker_peak_rss_mib, rss)
+                if problem is not None:
+                    report.problems.append(problem)
+                if presence is not None:
+                    found.setdefault(ref.split("/", 1)[0], {})[ref.split("/", 1)[1]] = presence
+                    report.indexed += 1
+                bar.update(1)
+            if sum(len(v) for v in found.values()) >= 200:
+                flush()
+            if stop is not None and stop() and (pending or running):
+                report.stopped = ended = True
+                _end_workers(pool, others)
+                return
     except BrokenProcessPool:
         raise DataError(died_message(sorted(running.values()), report.complete + report.built, finished)) from None
+    except KeyboardInterrupt:
+        ended = True
+        _end_workers(pool, others)
+        raise
     finally:
+        if not ended:
+            pool.shutdown(wait=True)
         flush()
         bar.close()
+
+
+def _end_workers(pool: ProcessPoolExecutor, others: set) -> None:
+    """Stop ``pool`` now: drop the samples not started and terminate its workers (every child process of this one
+    but ``others``), whose samples in progress are abandoned (they ignore Ctrl-C, so nothing else ends them)."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    workers = [p for p in multiprocessing.active_children() if p not in others]
+    for process in workers:
+        process.terminate()
+    for process in workers:
+        process.join(10)
 
 
 def died_message(preparing: Sequence[str], complete: int, finished: bool) -> str:

@@ -35,6 +35,7 @@ def load_sessions(
     patch_size: Sequence[int] | None = None,
     prepare_workers: int = 0,
     progress: bool | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[SessionData]:
     """The protocol's sessions: one :class:`SessionData` per session, unlabelled pools with their noise.
 
@@ -47,7 +48,8 @@ def load_sessions(
     ``prepare_workers`` (a run's key of that name; -1: as many as ``jascl data prepare`` would start): preprocess
     the store entries the sessions read and the store lacks in that many processes first
     (:func:`jascl.data.prepare.fill_store`, with a progress bar when ``progress``, None: on a terminal); 0, and with
-    several processes (torchrun), on first access instead.
+    several processes (torchrun), on first access instead. ``stop`` (the run's stop request) ends that
+    preprocessing early, keeping what it wrote.
     """
     if protocol.task == "detection":
         if protocol.uses_datasets:
@@ -65,7 +67,7 @@ def load_sessions(
             from jascl.data.prepare import fill_store
 
             def fill(store, refs):
-                return fill_store(store, refs, prepare_workers, echo, progress)
+                return fill_store(store, refs, prepare_workers, echo, progress, stop)
 
         data, _ = load_real(
             protocol,

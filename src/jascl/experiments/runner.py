@@ -47,6 +47,7 @@ from jascl.engine.console import EpochLines, interactive
 from jascl.engine.loop import ContinualTrainer
 from jascl.engine.plugin import Method, Plugin
 from jascl.engine.prototypes import PrototypeStore
+from jascl.engine.stop import REQUEST
 from jascl.errors import ConfigError, JasclError
 from jascl.evaluation.metrics import per_class_forgetting, total_drop
 from jascl.experiments.bases import VANILLA, base_folders, ensure_base, missing_bases, restorers, train_bases
@@ -378,6 +379,7 @@ def run_benchmark(
                     config.patch_size,
                     config.prepare_workers,
                     progress=progress,  # --no-progress and log files: no bar for the store's fill either
+                    stop=lambda: REQUEST.requested,  # Ctrl-C / SIGTERM while it fills the store: the loop then stops
                 )
         elif len(data) != len(protocol.sessions):
             raise ConfigError(f"{protocol.path}: {len(protocol.sessions)} sessions but data for {len(data)} were given")
