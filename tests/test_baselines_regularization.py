@@ -5,6 +5,7 @@ toys, analytic softmax gradients); every method then runs on the toy two-session
 protocol, where its loss term must be absent in session 0 and non-zero in session 1.
 """
 
+import logging
 import math
 from types import SimpleNamespace
 
@@ -500,9 +501,17 @@ def _run_two_sessions(toy, name, tmp_path, overrides=()):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_method_end_to_end_with_freeze_none(toy, name, tmp_path):
+def test_method_end_to_end_with_freeze_none(toy, name, tmp_path, caplog):
     """Term absent in session 0 and non-zero in session 1; freeze=none lets the method train the backbone."""
+    caplog.set_level(logging.INFO, logger="jascl")
     method, probe, model, after_base = _run_two_sessions(toy, name, tmp_path, [f"method_args.{name}.freeze=none"])
+    own = [r.getMessage() for r in caplog.records if "its own optimiser" in r.getMessage()]
+    if name == "adagrad":  # its Adagrad in session 1 is named; UCL's SGD is the configured kind here
+        assert own == [
+            "adagrad session 1 trains with its own optimiser: Adagrad, not the configured sgd (docs/baselines.md)"
+        ]
+    else:
+        assert own == []
     plugin = [p for p in method.plugins if p.name != "labelled-memory"][0]
     assert (tmp_path / "s1" / "metrics.json").exists()
     key = LOSS_KEY.get(name)

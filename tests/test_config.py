@@ -374,3 +374,21 @@ def test_cudnn_benchmark_reaches_torch_on_a_gpu_only(toy_protocol, monkeypatch):
     finally:
         torch.backends.cudnn.benchmark = saved
     assert _error(overrides=["cudnn_benchmark=3"]) == "--set: cudnn_benchmark: must be true or false (got 3)"
+
+
+def test_a_method_whose_own_optimiser_is_not_the_configured_kind_is_named():
+    """UCL's SGD under optimizer=adam is said (the run's log); a training-free method's rate-0 SGD is not."""
+    import torch
+
+    from jascl.engine.optim import own_optimizer_note
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    sgd, adam = RunConfig(), RunConfig(optimizer="adam")
+    assert own_optimizer_note(torch.optim.SGD(params, lr=0.1), sgd) is None
+    assert own_optimizer_note(torch.optim.SGD(params, lr=0.1), adam) == "SGD, not the configured adam"
+    assert own_optimizer_note(torch.optim.SGD(params, lr=0.0), adam) is None  # trains nothing
+    assert own_optimizer_note(torch.optim.Adam(params, lr=0.1), adam) is None
+    assert own_optimizer_note(torch.optim.Adam(params, lr=0.1), sgd) == "Adam, not the configured sgd"
+    assert own_optimizer_note(torch.optim.Adam(params), RunConfig(optimizer="adamw")) == (
+        "Adam, not the configured adamw"
+    )

@@ -310,9 +310,13 @@ class WorldProbe(Plugin):
     base_key = "probe"
 
     def before_session(self, state):
+        from submitit import JobEnvironment
+
+        job = JobEnvironment()
         path = os.path.join(os.environ["JASCL_PROBE_DIR"], f"rank{distributed.rank()}-s{state.session.index}.json")
         with open(path, "w") as f:
-            json.dump({"world": distributed.world_size(), "device": str(state.device)}, f)
+            meet = (job.paths.folder / f"{job.job_id}_rendezvous").exists()  # a local job's ranks meet in a file
+            json.dump({"world": distributed.world_size(), "device": str(state.device), "file": meet}, f)
 
 
 @METHODS.register("world-probe", doc="test: records the process group each session trains in")
@@ -343,7 +347,7 @@ def test_local_launcher_trains_each_cell_with_n_processes(toy_protocol, toy_conf
     files = ["rank0-s0.json", "rank0-s1.json", "rank1-s0.json", "rank1-s1.json"]
     assert sorted(f.name for f in (tmp_path / "probe").iterdir()) == files
     for name in files:
-        assert json.loads((tmp_path / "probe" / name).read_text()) == {"world": 2, "device": "cpu"}
+        assert json.loads((tmp_path / "probe" / name).read_text()) == {"world": 2, "device": "cpu", "file": True}
     assert len(summary["methods"]["world-probe"]["sessions"]) == 2
 
 

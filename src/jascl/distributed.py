@@ -59,12 +59,15 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def init(device: str) -> str:
+def init(device: str, init_method: str | None = None) -> str:
     """Join the process group torchrun set up; returns this rank's device name.
 
     Backend: NCCL when the ranks use CUDA devices, else gloo (CPU). With
     ``device`` "auto" or "cuda" each rank takes ``cuda:<LOCAL_RANK>``; a fixed
-    ``cuda:K`` is refused, since every rank would share one GPU.
+    ``cuda:K`` is refused, since every rank would share one GPU. ``init_method``:
+    where the ranks meet (torch's ``init_method``, e.g. ``file://...``, with
+    ``RANK`` and ``WORLD_SIZE`` from the environment); None: ``MASTER_ADDR`` and
+    ``MASTER_PORT`` (``env://``).
     """
     if not launched():
         return device
@@ -85,7 +88,12 @@ def init(device: str) -> str:
     elif device == "auto":
         device = "cpu"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        backend = "nccl" if use_cuda else "gloo"
+        if init_method is None:
+            dist.init_process_group(backend)
+        else:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     return device
 
 

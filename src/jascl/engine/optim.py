@@ -41,6 +41,16 @@ def make_optimizer(cfg: RunConfig, params: list, lr: float) -> torch.optim.Optim
     )
 
 
+def own_optimizer_note(optimizer: torch.optim.Optimizer, cfg: RunConfig) -> str | None:
+    """What a method's own optimiser (:meth:`~jascl.engine.plugin.Plugin.make_optimizer`) changes against the
+    configured ``optimizer``: e.g. "SGD, not the configured adam" for UCL, whose ρ group needs SGD; None where it
+    is of the configured kind, or trains nothing (a training-free method's rate-0 SGD)."""
+    kinds = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    if type(optimizer) is kinds[cfg.optimizer] or all(g["lr"] == 0 for g in optimizer.param_groups):
+        return None
+    return f"{type(optimizer).__name__}, not the configured {cfg.optimizer}"
+
+
 def schedule_lr(optimizer: torch.optim.Optimizer, cfg: RunConfig, epoch: int, epochs: int) -> None:
     """Set every parameter group's rate for ``epoch`` of ``epochs`` (``lr_schedule``; constant: untouched).
 

@@ -29,7 +29,9 @@ with a checkpoint and is requeued from there (:class:`SessionsJob`). Job logs go
 as ``jascl run --devices N`` does: the job has N tasks (submitit's ``tasks_per_node``), each task exports
 the torch.distributed environment submitit describes (``submitit.helpers.TorchDistributedEnvironment``:
 rank, world size, master address and port) and joins the process group through
-:func:`jascl.distributed.init` (NCCL on GPUs, gloo on CPU). Locally each job takes N GPUs of ``gpus``
+:func:`jascl.distributed.init` (NCCL on GPUs, gloo on CPU). A local job's tasks meet through a file in the job
+folder instead of submitit's port (which it derives from the job id, and which another process may hold: rank 0
+then fails to listen and the other ranks wait for it until torch's timeout). Locally each job takes N GPUs of ``gpus``
 (or runs N CPU processes when none are given); on SLURM it asks for N GPUs unless ``gpus_per_job`` says
 otherwise.
 """
@@ -278,12 +280,17 @@ class SessionsJob:
         if devices == 1:
             run_benchmark(protocol, config, list(methods), folder, **options)
             return
+        from submitit import JobEnvironment
         from submitit.helpers import TorchDistributedEnvironment
 
         from jascl import distributed
 
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)  # RANK, WORLD_SIZE, MASTER_*, LOCAL_RANK
-        config = dataclasses.replace(config, device=distributed.init(config.device))
+        job = JobEnvironment()
+        meet = None  # on SLURM: MASTER_ADDR and MASTER_PORT, on the job's first node
+        if job.cluster == "local":  # one machine: a file; submitit's port may be another process's (module docstring)
+            meet = (job.paths.folder / f"{job.job_id}_rendezvous").resolve().as_uri()
+        config = dataclasses.replace(config, device=distributed.init(config.device, meet))
         try:
             run_benchmark(protocol, config, list(methods), folder, **options)
         finally:
