@@ -46,10 +46,11 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler
 from jascl.data.datasets import LabelledDataset, collate_items
 from jascl.data.layouts import LAYOUTS
 from jascl.data.medical import preprocess_volume
-from jascl.data.prepare import prepare_protocol, worker_context
+from jascl.data.prepare import prepare_protocol
 from jascl.data.real.storage import check_sample_values
 from jascl.data.sessions import load_sessions
 from jascl.data.types import LazySequence, Split
+from jascl.data.workers import worker_context
 from jascl.protocols import parse_protocol
 
 SPACING = (0.8, 0.8, 1.5)

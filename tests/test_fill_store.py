@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fixtures import medical as fxm  # noqa: E402
-from jascl.data import prepare  # noqa: E402
+from jascl.data import prepare, workers  # noqa: E402
 from jascl.data.layouts import LAYOUTS  # noqa: E402
 from jascl.data.layouts.msd import MSDLayout  # noqa: E402
 from jascl.data.real import open_sources, resolve_roots  # noqa: E402
@@ -167,7 +167,7 @@ def test_the_label_index_reads_the_label_without_the_image(tmp_path, monkeypatch
 
 
 def test_a_pool_that_broke_after_a_sample_names_memory_and_the_samples_it_was_preparing():
-    line = prepare.died_message(["ct/case_002", "ct/case_003"], 2, finished=True)
+    line = workers.died_message(["ct/case_002", "ct/case_003"], 2, finished=True)
     assert line == (
         "a worker process died (killed, or out of memory) while preparing ct/case_002, ct/case_003; the 2 complete "
         "entries are kept: run the same command again to resume (with fewer --workers if memory ran out)"
@@ -175,7 +175,7 @@ def test_a_pool_that_broke_after_a_sample_names_memory_and_the_samples_it_was_pr
 
 
 def test_a_pool_that_broke_before_any_sample_also_names_an_unguarded_script():
-    line = prepare.died_message(["ct/case_000"], 0, finished=False)
+    line = workers.died_message(["ct/case_000"], 0, finished=False)
     assert line.startswith(
         "a worker process died (killed, or out of memory) while preparing ct/case_000, before any worker finished a "
         "sample; from a Python script that calls jascl at its top level, the workers re-import the script: put the "
@@ -233,8 +233,15 @@ def test_a_stop_request_ends_the_fill_at_once_and_keeps_what_was_written(slow, t
     store = _store(protocol, roots, tmp_path / "cache")
     refs = [f"ct/case_00{i}" for i in range(4)]
     said: list[str] = []
-    # one worker per sample: case_000 and case_001 are written, case_002 and case_003 wait; then the stop
-    report = prepare.fill_store(store, refs, 2, said.append, False, stop=lambda: all(_complete(store, refs[:2])))
+    # one worker per sample: case_000 and case_001 are written, case_002 and case_003 wait; then the stop, at the
+    # second question after the two entries are on disk (their results reach the main process just after)
+    written: list[bool] = []
+
+    def stop() -> bool:
+        written.append(all(_complete(store, refs[:2])))
+        return written[-2:] == [True, True]
+
+    report = prepare.fill_store(store, refs, 2, said.append, False, stop=stop)
     assert report.stopped and (report.samples, report.built) == (4, 2)
     assert _complete(store, refs) == [True, True, False, False]  # the waiting samples were abandoned, not finished
     assert _workers(others) == []  # the workers were ended
@@ -259,11 +266,12 @@ def test_ctrl_c_ends_prepare_at_once_workers_ignore_it_and_prepare_resumes(slow,
     def ctrl_c() -> None:
         while not all(_complete(entries, refs[:2])):
             time.sleep(0.05)
-        workers = _workers(others)
-        for process in workers:
+        time.sleep(0.5)  # their results reach the main process
+        children = _workers(others)
+        for process in children:
             os.kill(process.pid, signal.SIGINT)
         time.sleep(0.5)
-        alive.extend(p.is_alive() for p in workers)
+        alive.extend(p.is_alive() for p in children)
         if not said[-1].startswith("[prepare] interrupted"):  # (a worker's KeyboardInterrupt would have ended it)
             alive.append("main")
             os.kill(os.getpid(), signal.SIGINT)
@@ -309,6 +317,7 @@ def test_a_run_asked_to_stop_while_it_fills_the_store_stops_before_its_first_ses
     def stop_request() -> None:  # what the run's handler records on Ctrl-C or SIGTERM
         while not all(_complete(entries, refs[:2])) and not returned.is_set():
             time.sleep(0.05)
+        time.sleep(0.5)  # their results reach the main process
         REQUEST.request(signal.SIGTERM)
 
     thread = threading.Thread(target=stop_request, daemon=True)
@@ -322,3 +331,46 @@ def test_a_run_asked_to_stop_while_it_fills_the_store_stops_before_its_first_ses
     said = " ".join(capsys.readouterr().out.split())  # (the console wraps lines)
     assert "[data] stopped after 2 of 4 sample(s) in " in said
     assert "stopped on SIGTERM before base session 0 (base); the sessions before it are saved; continue with" in said
+
+
+def test_the_workers_fork_server_ignores_ctrl_c_from_its_first_import(monkeypatch):
+    """Its first preloaded module sets SIGINT to ignored (so a Ctrl-C while it imports torch and MONAI prints no
+    traceback of its own); nothing else imports that module."""
+    import subprocess
+
+    context = multiprocessing.get_context("forkserver")
+    preloads: list[list[str]] = []
+    monkeypatch.setattr(context, "set_forkserver_preload", preloads.append)
+    assert workers.worker_context() is context
+    assert preloads[0][0] == "jascl.data.fork_quiet" and "torch" in preloads[0] and "monai" in preloads[0]
+    ignored = "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"
+    code = f"import signal; {ignored}; import jascl.data.fork_quiet; {ignored}"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True"]
+    src = Path(workers.__file__).parents[1]
+    users = [p.name for p in src.rglob("*.py") if "fork_quiet" in p.read_text() and p.name != "fork_quiet.py"]
+    assert users == ["workers.py"]
+
+
+def test_a_ctrl_c_while_the_workers_start_takes_effect_after_they_have(capsys):
+    """Inside the block SIGINT is held (announced once); at its end the handler in force before gets it once."""
+    reached = []
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own: KeyboardInterrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with workers._interrupt_afterwards():
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.1)  # (a signal is handled between bytecodes, soon after it arrives)
+                reached.append("the block's end")
+        assert reached == ["the block's end"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert capsys.readouterr().err.count("Ctrl-C: the worker processes are starting") == 1
+        got: list[int] = []
+        signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))  # e.g. a run's stop request
+        with workers._interrupt_afterwards():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+            assert got == []
+        assert got == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)
