@@ -28,14 +28,7 @@ from jascl.engine import prototype_cache
 from jascl.engine.checkpoint import load_model, load_tensors, session_aliases, session_meta
 from jascl.engine.config import RunConfig
 from jascl.engine.defaults import PROGRESS
-from jascl.engine.optim import (
-    apply_cudnn_benchmark,
-    make_optimizer,
-    own_optimizer_note,
-    resolve_device,
-    resolve_precision,
-    schedule_lr,
-)
+from jascl.engine.optim import apply_cudnn_benchmark, make_optimizer, resolve_device, resolve_precision, schedule_lr
 from jascl.engine.plugin import EVENTS, Method, Plugin
 from jascl.engine.progress import SessionProgress
 from jascl.engine.prototypes import PrototypeRequest, PrototypeStore
@@ -313,8 +306,6 @@ class ContinualTrainer:
         state.optimizer = self.method.make_optimizer(state, params, lr)
         if state.optimizer is None:
             state.optimizer = make_optimizer(cfg, params, lr)
-        elif (note := own_optimizer_note(state.optimizer, cfg)) is not None:
-            log.info("%s session %d trains with its own optimiser: %s (docs/baselines.md)", self.method.name, t, note)
         for group in state.optimizer.param_groups:  # the schedule scales each group's rate at creation
             group.setdefault("initial_lr", group["lr"])
         if params and distributed.active():

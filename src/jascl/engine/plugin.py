@@ -58,6 +58,7 @@ are logged separately and summed by the loop.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,8 @@ if TYPE_CHECKING:
 
     from jascl.engine.prototypes import PrototypeRequest
     from jascl.engine.state import LoopState
+
+log = logging.getLogger("jascl")
 
 EVENTS = (
     "setup_model",
@@ -263,6 +266,15 @@ class Method:
         made = [o for o in (p.make_optimizer(state, params, lr) for p in self.plugins) if o is not None]
         if len(made) > 1:
             raise ValueError(f"method {self.name!r}: more than one plugin supplies the optimiser")
+        from jascl.engine.optim import own_optimizer_note  # (torch: imported where used)
+
+        if made and (note := own_optimizer_note(made[0], state.config)) is not None:
+            log.info(
+                "%s session %d trains with its own optimiser: %s (docs/baselines.md)",
+                self.name,
+                state.session.index,
+                note,
+            )
         return made[0] if made else None
 
     def extra_state(self) -> dict[str, torch.Tensor]:
