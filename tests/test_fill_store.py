@@ -7,6 +7,8 @@ keep what they wrote."""
 import multiprocessing
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -241,8 +243,16 @@ def test_a_stop_request_ends_the_fill_at_once_and_keeps_what_was_written(slow, t
         written.append(all(_complete(store, refs[:2])))
         return written[-2:] == [True, True]
 
+    # temporary entry folders: one of a process that has ended (killed while it wrote), one of this live process
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    folder = tmp_path / "cache" / "real" / "store" / "ab"
+    folder.mkdir(parents=True)
+    host = socket.gethostname()
+    dead, live = folder / f".ab1.tmp-{host}-{int(ended.stdout)}-x", folder / f".ab2.tmp-{host}-{os.getpid()}-x"
+    dead.mkdir(), live.mkdir()
     report = prepare.fill_store(store, refs, 2, said.append, False, stop=stop)
     assert report.stopped and (report.samples, report.built) == (4, 2)
+    assert (dead.exists(), live.exists()) == (False, True)  # the ended process's is removed once the pool has ended
     assert _complete(store, refs) == [True, True, False, False]  # the waiting samples were abandoned, not finished
     assert _workers(others) == []  # the workers were ended
     assert said[-1].startswith("[data] stopped after 2 of 4 sample(s) in ") and said[-1].endswith(

@@ -34,6 +34,23 @@ def test_handlers_record_the_first_signal_and_are_removed_after_the_block():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_the_first_ctrl_c_says_what_happens_and_the_second_aborts(capsys):
+    request = StopRequest()
+    request.handle(signal.SIGINT)
+    assert request.name == "SIGINT"
+    assert capsys.readouterr().err == (
+        "\nCtrl-C: stopping cleanly (after the current step, with a checkpoint; while the store is being filled, at "
+        "once, keeping its entries); press Ctrl-C again to abort now\n"
+    )
+    with pytest.raises(KeyboardInterrupt):
+        request.handle(signal.SIGINT)
+    request.clear()
+    request.handle(signal.SIGTERM)  # no line for a cluster's signal; a Ctrl-C after it aborts
+    assert capsys.readouterr().err == ""
+    with pytest.raises(KeyboardInterrupt):
+        request.handle(signal.SIGINT)
+
+
 def test_a_rank_stopped_for_another_reports_sigterm():
     stopped = StopRequest().stopped("inside epoch 1, after step 3")
     assert str(stopped) == "stopped (another process received a stop signal) inside epoch 1, after step 3"

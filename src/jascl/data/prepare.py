@@ -15,8 +15,9 @@ Resumable: an entry is written as a temporary folder renamed into place, so an i
 ``prepare`` (Ctrl-C, a killed worker, a power cut) leaves complete entries and temporary folders only;
 Ctrl-C is the main process's alone (the workers ignore it): it ends the workers at once, abandoning the
 samples in progress, keeps the label index read so far, and says how many entries are complete;
-the next ``prepare`` skips the complete ones, removes the temporary folders of processes that no
-longer run, and builds the rest. A sample that cannot be read or preprocessed is one problem line
+the temporary folders of the abandoned samples are removed once the workers have ended (those of a
+process killed outright stay until the next ``prepare``, which removes them), and the next ``prepare`` skips
+the complete entries and builds the rest. A sample that cannot be read or preprocessed is one problem line
 (naming its file and the fix); the others are prepared all the same.
 """
 
@@ -31,12 +32,11 @@ from pathlib import Path
 
 from jascl.data.real import DatasetSource, SampleStore, open_source, resolve_roots
 from jascl.data.real.sources import PREPROCESS_VERSIONS
-from jascl.data.real.store import open_entry, store_folder
+from jascl.data.real.store import open_entry, remove_abandoned, store_folder
 from jascl.data.synthetic import default_cache_dir
 from jascl.data.workers import PrepareReport, run_pool
 from jascl.distributed import usable_cores
 from jascl.errors import ConfigError, DataError
-from jascl.fileio import stale_temporary_dirs
 from jascl.protocols.schema import Protocol
 
 #: memory a worker may need for one large CT (decoded int16 -> float32, resampling): the default number of
@@ -270,12 +270,9 @@ def _remove_outdated(cache: Path, remove: bool, echo: Callable[[str], None]) -> 
 
 def _remove_stale(cache: Path, echo: Callable[[str], None]) -> None:
     """Remove temporary entry folders of killed processes; point at the cache format this version no longer reads."""
-    store = store_folder(cache)
-    stale = [p for folder in (store.glob("*") if store.is_dir() else []) for p in stale_temporary_dirs(folder)]
-    for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
+    stale = remove_abandoned(cache)
     if stale:
-        echo(f"[prepare] removed {len(stale)} unfinished entr(y/ies) of interrupted runs")
+        echo(f"[prepare] removed {stale} unfinished entr(y/ies) of interrupted runs")
     old = cache / "real" / "samples"
     if old.is_dir():
         files = list(old.rglob("*.npz"))

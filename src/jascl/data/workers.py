@@ -3,9 +3,9 @@ for a run's fill of the store (:func:`jascl.data.prepare.fill_store`).
 
 :func:`run_pool` builds and indexes a list of samples in a process pool whose workers come from a fork server
 (:func:`worker_context`), with a short queue, a progress bar and the label index flushed as it grows. Ctrl-C is the
-main process's alone: the workers ignore it, and the main process ends them at once (:func:`_end_workers`), the
-samples in progress abandoned as temporary folders that the next ``prepare`` removes. A worker that dies (killed,
-out of memory) breaks the pool: one line names the samples it was preparing (:func:`died_message`).
+main process's alone: the workers ignore it, and the main process ends them at once (:func:`_end_workers`),
+abandoning the samples in progress; their temporary folders are removed once the workers have ended. A worker that
+dies (killed, out of memory) breaks the pool: one line names the samples it was preparing (:func:`died_message`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 from jascl.data.heap import keep_freed_memory
 from jascl.data.real import DatasetSource, SampleStore
 from jascl.data.real.sources import present_values, read_native_label
-from jascl.data.real.store import open_entry
+from jascl.data.real.store import open_entry, remove_abandoned
 from jascl.distributed import usable_cores
 from jascl.errors import ConfigError, DataError
 from jascl.protocols.schema import Protocol
@@ -128,7 +128,9 @@ def run_pool(
     ``stop`` is asked about twice a second (a run passes its stop request: Ctrl-C, SIGTERM): when it says yes,
     the workers are ended and ``report.stopped`` is set. A ``KeyboardInterrupt`` (Ctrl-C where nothing handles
     it) ends them the same way and is raised again. Either way the entries complete so far and the label index
-    read so far are kept; the samples in progress leave temporary folders, which the next ``prepare`` removes.
+    read so far are kept. At the end, whatever ended the pool, the temporary entry folders of processes that no
+    longer run are removed (:func:`~jascl.data.real.store.remove_abandoned`): the samples abandoned in progress,
+    a dead worker's, and those of earlier processes that were killed.
     """
     from tqdm import tqdm
 
@@ -193,6 +195,7 @@ def run_pool(
             pool.shutdown(wait=True)
         flush()
         bar.close()
+        remove_abandoned(cache)
 
 
 @contextlib.contextmanager

@@ -42,9 +42,10 @@ from jascl.errors import JasclError
 #: the signals ``jascl run`` turns into a clean stop
 SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
-#: what the first Ctrl-C prints (rank 0 only)
+#: what the first Ctrl-C prints (rank 0 only); it may come while the run fills the store, before any step
 FIRST_INTERRUPT = (
-    "\nCtrl-C: stopping after the current step and writing a checkpoint; press Ctrl-C again to abort now\n"
+    "\nCtrl-C: stopping cleanly (after the current step, with a checkpoint; while the store is being filled, at "
+    "once, keeping its entries); press Ctrl-C again to abort now\n"
 )
 
 

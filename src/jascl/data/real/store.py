@@ -38,7 +38,7 @@ import numpy as np
 
 from jascl.data.types import id_counts
 from jascl.errors import DataError
-from jascl.fileio import atomic_write_dir
+from jascl.fileio import atomic_write_dir, stale_temporary_dirs
 from jascl.protocols.schema import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,16 @@ _LARGE_CLASS_SHARE = 1 / 64
 def store_folder(cache_dir: str | Path) -> Path:
     """The store's folder in cache folder ``cache_dir``."""
     return Path(cache_dir) / "real" / "store"
+
+
+def remove_abandoned(cache_dir: str | Path) -> int:
+    """Remove the temporary entry folders of processes that no longer run (a worker ended or killed while it
+    wrote an entry; :func:`~jascl.fileio.stale_temporary_dirs`) and return how many there were."""
+    store = store_folder(cache_dir)
+    stale = [p for folder in (store.glob("*") if store.is_dir() else []) for p in stale_temporary_dirs(folder)]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(stale)
 
 
 def entry_dir(cache_dir: str | Path, key: str) -> Path:
