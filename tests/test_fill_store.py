@@ -288,10 +288,15 @@ def test_ctrl_c_ends_prepare_at_once_workers_ignore_it_and_prepare_resumes(slow,
 
     said: list[str] = []
     thread = threading.Thread(target=ctrl_c, daemon=True)
-    thread.start()
-    with pytest.raises(KeyboardInterrupt):
-        prepare.prepare_protocol(protocol, roots, cache_dir=cache, workers=2, echo=said.append, progress=False)
-    thread.join()
+    # Python's own handler, also where this process was started with SIGINT ignored (a background job of a script)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        thread.start()
+        with pytest.raises(KeyboardInterrupt):
+            prepare.prepare_protocol(protocol, roots, cache_dir=cache, workers=2, echo=said.append, progress=False)
+        thread.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert alive == [True, True, "main"]  # the workers ignored their Ctrl-C; the main process's ended prepare
     assert _workers(others) == []
     assert said[-1] == (
@@ -354,7 +359,10 @@ def test_the_workers_fork_server_ignores_ctrl_c_from_its_first_import(monkeypatc
     assert workers.worker_context() is context
     assert preloads[0][0] == "jascl.data.fork_quiet" and "torch" in preloads[0] and "monai" in preloads[0]
     ignored = "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"
-    code = f"import signal; {ignored}; import jascl.data.fork_quiet; {ignored}"
+    # Python's own handler first: a test process started with SIGINT ignored (a background job of a script) passes
+    # that on to its children
+    code = f"import signal; signal.signal(signal.SIGINT, signal.default_int_handler); {ignored}; "
+    code += f"import jascl.data.fork_quiet; {ignored}"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "True"]
     src = Path(workers.__file__).parents[1]
