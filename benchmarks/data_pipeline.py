@@ -142,6 +142,18 @@ def protocol_for(cases: int):
     )
 
 
+def huge_pages() -> str:
+    """The kernel's transparent huge page mode and numpy's request for them (``NUMPY_MADVISE_HUGEPAGE``; numpy asks
+    for huge pages for arrays of 4 MiB and more unless it is 0), which change the first pass's system time a lot on
+    some virtual machines (docs/performance.md)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        mode = text[text.index("[") + 1 : text.index("]")]
+    except (OSError, ValueError):
+        mode = "unknown"
+    return f"transparent huge pages {mode}, NUMPY_MADVISE_HUGEPAGE={os.environ.get('NUMPY_MADVISE_HUGEPAGE', 'unset')}"
+
+
 def rss_mib(who: int = resource.RUSAGE_SELF) -> float:
     return resource.getrusage(who).ru_maxrss / 1024.0
 
@@ -319,7 +331,8 @@ def main() -> None:
             f"data pipeline · {args.cases} CT volumes {shape[0]}x{shape[1]}x{shape[2]} int16 "
             f"({vox:.0f} M voxels each, {size:.0f} MiB gzip on disk, written in {written:.1f} s) · "
             f"preprocessed to {tuple(out_shape[1:])} · store {store_mib / args.cases:.0f} MiB per volume · "
-            f"{os.cpu_count()} CPUs · load average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end · "
+            f"{os.cpu_count()} CPUs · {huge_pages()} · "
+            f"load average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end · "
             f"{time.perf_counter() - t_start:.0f} s wall, {cpu:.0f} s CPU (user+sys, children included)\n"
         )
         if stages is not None:
