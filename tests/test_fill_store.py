@@ -249,7 +249,8 @@ def test_a_stop_request_ends_the_fill_at_once_and_keeps_what_was_written(slow, t
     folder.mkdir(parents=True)
     host = socket.gethostname()
     dead, live = folder / f".ab1.tmp-{host}-{int(ended.stdout)}-x", folder / f".ab2.tmp-{host}-{os.getpid()}-x"
-    dead.mkdir(), live.mkdir()
+    dead.mkdir()
+    live.mkdir()
     report = prepare.fill_store(store, refs, 2, said.append, False, stop=stop)
     assert report.stopped and (report.samples, report.built) == (4, 2)
     assert (dead.exists(), live.exists()) == (False, True)  # the ended process's is removed once the pool has ended
